@@ -1,0 +1,38 @@
+"""The worker library: connect to a kvpark daemon, park and restore KV tensors.
+
+Primitives:
+- ``Client(address=None, *, timeout=None, transport="auto")``: ``park``, ``restore``,
+  ``drop``, ``info``, ``list``, ``stat``, ``close``; ``transport`` says which data path
+  is in use ("shm" or "inline").
+- Result types ``SeqInfo``, ``Stat``, ``TierStat``.
+- Typed errors: ``KVParkError`` and its subclasses, one per gRPC status code.
+"""
+
+from kvpark.proto.errors import (
+    AlreadyExists,
+    Cancelled,
+    DataLoss,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    KVParkError,
+    LayoutMismatch,
+    LeaseExpired,
+    NotFound,
+    PermissionDenied,
+    ResourceExhausted,
+    TransportUnavailable,
+    Unauthenticated,
+    Unavailable,
+)
+from kvpark.proto.types import SeqInfo, Stat, TierStat
+
+from .client import DEFAULT_ADDRESS, Client
+
+__all__ = [
+    "Client", "DEFAULT_ADDRESS", "SeqInfo", "Stat", "TierStat",
+    "KVParkError", "NotFound", "AlreadyExists", "InvalidArgument", "ResourceExhausted", "DataLoss",
+    "LayoutMismatch", "Unauthenticated", "PermissionDenied", "Unavailable", "DeadlineExceeded",
+    "FailedPrecondition", "LeaseExpired", "Cancelled", "Internal", "TransportUnavailable",
+]

@@ -1,0 +1,86 @@
+"""Tensors <-> payload bytes on the client side, device-agnostic.
+
+Primitives:
+- ``byte_view(t) -> torch.Tensor``: a flat ``uint8`` view of ``t``'s bytes (made
+  contiguous first if needed; stays on ``t``'s device).
+- ``Outputs(metas, device, into)``: destination tensors for a restore, checked against
+  ``into``; ``.flats`` are their byte views; ``.finish()`` returns the user's tensors.
+- ``pieces(src_lengths, dst_lengths)``: walk two partitions of the same byte range and
+  yield ``(src_index, src_offset, dst_index, dst_offset, length)`` for each overlap.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+import torch
+
+from kvpark.proto.errors import InvalidArgument
+from kvpark.proto.layout import TensorMeta, torch_dtype
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise InvalidArgument(f"expected a torch.Tensor, got {type(t).__name__}")
+    t = t.detach()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    return t.reshape(-1).view(torch.uint8)
+
+
+def pieces(src: Sequence[int], dst: Sequence[int]) -> Iterator[tuple[int, int, int, int, int]]:
+    si = di = so = do = 0
+    while si < len(src) and di < len(dst):
+        if src[si] == so:
+            si, so = si + 1, 0
+            continue
+        if dst[di] == do:
+            di, do = di + 1, 0
+            continue
+        n = min(src[si] - so, dst[di] - do)
+        yield si, so, di, do, n
+        so += n
+        do += n
+
+
+class Outputs:
+    """Where restored bytes go: fresh tensors on ``device``, or the caller's ``into``."""
+
+    def __init__(self, metas: Sequence[TensorMeta], device: torch.device | str | None,
+                 into: Sequence[torch.Tensor] | None, staging_device: str | torch.device | None = None) -> None:
+        self.metas = list(metas)
+        self.into = list(into) if into is not None else None
+        if self.into is not None:
+            if len(self.into) != len(self.metas):
+                raise InvalidArgument(f"into has {len(self.into)} tensors; the sequence has {len(self.metas)}")
+            for i, (t, m) in enumerate(zip(self.into, self.metas)):
+                if not isinstance(t, torch.Tensor):
+                    raise InvalidArgument(f"into[{i}] is not a tensor")
+                if tuple(t.shape) != m.shape or str(t.dtype).removeprefix("torch.") != m.dtype:
+                    raise InvalidArgument(
+                        f"into[{i}] is {list(t.shape)} {t.dtype}; parked tensor is {list(m.shape)} torch.{m.dtype}"
+                    )
+        target = torch.device(device) if device is not None else torch.device("cpu")
+        # Bytes land in ``self.targets``; when a target cannot take them in place (an
+        # ``into`` tensor that is not contiguous on the staging device), a staging copy
+        # takes them and ``finish`` copies once more.
+        stage = torch.device(staging_device) if staging_device is not None else None
+        self.targets: list[torch.Tensor] = []
+        for i, m in enumerate(self.metas):
+            if self.into is not None:
+                t = self.into[i]
+                ok = t.is_contiguous() and (stage is None or t.device == stage)
+                self.targets.append(t if ok else torch.empty(m.shape, dtype=torch_dtype(m.dtype),
+                                                            device=stage or t.device))
+            else:
+                self.targets.append(torch.empty(m.shape, dtype=torch_dtype(m.dtype), device=stage or target))
+        self.flats = [t.reshape(-1).view(torch.uint8) for t in self.targets]
+        self.device = target
+
+    def finish(self) -> list[torch.Tensor]:
+        if self.into is not None:
+            for t, tgt in zip(self.into, self.targets):
+                if t is not tgt:
+                    t.copy_(tgt)
+            return self.into
+        return [t if t.device == self.device else t.to(self.device) for t in self.targets]

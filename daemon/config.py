@@ -1,0 +1,283 @@
+"""One typed, frozen config tree: embedded defaults -> TOML file -> environment -> CLI.
+
+Primitives:
+- ``Config`` and its sections (``ServerConfig``, ``HostTierConfig``, ``DiskTierConfig``,
+  ``PolicyConfig``, ``LeaseConfig``); each field carries its default and description.
+- ``load(path=None, env=os.environ, overrides={}) -> Config``.
+- ``parse_size("64MiB") -> int``.
+- ``ConfigError``: a start-up error naming the key and the valid choices.
+- ``reference() -> list[(key, default, help)]``: feeds docs/config.md.
+
+Environment overrides are ``KVPARK__<SECTION>__<KEY>``, upper case, with ``__``
+between levels: ``KVPARK__TIERS__HOST__CAPACITY=2GiB``. Overrides from the CLI use
+dotted keys: ``{"tiers.disk.path": "/data"}``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from kvpark.tiers.policy import POLICIES
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+
+
+class ConfigError(ValueError):
+    """Invalid configuration: names the key and what would be valid."""
+
+
+def parse_size(value: int | str, key: str = "size") -> int:
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a size like 4GiB or an integer byte count, got {value!r}")
+    if isinstance(value, int):
+        if value < 0:
+            raise ConfigError(f"{key}: size must be >= 0, got {value}")
+        return value
+    if isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise ConfigError(
+        f"{key}: expected a size like 64MiB, 2GiB or an integer byte count, got {value!r} "
+        f"(units: {', '.join(u for u in _UNITS if u)})"
+    )
+
+
+def _f(default: Any, help: str, *, choices: tuple[Any, ...] | None = None, size: bool = False,
+       auto: bool = False) -> Any:
+    meta = {"help": help, "choices": choices, "size": size, "auto": auto}
+    return field(default=default, metadata=meta)
+
+
+def _default_data_dir() -> str:
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return os.path.join(base, "kvpark")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    listen: str = _f("127.0.0.1:50551", "gRPC address: host:port (port 0 picks one) or unix:///path")
+    max_workers: int = _f(32, "gRPC handler threads")
+    grace_s: float = _f(5.0, "seconds in-flight calls get to finish on a graceful stop")
+    chunk_size: int = _f(1 << 20, "inline transport message payload size", size=True)
+    log_level: str = _f("info", "log level", choices=("debug", "info", "warning", "error"))
+
+
+@dataclass(frozen=True)
+class HostTierConfig:
+    capacity: int | str = _f(
+        "auto", "host arena size; auto = 1/8 of RAM, between 256MiB and 4GiB", size=True, auto=True
+    )
+    slot_size: int = _f(1 << 20, "arena slot size (power of two, 64KiB..64MiB); tails pack in slot/64 granules",
+                        size=True)
+    shm_dir: str = _f("/dev/shm", "directory of the shared-memory arena file (mode 0600, removed on stop)")
+    prefault: bool = _f(True, "touch every arena page at start so no page fault lands in the hot path")
+
+
+@dataclass(frozen=True)
+class DiskTierConfig:
+    path: str = _f("", "LMDB directory; empty = $XDG_DATA_HOME/kvpark (else ~/.local/share/kvpark)")
+    capacity: int = _f(64 << 30, "payload bytes the disk tier may hold; LMDB map_size follows it", size=True)
+    writemap: bool = _f(True, "LMDB writemap (chosen by bench/lmdb_write.py)")
+
+
+@dataclass(frozen=True)
+class TiersConfig:
+    host: HostTierConfig = field(default_factory=HostTierConfig)
+    disk: DiskTierConfig = field(default_factory=DiskTierConfig)
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    eviction: str = _f("lru", "eviction policy", choices=tuple(POLICIES))
+    write: str = _f("write_back", "write_back: disk only on demotion; write_through: every park lands on disk "
+                    "before it is acknowledged", choices=("write_back", "write_through"))
+    high_watermark: float = _f(0.9, "host usage fraction that starts background demotion")
+    low_watermark: float = _f(0.8, "host usage fraction background demotion brings it down to")
+    promote_on_restore: bool = _f(True, "restoring a disk-resident sequence copies it back to host when there is room")
+    flush_on_shutdown: bool = _f(True, "a graceful stop writes every host-only sequence to disk first")
+
+
+@dataclass(frozen=True)
+class LeaseConfig:
+    ttl_s: float = _f(30.0, "seconds a shm reservation or read lease lives without being committed/released")
+
+
+@dataclass(frozen=True)
+class Config:
+    server: ServerConfig = field(default_factory=ServerConfig)
+    tiers: TiersConfig = field(default_factory=TiersConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    leases: LeaseConfig = field(default_factory=LeaseConfig)
+
+    @property
+    def host_capacity(self) -> int:
+        return int(self.tiers.host.capacity)  # resolved by load()
+
+    @property
+    def disk_capacity(self) -> int:
+        return int(self.tiers.disk.capacity)
+
+
+def _is_section(tp: Any) -> bool:
+    return dataclasses.is_dataclass(tp)
+
+
+def _convert(key: str, f: dataclasses.Field, tp: Any, value: Any) -> Any:
+    meta = f.metadata
+    if meta.get("auto") and value == "auto":
+        return "auto"
+    if meta.get("size"):
+        return parse_size(value, key)
+    if tp is bool:
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return int(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
+    if tp is float:
+        try:
+            if isinstance(value, bool):
+                raise ValueError
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{key}: expected a number, got {value!r}") from None
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a string, got {value!r}")
+    choices = meta.get("choices")
+    if choices and value not in choices:
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(map(str, choices))}")
+    return value
+
+
+def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = set(data) - set(fields)
+    if unknown:
+        where = prefix.rstrip(".") or "top level"
+        raise ConfigError(
+            f"unknown key {prefix}{sorted(unknown)[0]!s} in {where}; valid keys: {', '.join(sorted(fields))}"
+        )
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        tp = hints[name]
+        key = prefix + name
+        if _is_section(tp):
+            sub = data.get(name, {})
+            if not isinstance(sub, Mapping):
+                raise ConfigError(f"{key}: expected a table [{key}]")
+            kwargs[name] = _build(tp, sub, key + ".")
+        elif name in data:
+            real = float if tp is float else int if tp is int else bool if tp is bool else str
+            kwargs[name] = _convert(key, f, real, data[name])
+    return cls(**kwargs)
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{dotted}: {p} is not a table")
+    node[parts[-1]] = value
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, str]:
+    out = {}
+    for k, v in env.items():
+        if k.startswith("KVPARK__"):
+            out[".".join(p.lower() for p in k[len("KVPARK__"):].split("__"))] = v
+    return out
+
+
+def _ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 8 << 30
+
+
+def _resolve(cfg: Config) -> Config:
+    host = cfg.tiers.host
+    if host.capacity == "auto":
+        cap = min(max(_ram_bytes() // 8, 256 << 20), 4 << 30)
+        host = dataclasses.replace(host, capacity=cap)
+    slot = host.slot_size
+    if slot & (slot - 1) or not (64 << 10) <= slot <= (64 << 20):
+        raise ConfigError(f"tiers.host.slot_size: must be a power of two between 64KiB and 64MiB, got {slot}")
+    host = dataclasses.replace(host, capacity=(int(host.capacity) // slot) * slot)
+    if int(host.capacity) < slot:
+        raise ConfigError(f"tiers.host.capacity: must hold at least one slot ({slot} bytes)")
+    disk = cfg.tiers.disk
+    if not disk.path:
+        disk = dataclasses.replace(disk, path=_default_data_dir())
+    pol = cfg.policy
+    if not 0.0 < pol.low_watermark < pol.high_watermark <= 1.0:
+        raise ConfigError(
+            "policy.low_watermark/high_watermark: need 0 < low < high <= 1, "
+            f"got low={pol.low_watermark} high={pol.high_watermark}"
+        )
+    if cfg.leases.ttl_s <= 0:
+        raise ConfigError(f"leases.ttl_s: must be > 0, got {cfg.leases.ttl_s}")
+    if cfg.server.max_workers < 2:
+        raise ConfigError(f"server.max_workers: must be >= 2, got {cfg.server.max_workers}")
+    if not (4 << 10) <= cfg.server.chunk_size <= (16 << 20):
+        raise ConfigError(f"server.chunk_size: must be between 4KiB and 16MiB, got {cfg.server.chunk_size}")
+    return dataclasses.replace(cfg, tiers=TiersConfig(host=host, disk=disk))
+
+
+def load(
+    path: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build the config: defaults, then the TOML file, then env, then ``overrides``."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                tree = tomllib.load(fh)
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {path}: {e}") from None
+    for k, v in _env_overrides(os.environ if env is None else env).items():
+        _set_dotted(tree, k, v)
+    for k, v in (overrides or {}).items():
+        _set_dotted(tree, k, v)
+    return _resolve(_build(Config, tree, ""))
+
+
+def reference() -> list[tuple[str, Any, str]]:
+    """Every key with its default and description, in declaration order."""
+    rows: list[tuple[str, Any, str]] = []
+
+    def walk(cls: type, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if _is_section(hints[f.name]):
+                walk(hints[f.name], prefix + f.name + ".")
+            else:
+                rows.append((prefix + f.name, f.default, f.metadata.get("help", "")))
+
+    walk(Config, "")
+    return rows

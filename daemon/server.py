@@ -1,0 +1,107 @@
+"""Server lifecycle: bind, serve, health, reflection, graceful drain.
+
+Primitives:
+- ``Daemon(config)``: ``start()`` binds (port 0 picks a free port) and begins serving;
+  ``address`` is then the resolved address; ``stop(grace)`` stops taking calls, lets
+  in-flight ones finish for ``grace`` seconds, flushes per policy and closes the tiers.
+  Usable as a context manager (tests run real daemons this way).
+- ``GRPC_OPTIONS``: channel options shared with the client (message sizes, windows).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+
+from kvpark.proto import GRPC_OPTIONS as CHANNEL_OPTIONS
+
+from .config import Config
+from .engine import Engine
+from .servicer import SERVICE, handlers
+
+log = logging.getLogger("kvpark")
+
+GRPC_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+class Daemon:
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.engine: Engine | None = None
+        self._server: grpc.Server | None = None
+        self._health: health.HealthServicer | None = None
+        self.address = ""
+
+    def start(self) -> "Daemon":
+        engine = Engine(self.config)
+        try:
+            server = grpc.server(
+                ThreadPoolExecutor(max_workers=self.config.server.max_workers, thread_name_prefix="kvpark-rpc"),
+                options=GRPC_OPTIONS,
+            )
+            server.add_generic_rpc_handlers((handlers(engine, socket.gethostname(), _boot_id()),))
+            self._health = health.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+            reflection.enable_server_reflection(
+                (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            )
+            listen = self.config.server.listen
+            try:
+                port = server.add_insecure_port(listen)
+            except RuntimeError as e:
+                raise OSError(f"cannot listen on {listen}: {e}") from None
+            if not listen.startswith("unix:"):
+                if port == 0:
+                    raise OSError(f"cannot listen on {listen} (address in use or invalid)")
+                listen = re.sub(r":0$", f":{port}", listen)
+            self.address = listen
+            engine.start()
+            server.start()
+        except BaseException:
+            engine.close(flush=False)
+            raise
+        self.engine, self._server = engine, server
+        self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
+        log.info("kvpark listening on %s", self.address)
+        return self
+
+    def stop(self, grace: float | None = None) -> None:
+        if self._server is None or self.engine is None:
+            return
+        grace = self.config.server.grace_s if grace is None else grace
+        if self._health is not None:
+            self._health.enter_graceful_shutdown()
+        self._server.stop(grace).wait()
+        self.engine.close()
+        log.info("kvpark stopped")
+        self._server = None
+        self.engine = None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        assert self._server is not None
+        return self._server.wait_for_termination(timeout)
+
+    def __enter__(self) -> "Daemon":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+__all__ = ["Daemon", "GRPC_OPTIONS"]

@@ -1,0 +1,226 @@
+"""The gRPC servicer: protobuf in, engine call, protobuf out. Nothing else lives here.
+
+Primitives:
+- ``handlers(engine, hostname, boot_id) -> grpc.GenericRpcHandler`` for service ``kvpark.v1.KVPark``.
+
+``Park`` and ``Restore`` use identity (de)serializers: their ``DataChunk`` messages are
+framed by ``kvpark.proto.wire`` so payload bytes go from the wire straight into arena
+slots, and from arena slots straight into the outgoing message. Every ``KVParkError``
+becomes its gRPC status plus the class name in trailing metadata; anything else is
+logged with its traceback and becomes INTERNAL. The daemon keeps running either way.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from typing import Any, Callable, Iterator
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from kvpark.proto import convert
+from kvpark.proto.errors import ERROR_KEY, Internal, InvalidArgument, KVParkError
+from kvpark.proto.v1 import kvpark_pb2 as pb
+from kvpark.proto.wire import decode_chunk, encode_chunk
+
+from .engine import Engine, ParkSpec
+
+log = logging.getLogger("kvpark.servicer")
+SERVICE = "kvpark.v1.KVPark"
+
+
+def _abort(context: grpc.ServicerContext, err: KVParkError) -> None:
+    context.set_trailing_metadata(((ERROR_KEY, type(err).__name__),))
+    context.abort(err.code, err.message or type(err).__name__)
+
+
+def _typed(fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def wrapper(self: "Servicer", request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except KVParkError as e:
+            _abort(context, e)
+        except DecodeError as e:
+            _abort(context, InvalidArgument(f"malformed message: {e}"))
+        except Exception as e:  # noqa: BLE001 - the daemon must survive its own bugs
+            if isinstance(e, grpc.RpcError) or context.code() is not None:
+                raise
+            log.exception("internal error in %s", fn.__name__)
+            _abort(context, Internal(f"internal error in {fn.__name__}: {type(e).__name__}: {e}"))
+
+    return wrapper
+
+
+def _typed_stream(fn: Callable[..., Iterator[bytes]]) -> Callable[..., Iterator[bytes]]:
+    @functools.wraps(fn)
+    def wrapper(self: "Servicer", request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
+        try:
+            yield from fn(self, request, context)
+        except KVParkError as e:
+            _abort(context, e)
+        except DecodeError as e:
+            _abort(context, InvalidArgument(f"malformed message: {e}"))
+        except Exception as e:  # noqa: BLE001
+            if isinstance(e, grpc.RpcError) or context.code() is not None:
+                raise
+            log.exception("internal error in %s", fn.__name__)
+            _abort(context, Internal(f"internal error in {fn.__name__}: {type(e).__name__}: {e}"))
+
+    return wrapper
+
+
+def _spec(h: pb.ParkHeader) -> ParkSpec:
+    return ParkSpec(
+        seq_id=h.seq_id,
+        tensors=tuple(convert.meta_from_pb(m) for m in h.tensors),
+        nbytes=h.nbytes,
+        priority=h.priority,
+        overwrite=h.overwrite,
+    )
+
+
+def _segments(segs: list[tuple[int, int]]) -> list[pb.Segment]:
+    return [pb.Segment(offset=o, length=n) for o, n in segs]
+
+
+class Servicer:
+    def __init__(self, engine: Engine, hostname: str, boot_id: str) -> None:
+        self.engine = engine
+        self.hostname = hostname
+        self.boot_id = boot_id
+
+    @_typed
+    def Hello(self, req: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloResponse:
+        h = self.engine.hello()
+        return pb.HelloResponse(
+            server_version=h["server_version"],
+            transports=h["transports"],
+            chunk_size=h["chunk_size"],
+            max_seq_id_len=256,
+            arena=pb.ArenaInfo(
+                path=h["arena_path"], size=h["arena_size"], slot_size=h["slot_size"],
+                hostname=self.hostname, boot_id=self.boot_id,
+            ),
+            lease_ttl_s=h["lease_ttl_s"],
+        )
+
+    @_typed
+    def Park(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> pb.SeqInfo:
+        lease = None
+        try:
+            first = next(requests, None)
+            if first is None:
+                raise InvalidArgument("empty park stream: expected a header, chunks and a commit")
+            head = None if decode_chunk(first) is not None else pb.ParkRequest.FromString(first)
+            if head is None or head.WhichOneof("kind") != "header":
+                raise InvalidArgument("park stream must start with a header message")
+            lease = self.engine.reserve(_spec(head.header), stream=True)
+            for raw in requests:
+                chunk = decode_chunk(raw)
+                if chunk is not None:
+                    self.engine.write_chunk(lease, chunk[0], chunk[1])
+                    continue
+                msg = pb.ParkRequest.FromString(raw)
+                kind = msg.WhichOneof("kind")
+                if kind != "commit":
+                    raise InvalidArgument(f"unexpected {kind or 'empty'} message inside a park stream")
+                lease_id, lease = lease.lease_id, None
+                return convert.info_to_pb(self.engine.commit(lease_id, expect_nbytes=msg.commit.nbytes))
+            raise InvalidArgument("park stream ended before its commit message; nothing was stored")
+        finally:
+            if lease is not None:
+                self.engine.release(lease.lease_id)
+
+    @_typed_stream
+    def Restore(self, req: pb.RestoreRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        handle = self.engine.acquire(req.seq_id, stream=True)
+        try:
+            yield pb.RestoreResponse(header=pb.RestoreHeader(info=convert.info_to_pb(handle.info))).SerializeToString()
+            for offset, views in self.engine.iter_chunks(handle, self.engine.config.server.chunk_size):
+                if not context.is_active():
+                    return
+                yield encode_chunk(offset, *views)
+        finally:
+            if handle.lease is not None:
+                self.engine.release(handle.lease.lease_id)
+
+    @_typed
+    def Reserve(self, req: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
+        lease = self.engine.reserve(_spec(req.header))
+        assert lease.alloc is not None
+        return pb.ReserveResponse(
+            lease_id=lease.lease_id,
+            segments=_segments(lease.alloc.segments()),
+            expires_in_s=self.engine.config.leases.ttl_s,
+        )
+
+    @_typed
+    def Commit(self, req: pb.CommitRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
+        return convert.info_to_pb(self.engine.commit(req.lease_id))
+
+    @_typed
+    def Acquire(self, req: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireResponse:
+        h = self.engine.acquire(req.seq_id, need_host=True)
+        assert h.lease is not None and h.alloc is not None
+        return pb.AcquireResponse(
+            lease_id=h.lease.lease_id,
+            info=convert.info_to_pb(h.info),
+            segments=_segments(h.alloc.segments()),
+            expires_in_s=self.engine.config.leases.ttl_s,
+        )
+
+    @_typed
+    def Release(self, req: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        return pb.ReleaseResponse(released=self.engine.release(req.lease_id))
+
+    @_typed
+    def Drop(self, req: pb.DropRequest, context: grpc.ServicerContext) -> pb.DropResponse:
+        return pb.DropResponse(dropped=self.engine.drop(req.seq_id))
+
+    @_typed
+    def Info(self, req: pb.InfoRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
+        return convert.info_to_pb(self.engine.info(req.seq_id))
+
+    @_typed
+    def List(self, req: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
+        return pb.ListResponse(sequences=[convert.info_to_pb(i) for i in self.engine.list()])
+
+    @_typed
+    def Stat(self, req: pb.StatRequest, context: grpc.ServicerContext) -> pb.StatResponse:
+        return convert.stat_to_pb(self.engine.stat())
+
+
+def _identity(b: bytes) -> bytes:
+    return b
+
+
+def handlers(engine: Engine, hostname: str, boot_id: str) -> grpc.GenericRpcHandler:
+    s = Servicer(engine, hostname, boot_id)
+
+    def unary(fn: Callable[..., Any], req_cls: Any) -> grpc.RpcMethodHandler:
+        return grpc.unary_unary_rpc_method_handler(
+            fn, request_deserializer=req_cls.FromString, response_serializer=lambda m: m.SerializeToString()
+        )
+
+    return grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Hello": unary(s.Hello, pb.HelloRequest),
+            "Park": grpc.stream_unary_rpc_method_handler(
+                s.Park, request_deserializer=_identity, response_serializer=lambda m: m.SerializeToString()
+            ),
+            "Restore": grpc.unary_stream_rpc_method_handler(
+                s.Restore, request_deserializer=pb.RestoreRequest.FromString, response_serializer=_identity
+            ),
+            "Reserve": unary(s.Reserve, pb.ReserveRequest),
+            "Commit": unary(s.Commit, pb.CommitRequest),
+            "Acquire": unary(s.Acquire, pb.AcquireRequest),
+            "Release": unary(s.Release, pb.ReleaseRequest),
+            "Drop": unary(s.Drop, pb.DropRequest),
+            "Info": unary(s.Info, pb.InfoRequest),
+            "List": unary(s.List, pb.ListRequest),
+            "Stat": unary(s.Stat, pb.StatRequest),
+        },
+    )

@@ -1,0 +1,72 @@
+"""Protobuf <-> dataclass conversions. Only the servicer and the client import this.
+
+Primitives: ``meta_to_pb``/``meta_from_pb``, ``info_to_pb``/``info_from_pb``,
+``stat_to_pb``/``stat_from_pb``.
+"""
+
+from __future__ import annotations
+
+from .layout import TensorMeta
+from .types import SeqInfo, Stat, TierStat
+from .v1 import kvpark_pb2 as pb
+
+
+def meta_to_pb(m: TensorMeta) -> pb.TensorMeta:
+    return pb.TensorMeta(dtype=m.dtype, shape=list(m.shape), nbytes=m.nbytes)
+
+
+def meta_from_pb(m: pb.TensorMeta) -> TensorMeta:
+    return TensorMeta(m.dtype, tuple(m.shape), m.nbytes)
+
+
+def info_to_pb(i: SeqInfo) -> pb.SeqInfo:
+    return pb.SeqInfo(
+        seq_id=i.seq_id,
+        nbytes=i.nbytes,
+        tier=i.tier,
+        tensors=[meta_to_pb(m) for m in i.tensors],
+        priority=i.priority,
+        created_at=i.created_at,
+        last_access=i.last_access,
+        num_blocks=i.num_blocks,
+    )
+
+
+def info_from_pb(p: pb.SeqInfo) -> SeqInfo:
+    tensors = tuple(meta_from_pb(m) for m in p.tensors)
+    return SeqInfo(
+        seq_id=p.seq_id,
+        nbytes=p.nbytes,
+        tier=p.tier,
+        num_tensors=len(tensors),
+        tensors=tensors,
+        priority=p.priority,
+        created_at=p.created_at,
+        last_access=p.last_access,
+        num_blocks=p.num_blocks,
+    )
+
+
+def stat_to_pb(s: Stat) -> pb.StatResponse:
+    return pb.StatResponse(
+        tiers=[
+            pb.TierStat(
+                name=name,
+                capacity_bytes=t.capacity_bytes,
+                used_bytes=t.used_bytes,
+                blocks=t.blocks,
+                sequences=t.sequences,
+            )
+            for name, t in s.tiers.items()
+        ],
+        sequences=s.sequences,
+        leases=s.leases,
+    )
+
+
+def stat_from_pb(p: pb.StatResponse) -> Stat:
+    return Stat(
+        tiers={t.name: TierStat(t.capacity_bytes, t.used_bytes, t.blocks, t.sequences) for t in p.tiers},
+        sequences=p.sequences,
+        leases=p.leases,
+    )

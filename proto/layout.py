@@ -1,0 +1,129 @@
+"""Tensor metadata, payload layout and the layout fingerprint.
+
+A parked sequence is a list of tensors. Its *payload* is their raw bytes laid end to
+end in list order (each tensor contiguous, row-major). Tensor ``i`` occupies
+``[offsets[i], offsets[i] + nbytes[i])``, so any one tensor's (for example one
+layer's) bytes are reachable without reading the others.
+
+Primitives:
+- ``TensorMeta``: dtype name, shape and byte size of one tensor.
+- ``DTYPES``: dtype name -> item size, for every dtype this torch build has.
+- ``validate_tensors(metas, declared_nbytes)``: raise ``InvalidArgument`` unless consistent.
+- ``validate_seq_id(seq_id)``: raise ``InvalidArgument`` for empty, overlong or control-char ids.
+- ``payload_offsets(metas) -> list[int]``.
+- ``fingerprint(metas) -> int``: 64-bit xxh3 of the canonical metadata; stored with every
+  block on disk and checked on read, so bytes are never returned under the wrong layout.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import torch
+import xxhash
+
+from .errors import InvalidArgument
+
+MAX_SEQ_ID_BYTES = 256
+MAX_TENSORS = 1 << 16
+MAX_DIMS = 16
+MAX_SEQ_BYTES = 1 << 46
+
+_CANDIDATES = (
+    "bool", "uint8", "int8", "int16", "int32", "int64", "uint16", "uint32", "uint64",
+    "float16", "bfloat16", "float32", "float64", "complex64", "complex128",
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu",
+)
+
+
+def _dtype_table() -> dict[str, int]:
+    table: dict[str, int] = {}
+    for name in _CANDIDATES:
+        dt = getattr(torch, name, None)
+        if isinstance(dt, torch.dtype):
+            table[name] = torch.empty(0, dtype=dt).element_size()
+    return table
+
+
+DTYPES: dict[str, int] = _dtype_table()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPES:
+        raise InvalidArgument(f"unsupported dtype {dtype}; supported: {', '.join(sorted(DTYPES))}")
+    return name
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise InvalidArgument(f"unsupported dtype {name!r}; supported: {', '.join(sorted(DTYPES))}")
+    return getattr(torch, name)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorMeta:
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @staticmethod
+    def of(t: torch.Tensor) -> "TensorMeta":
+        return TensorMeta(dtype_name(t.dtype), tuple(int(d) for d in t.shape), t.numel() * t.element_size())
+
+    def to_json(self) -> list:
+        return [self.dtype, list(self.shape), self.nbytes]
+
+    @staticmethod
+    def from_json(v: list) -> "TensorMeta":
+        return TensorMeta(str(v[0]), tuple(int(d) for d in v[1]), int(v[2]))
+
+
+def validate_seq_id(seq_id: str) -> None:
+    if not isinstance(seq_id, str) or not seq_id:
+        raise InvalidArgument("seq_id must be a non-empty string")
+    n = len(seq_id.encode("utf-8"))
+    if n > MAX_SEQ_ID_BYTES:
+        raise InvalidArgument(f"seq_id is {n} bytes; the limit is {MAX_SEQ_ID_BYTES}")
+    if any(ord(c) < 32 or ord(c) == 127 for c in seq_id):
+        raise InvalidArgument("seq_id must not contain control characters")
+
+
+def validate_tensors(metas: list[TensorMeta] | tuple[TensorMeta, ...], declared_nbytes: int) -> None:
+    if len(metas) > MAX_TENSORS:
+        raise InvalidArgument(f"{len(metas)} tensors; the limit is {MAX_TENSORS}")
+    total = 0
+    for i, m in enumerate(metas):
+        if m.dtype not in DTYPES:
+            raise InvalidArgument(
+                f"tensor {i}: unsupported dtype {m.dtype!r}; supported: {', '.join(sorted(DTYPES))}"
+            )
+        if len(m.shape) > MAX_DIMS:
+            raise InvalidArgument(f"tensor {i}: {len(m.shape)} dims; the limit is {MAX_DIMS}")
+        if any(d < 0 for d in m.shape):
+            raise InvalidArgument(f"tensor {i}: negative dimension in shape {list(m.shape)}")
+        expect = math.prod(m.shape) * DTYPES[m.dtype]
+        if m.nbytes != expect:
+            raise InvalidArgument(
+                f"tensor {i}: nbytes {m.nbytes} disagrees with shape {list(m.shape)} x {m.dtype} = {expect}"
+            )
+        total += expect
+    if total != declared_nbytes:
+        raise InvalidArgument(f"declared nbytes {declared_nbytes} != sum of tensor sizes {total}")
+    if total > MAX_SEQ_BYTES:
+        raise InvalidArgument(f"sequence of {total} bytes exceeds the {MAX_SEQ_BYTES}-byte limit")
+
+
+def payload_offsets(metas: list[TensorMeta] | tuple[TensorMeta, ...]) -> list[int]:
+    offs, pos = [], 0
+    for m in metas:
+        offs.append(pos)
+        pos += m.nbytes
+    return offs
+
+
+def fingerprint(metas: list[TensorMeta] | tuple[TensorMeta, ...]) -> int:
+    canon = json.dumps([m.to_json() for m in metas], separators=(",", ":")).encode()
+    return xxhash.xxh3_64_intdigest(canon)

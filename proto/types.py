@@ -1,0 +1,38 @@
+"""Plain result types returned to users, shared by the engine and the client.
+
+Primitives: ``SeqInfo``, ``TierStat``, ``Stat``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .layout import TensorMeta
+
+
+@dataclass(frozen=True, slots=True)
+class SeqInfo:
+    seq_id: str
+    nbytes: int
+    tier: str  # fastest tier holding all of it: "device" | "host" | "disk"
+    num_tensors: int
+    tensors: tuple[TensorMeta, ...] = ()
+    priority: int = 0
+    created_at: float = 0.0
+    last_access: float = 0.0
+    num_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class TierStat:
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    sequences: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stat:
+    tiers: dict[str, TierStat] = field(default_factory=dict)
+    sequences: int = 0
+    leases: int = 0

@@ -1,0 +1,247 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class TensorMeta(_message.Message):
+    __slots__ = ("dtype", "shape", "nbytes")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    SHAPE_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    dtype: str
+    shape: _containers.RepeatedScalarFieldContainer[int]
+    nbytes: int
+    def __init__(self, dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ..., nbytes: _Optional[int] = ...) -> None: ...
+
+class HelloRequest(_message.Message):
+    __slots__ = ("client_version",)
+    CLIENT_VERSION_FIELD_NUMBER: _ClassVar[int]
+    client_version: str
+    def __init__(self, client_version: _Optional[str] = ...) -> None: ...
+
+class ArenaInfo(_message.Message):
+    __slots__ = ("path", "size", "slot_size", "hostname", "boot_id")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    SLOT_SIZE_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    BOOT_ID_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    size: int
+    slot_size: int
+    hostname: str
+    boot_id: str
+    def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., slot_size: _Optional[int] = ..., hostname: _Optional[str] = ..., boot_id: _Optional[str] = ...) -> None: ...
+
+class HelloResponse(_message.Message):
+    __slots__ = ("server_version", "transports", "chunk_size", "max_seq_id_len", "arena", "lease_ttl_s")
+    SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_SEQ_ID_LEN_FIELD_NUMBER: _ClassVar[int]
+    ARENA_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    server_version: str
+    transports: _containers.RepeatedScalarFieldContainer[str]
+    chunk_size: int
+    max_seq_id_len: int
+    arena: ArenaInfo
+    lease_ttl_s: float
+    def __init__(self, server_version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., chunk_size: _Optional[int] = ..., max_seq_id_len: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class ParkHeader(_message.Message):
+    __slots__ = ("seq_id", "tensors", "nbytes", "priority", "overwrite")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    nbytes: int
+    priority: int
+    overwrite: bool
+    def __init__(self, seq_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., nbytes: _Optional[int] = ..., priority: _Optional[int] = ..., overwrite: _Optional[bool] = ...) -> None: ...
+
+class DataChunk(_message.Message):
+    __slots__ = ("offset", "data")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ParkCommit(_message.Message):
+    __slots__ = ("nbytes",)
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    nbytes: int
+    def __init__(self, nbytes: _Optional[int] = ...) -> None: ...
+
+class ParkRequest(_message.Message):
+    __slots__ = ("header", "chunk", "commit")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_FIELD_NUMBER: _ClassVar[int]
+    header: ParkHeader
+    chunk: DataChunk
+    commit: ParkCommit
+    def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., chunk: _Optional[_Union[DataChunk, _Mapping]] = ..., commit: _Optional[_Union[ParkCommit, _Mapping]] = ...) -> None: ...
+
+class RestoreRequest(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
+
+class RestoreHeader(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: SeqInfo
+    def __init__(self, info: _Optional[_Union[SeqInfo, _Mapping]] = ...) -> None: ...
+
+class RestoreResponse(_message.Message):
+    __slots__ = ("header", "chunk")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    header: RestoreHeader
+    chunk: DataChunk
+    def __init__(self, header: _Optional[_Union[RestoreHeader, _Mapping]] = ..., chunk: _Optional[_Union[DataChunk, _Mapping]] = ...) -> None: ...
+
+class Segment(_message.Message):
+    __slots__ = ("offset", "length")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    length: int
+    def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
+
+class ReserveRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: ParkHeader
+    def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("lease_id", "segments", "expires_in_s")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    expires_in_s: float
+    def __init__(self, lease_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+
+class CommitRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class AcquireRequest(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
+
+class AcquireResponse(_message.Message):
+    __slots__ = ("lease_id", "info", "segments", "expires_in_s")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    info: SeqInfo
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    expires_in_s: float
+    def __init__(self, lease_id: _Optional[str] = ..., info: _Optional[_Union[SeqInfo, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released",)
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    released: bool
+    def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class DropRequest(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
+
+class DropResponse(_message.Message):
+    __slots__ = ("dropped",)
+    DROPPED_FIELD_NUMBER: _ClassVar[int]
+    dropped: bool
+    def __init__(self, dropped: _Optional[bool] = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ("seq_id",)
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
+
+class SeqInfo(_message.Message):
+    __slots__ = ("seq_id", "nbytes", "tier", "tensors", "priority", "created_at", "last_access", "num_blocks")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CREATED_AT_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACCESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    nbytes: int
+    tier: str
+    tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
+    priority: int
+    created_at: float
+    last_access: float
+    num_blocks: int
+    def __init__(self, seq_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., tier: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., priority: _Optional[int] = ..., created_at: _Optional[float] = ..., last_access: _Optional[float] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+
+class ListRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListResponse(_message.Message):
+    __slots__ = ("sequences",)
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[SeqInfo]
+    def __init__(self, sequences: _Optional[_Iterable[_Union[SeqInfo, _Mapping]]] = ...) -> None: ...
+
+class StatRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TierStat(_message.Message):
+    __slots__ = ("name", "capacity_bytes", "used_bytes", "blocks", "sequences")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    capacity_bytes: int
+    used_bytes: int
+    blocks: int
+    sequences: int
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., sequences: _Optional[int] = ...) -> None: ...
+
+class StatResponse(_message.Message):
+    __slots__ = ("tiers", "sequences", "leases")
+    TIERS_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    tiers: _containers.RepeatedCompositeFieldContainer[TierStat]
+    sequences: int
+    leases: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., sequences: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...

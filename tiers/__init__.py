@@ -1,0 +1,8 @@
+"""The storage mediums and the pure policies that place data on them.
+
+Modules:
+- ``kvpark.tiers.arena``: fixed-slot allocator with granule-packed tails (exact accounting).
+- ``kvpark.tiers.shm``: the shared-memory file that backs the host arena.
+- ``kvpark.tiers.disk``: the LMDB disk store (checksummed block records + manifests).
+- ``kvpark.tiers.policy``: pure eviction/placement decisions over sequence metadata.
+"""

@@ -1,0 +1,159 @@
+"""Fixed-size slot allocation over one flat byte range (the host arena; later the device pool).
+
+The range is cut into ``slot_size`` slots. A payload of ``n`` bytes becomes
+``n // slot_size`` full blocks plus one tail block. Full blocks take whole slots,
+preferring one contiguous run so a client copies a large tensor in one go. The tail is
+rounded up to a *granule* (``slot_size / 64``) and packed with other tails inside
+shared slots, so a 4 KiB sequence costs 16 KiB (with 1 MiB slots), not a whole slot.
+
+Primitives:
+- ``SlotAllocator(capacity, slot_size)``.
+- ``alloc(nbytes) -> Allocation | None``: all-or-nothing; ``None`` when it does not fit.
+- ``free(allocation)``.
+- ``used_bytes``, ``capacity``, ``free_bytes``, ``fits(nbytes)``.
+- ``Allocation.extents``: one ``(offset, length)`` per block, in payload order;
+  ``Allocation.segments()`` merges adjacent extents for clients.
+
+Pure bookkeeping: no memory is touched here, so it is unit-tested without I/O.
+Not thread-safe; the engine calls it under its lock.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+GRANULES_PER_SLOT = 64
+_FULL = (1 << GRANULES_PER_SLOT) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class Allocation:
+    """Where a payload lives. ``extents[i]`` is block ``i``: ``(arena_offset, length)``."""
+
+    extents: tuple[tuple[int, int], ...]
+    full_slots: tuple[int, ...]
+    tail: tuple[int, int, int] | None  # (slot, first granule, granule count)
+    charged: int  # bytes of capacity this allocation holds
+
+    @property
+    def nbytes(self) -> int:
+        return sum(n for _, n in self.extents)
+
+    def segments(self) -> list[tuple[int, int]]:
+        out: list[list[int]] = []
+        for off, n in self.extents:
+            if out and out[-1][0] + out[-1][1] == off:
+                out[-1][1] += n
+            else:
+                out.append([off, n])
+        return [(o, n) for o, n in out]
+
+
+class SlotAllocator:
+    def __init__(self, capacity: int, slot_size: int) -> None:
+        if slot_size % GRANULES_PER_SLOT:
+            raise ValueError("slot_size must be a multiple of 64")
+        self.slot_size = slot_size
+        self.granule = slot_size // GRANULES_PER_SLOT
+        self.nslots = capacity // slot_size
+        self.capacity = self.nslots * slot_size
+        self._free = np.ones(self.nslots, dtype=bool)
+        self._nfree = self.nslots
+        self._partial: dict[int, int] = {}  # slot -> bitmask of used granules
+        self.used_bytes = 0
+
+    @property
+    def free_bytes(self) -> int:
+        return self.capacity - self.used_bytes
+
+    def _split(self, nbytes: int) -> tuple[int, int]:
+        return nbytes // self.slot_size, nbytes % self.slot_size
+
+    def fits(self, nbytes: int) -> bool:
+        nfull, tail = self._split(nbytes)
+        if tail == 0:
+            return nfull <= self._nfree
+        k = -(-tail // self.granule)
+        if self._find_tail_slot(k) is not None:
+            return nfull <= self._nfree
+        return nfull + 1 <= self._nfree
+
+    def _find_tail_slot(self, k: int) -> tuple[int, int] | None:
+        want = (1 << k) - 1
+        for slot, mask in self._partial.items():
+            if mask == _FULL:
+                continue
+            for g in range(GRANULES_PER_SLOT - k + 1):
+                if not (mask >> g) & want:
+                    return slot, g
+        return None
+
+    def _take_slots(self, n: int) -> list[int]:
+        """Take ``n`` free slots, preferring the smallest single run that holds them all."""
+        if n == 0:
+            return []
+        padded = np.concatenate(([False], self._free, [False]))
+        edges = np.flatnonzero(np.diff(padded.astype(np.int8)))
+        starts, ends = edges[0::2], edges[1::2]
+        lengths = ends - starts
+        fit = np.flatnonzero(lengths >= n)
+        if fit.size:
+            i = fit[np.argmin(lengths[fit])]
+            chosen = list(range(int(starts[i]), int(starts[i]) + n))
+        else:
+            chosen = []
+            for i in np.argsort(-lengths, kind="stable"):
+                take = min(int(lengths[i]), n - len(chosen))
+                chosen.extend(range(int(starts[i]), int(starts[i]) + take))
+                if len(chosen) == n:
+                    break
+            chosen.sort()
+        self._free[chosen] = False
+        self._nfree -= n
+        return chosen
+
+    def alloc(self, nbytes: int) -> Allocation | None:
+        if nbytes < 0:
+            raise ValueError("nbytes must be >= 0")
+        if not self.fits(nbytes):
+            return None
+        nfull, tail = self._split(nbytes)
+        slots = self._take_slots(nfull)
+        extents = [(s * self.slot_size, self.slot_size) for s in slots]
+        tail_rec = None
+        charged = nfull * self.slot_size
+        if tail:
+            k = -(-tail // self.granule)
+            found = self._find_tail_slot(k)
+            if found is None:
+                (slot,) = self._take_slots(1)
+                self._partial[slot] = 0
+                g = 0
+            else:
+                slot, g = found
+            self._partial[slot] |= ((1 << k) - 1) << g
+            tail_rec = (slot, g, k)
+            extents.append((slot * self.slot_size + g * self.granule, tail))
+            charged += k * self.granule
+        self.used_bytes += charged
+        return Allocation(tuple(extents), tuple(slots), tail_rec, charged)
+
+    def free(self, a: Allocation) -> None:
+        if a.full_slots:
+            idx = list(a.full_slots)
+            assert not self._free[idx].any(), "double free of arena slots"
+            self._free[idx] = True
+            self._nfree += len(idx)
+        if a.tail is not None:
+            slot, g, k = a.tail
+            bits = ((1 << k) - 1) << g
+            assert self._partial[slot] & bits == bits, "double free of arena granules"
+            self._partial[slot] &= ~bits
+            if self._partial[slot] == 0:
+                del self._partial[slot]
+                self._free[slot] = True
+                self._nfree += 1
+        self.used_bytes -= a.charged
+        assert self.used_bytes >= 0
