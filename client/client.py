@@ -28,6 +28,7 @@ from kvpark.proto.errors import (
     DataLoss,
     InvalidArgument,
     KVParkError,
+    ResourceExhausted,
     TransportUnavailable,
     from_code,
 )
@@ -219,7 +220,11 @@ class Client:
 
     def _restore_shm(self, seq_id: str, device: Any, into: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
         assert self._arena is not None
-        r = self._call(self._acquire, pb.AcquireRequest(seq_id=seq_id))
+        try:
+            r = self._call(self._acquire, pb.AcquireRequest(seq_id=seq_id))
+        except ResourceExhausted:
+            # Disk-resident and no host room to stage it: stream it from disk instead.
+            return self._restore_inline(seq_id, device, into)
         try:
             info = convert.info_from_pb(r.info)
             out = Outputs(info.tensors, device, into)

@@ -53,6 +53,10 @@ from .config import Config
 
 log = logging.getLogger("kvpark.engine")
 
+# How long a park waits for in-flight work (demotions, reads, other reservations) to
+# free host room before it gives up with RESOURCE_EXHAUSTED.
+ROOM_WAIT_S = 10.0
+
 
 @dataclass(frozen=True)
 class ParkSpec:
@@ -113,6 +117,7 @@ class Engine:
         self._disk_lock = threading.Lock()
         self._commit_lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
+        self._space = threading.Condition(self._lock)  # notified whenever host slots are freed
         self._seqs: dict[str, Seq] = {}
         self._leases: dict[str, Lease] = {}
         self._gen = 0
@@ -200,7 +205,8 @@ class Engine:
             raise ResourceExhausted(
                 f"sequence of {spec.nbytes} bytes is larger than the host tier ({self.alloc.capacity} bytes)"
             )
-        for attempt in range(4):
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while True:
             with self._lock:
                 if not spec.overwrite and spec.seq_id in self._seqs:
                     raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
@@ -210,7 +216,7 @@ class Engine:
                     lease = Lease(secrets.token_hex(16), "write", ttl, spec=spec, alloc=a)
                     self._leases[lease.lease_id] = lease
                     return lease
-            if attempt < 3 and not self._make_room(spec.nbytes):
+            if not self._await_room(spec.nbytes, None, deadline):
                 break
         with self._lock:
             free = self.alloc.free_bytes
@@ -264,17 +270,17 @@ class Engine:
                 spec, alloc = lease.spec, lease.alloc
                 assert spec is not None and alloc is not None
                 if expect_nbytes is not None and (lease.received != spec.nbytes or expect_nbytes != spec.nbytes):
-                    self.alloc.free(alloc)
+                    self._free_host(alloc)
                     raise InvalidArgument(
                         f"commit after {lease.received} bytes (commit says {expect_nbytes}); header declared "
                         f"{spec.nbytes}"
                     )
                 old = self._seqs.get(spec.seq_id)
                 if old is not None and not spec.overwrite:
-                    self.alloc.free(alloc)
+                    self._free_host(alloc)
                     raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
                 if self._closed:
-                    self.alloc.free(alloc)
+                    self._free_host(alloc)
                     raise Unavailable("daemon is shutting down")
                 self._gen += 1
                 m = self._manifest_for(spec)
@@ -285,7 +291,7 @@ class Engine:
                     with self._lock:
                         freed = old.manifest.nbytes if old is not None and old.on_disk else 0
                         if self._disk_used - freed + m.nbytes > self.disk.capacity:
-                            self.alloc.free(alloc)
+                            self._free_host(alloc)
                             raise ResourceExhausted(
                                 f"disk tier full: {self._disk_used} of {self.disk.capacity} bytes used, park needs "
                                 f"{m.nbytes} (write_through)"
@@ -294,7 +300,7 @@ class Engine:
                         self.disk.write(m, self._views(alloc), replace=old.manifest if freed else None, sync=True)
                     except BaseException:
                         with self._lock:
-                            self.alloc.free(alloc)
+                            self._free_host(alloc)
                         raise
                     with self._lock:
                         seq.on_disk = True
@@ -327,8 +333,13 @@ class Engine:
 
     def _maybe_free_host(self, seq: Seq) -> None:
         if seq.dropped and seq.readers == 0 and not seq.demoting and seq.host is not None:
-            self.alloc.free(seq.host)
+            self._free_host(seq.host)
             seq.host = None
+
+    def _free_host(self, alloc: Allocation) -> None:
+        # REQUIRES: self._lock held.
+        self.alloc.free(alloc)
+        self._space.notify_all()
 
     def _delete_from_disk(self, seq: Seq) -> None:
         with self._disk_lock:
@@ -359,7 +370,7 @@ class Engine:
         self._leases.pop(lease.lease_id, None)
         if lease.kind == "write":
             if lease.alloc is not None:
-                self.alloc.free(lease.alloc)
+                self._free_host(lease.alloc)
                 lease.alloc = None
         elif lease.seq is not None:
             lease.seq.readers -= 1
@@ -419,12 +430,13 @@ class Engine:
             return  # parked under another slot size; served from disk as it is
         with seq.promote_lock:
             alloc = None
-            for attempt in range(3):
+            deadline = time.monotonic() + ROOM_WAIT_S
+            while True:
                 with self._lock:
                     if seq.host is not None or seq.dropped:
                         return
                     alloc = self.alloc.alloc(m.nbytes)
-                if alloc is not None or not make_room or not self._make_room(m.nbytes, exclude=seq):
+                if alloc is not None or not make_room or not self._await_room(m.nbytes, seq, deadline):
                     break
             if alloc is None:
                 return
@@ -435,11 +447,11 @@ class Engine:
                         view[off : off + n] = r.read_block(m, i, n)
             except BaseException:
                 with self._lock:
-                    self.alloc.free(alloc)
+                    self._free_host(alloc)
                 raise
             with self._lock:
                 if seq.dropped:
-                    self.alloc.free(alloc)
+                    self._free_host(alloc)
                     return
                 seq.host = alloc
 
@@ -468,6 +480,23 @@ class Engine:
             if s.host is not None and s.readers == 0 and not s.demoting and s is not exclude
         ]
 
+    def _await_room(self, need: int, exclude: Seq | None, deadline: float) -> bool:
+        """Demote (or wait for in-flight work to free space) so ``need`` bytes may fit.
+
+        False when waiting cannot help: nothing is demotable and nothing in flight
+        (a demotion, a read, a reservation) will free space before ``deadline``.
+        """
+        if self._make_room(need, exclude):
+            return True
+        with self._lock:
+            transient = any(l.expires_at is None or l.kind == "write" for l in self._leases.values()) or any(
+                s.demoting for s in self._seqs.values()
+            )
+            if not transient or time.monotonic() >= deadline or self._closed:
+                return False
+            self._space.wait(min(0.05, max(0.0, deadline - time.monotonic())))
+        return True
+
     def _make_room(self, need: int, exclude: Seq | None = None) -> bool:
         """Demote synchronously until ``need`` bytes fit. True if anything was demoted."""
         with self._lock:
@@ -491,7 +520,7 @@ class Engine:
             return False
         with self._lock:
             if seq.on_disk and seq.readers == 0 and not seq.demoting and seq.host is not None:
-                self.alloc.free(seq.host)
+                self._free_host(seq.host)
                 seq.host = None
                 return True
         return False

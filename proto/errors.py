@@ -100,10 +100,8 @@ class Internal(KVParkError):
     code = grpc.StatusCode.INTERNAL
 
 
-class TransportUnavailable(KVParkError):
+class TransportUnavailable(FailedPrecondition):
     """A forced transport (``transport="shm"`` etc.) cannot work with this daemon."""
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 _ALL: tuple[type[KVParkError], ...] = (

@@ -1,0 +1,152 @@
+"""Shared fixtures: real daemons (in-process on port 0, or as subprocesses), temp dirs.
+
+Primitives:
+- ``make_config(tmp_path, **overrides) -> Config``: small tiers in temp dirs.
+- ``daemon`` fixture factory: ``start(**overrides) -> Daemon`` (stopped at teardown).
+- ``Proc``: a ``kvpark serve`` subprocess; ``Proc.start(tmp_path, *args)`` waits for the
+  "listening on" line and parses the address.
+- ``wait_until(pred, timeout)``: poll a condition with a deadline (no fixed sleeps).
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+
+from kvpark.daemon.config import Config, load
+from kvpark.daemon.server import Daemon
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+def make_config(tmp_path: Path, **overrides: Any) -> Config:
+    base = {
+        "server.listen": "127.0.0.1:0",
+        "server.grace_s": 1.0,
+        "tiers.host.capacity": "16MiB",
+        "tiers.host.shm_dir": str(tmp_path / "shm"),
+        "tiers.disk.path": str(tmp_path / "disk"),
+        "tiers.disk.capacity": "256MiB",
+    }
+    base.update({k.replace("__", "."): v for k, v in overrides.items()})
+    return load(env={}, overrides=base)
+
+
+@pytest.fixture
+def daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
+    started: list[Daemon] = []
+
+    def start(**overrides: Any) -> Daemon:
+        d = Daemon(make_config(tmp_path, **overrides)).start()
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.stop(0.5)
+
+
+def wait_until(pred: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(interval)
+    return pred()
+
+
+class Proc:
+    """A real ``kvpark serve`` process."""
+
+    def __init__(self, popen: subprocess.Popen, address: str, lines: "queue.Queue[str]") -> None:
+        self.popen = popen
+        self.address = address
+        self.lines = lines
+
+    @classmethod
+    def start(cls, tmp_path: Path, *args: str, timeout: float = 60.0, data_dir: Path | None = None) -> "Proc":
+        cmd = [
+            sys.executable, "-m", "kvpark.daemon.cli", "serve",
+            "--listen", "127.0.0.1:0",
+            "--data-dir", str(data_dir or tmp_path / "disk"),
+            "--set", "tiers.host.capacity=16MiB",
+            "--set", f"tiers.host.shm_dir={tmp_path / 'shm'}",
+            "--set", "tiers.disk.capacity=256MiB",
+            "--set", "server.grace_s=1",
+            *args,
+        ]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK")}
+        p = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+        lines: queue.Queue[str] = queue.Queue()
+
+        def pump() -> None:
+            assert p.stderr is not None
+            for line in p.stderr:
+                lines.put(line)
+            lines.put("")
+
+        threading.Thread(target=pump, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        seen = []
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=0.5)
+            except queue.Empty:
+                continue
+            seen.append(line)
+            if line == "":
+                break
+            m = re.search(r"listening on (\S+)", line)
+            if m:
+                return cls(p, m.group(1), lines)
+        p.kill()
+        raise RuntimeError("daemon did not start:\n" + "".join(seen))
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        self.popen.send_signal(signal.SIGTERM)
+        return self.popen.wait(timeout)
+
+    def kill(self) -> None:
+        self.popen.kill()
+        self.popen.wait(30)
+
+    def output(self) -> str:
+        out = []
+        while True:
+            try:
+                out.append(self.lines.get_nowait())
+            except queue.Empty:
+                return "".join(out)
+
+
+@pytest.fixture
+def proc(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
+    procs: list[Proc] = []
+
+    def start(*args: str, **kw: Any) -> Proc:
+        p = Proc.start(tmp_path, *args, **kw)
+        procs.append(p)
+        return p
+
+    yield start
+    for p in procs:
+        if p.popen.poll() is None:
+            p.kill()

@@ -1,0 +1,84 @@
+"""One typed config tree: defaults, TOML, env, overrides; clear errors naming the key."""
+
+from pathlib import Path
+
+import pytest
+
+from kvpark.daemon.config import ConfigError, load, parse_size, reference
+
+
+def test_embedded_defaults() -> None:
+    c = load(env={})
+    assert c.server.listen == "127.0.0.1:50551"
+    assert c.policy.eviction == "lru" and c.policy.write == "write_back"
+    assert (c.policy.high_watermark, c.policy.low_watermark) == (0.9, 0.8)
+    assert c.policy.promote_on_restore and c.policy.flush_on_shutdown
+    assert 256 << 20 <= c.host_capacity <= 4 << 30
+    assert c.tiers.disk.path.endswith("kvpark")
+
+
+def test_xdg_data_home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    assert load(env={}).tiers.disk.path == str(tmp_path / "kvpark")
+
+
+def test_toml_keys_from_the_issue(tmp_path: Path) -> None:
+    f = tmp_path / "k.toml"
+    f.write_text(
+        '[server]\nlisten = "127.0.0.1:6000"\n[tiers.host]\ncapacity = "64MiB"\n'
+        '[tiers.disk]\npath = "/tmp/x"\ncapacity = "2GiB"\n'
+        '[policy]\neviction = "lru"\nwrite = "write_through"\nhigh_watermark = 0.7\nlow_watermark = 0.5\n'
+        "promote_on_restore = false\nflush_on_shutdown = false\n"
+    )
+    c = load(f, env={})
+    assert c.server.listen == "127.0.0.1:6000"
+    assert c.host_capacity == 64 << 20 and c.disk_capacity == 2 << 30
+    assert c.policy.write == "write_through" and not c.policy.promote_on_restore
+
+
+def test_env_then_overrides(tmp_path: Path) -> None:
+    env = {"KVPARK__TIERS__HOST__CAPACITY": "32MiB", "KVPARK__POLICY__WRITE": "write_through"}
+    c = load(env=env, overrides={"policy.write": "write_back"})
+    assert c.host_capacity == 32 << 20 and c.policy.write == "write_back"
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        ({"tiers.host.capcity": "1GiB"}, r"tiers\.host\.capcity.*valid keys: capacity, prefault, shm_dir, slot_size"),
+        ({"polcy.write": "x"}, r"unknown key polcy.*valid keys: leases, policy, server, tiers"),
+        ({"policy.write": "sometimes"}, r"policy\.write.*write_back, write_through"),
+        ({"policy.eviction": "mru"}, r"policy\.eviction.*lru"),
+        ({"tiers.host.capacity": "lots"}, r"tiers\.host\.capacity.*64MiB"),
+        ({"policy.high_watermark": 0.5}, r"low_watermark/high_watermark"),
+        ({"tiers.host.slot_size": "3MiB"}, r"slot_size.*power of two"),
+        ({"server.max_workers": "many"}, r"server\.max_workers: expected an integer"),
+        ({"policy.flush_on_shutdown": "perhaps"}, r"flush_on_shutdown: expected true or false"),
+    ],
+)
+def test_bad_config_names_the_key(overrides: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        load(env={}, overrides=overrides)
+
+
+def test_missing_and_broken_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load(tmp_path / "nope.toml", env={})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[server\n")
+    with pytest.raises(ConfigError, match="bad.toml"):
+        load(bad, env={})
+
+
+def test_sizes() -> None:
+    assert parse_size("64MiB") == 64 << 20
+    assert parse_size("2GiB") == 2 << 30
+    assert parse_size(4096) == 4096
+    assert parse_size("1.5KiB") == 1536
+    with pytest.raises(ConfigError):
+        parse_size("-1")
+
+
+def test_reference_covers_every_key_with_help() -> None:
+    keys = {k for k, _, h in reference() if h}
+    assert {"server.listen", "tiers.host.capacity", "tiers.disk.path", "policy.write", "leases.ttl_s"} <= keys
