@@ -498,15 +498,24 @@ class Engine:
         return True
 
     def _make_room(self, need: int, exclude: Seq | None = None) -> bool:
-        """Demote synchronously until ``need`` bytes fit. True if anything was demoted."""
+        """Demote in policy order until ``need`` bytes fit. True if it fits now.
+
+        The byte target alone is not enough: packed tails fragment slots, so the loop
+        checks the allocator itself after every victim.
+        """
         with self._lock:
             if self.alloc.fits(need):
                 return True
-            plan = policy.plan_demotion(
+            order = policy.plan_demotion(
                 self.config.policy.eviction, self._evictable(exclude), self.alloc.used_bytes,
-                self.alloc.capacity, policy.room_target(self.alloc.capacity, need),
+                self.alloc.capacity, target=-1,
             )
-        return sum(self._demote(sid) for sid in plan) > 0
+        for sid in order:
+            self._demote(sid)
+            with self._lock:
+                if self.alloc.fits(need):
+                    return True
+        return False
 
     def _demote(self, seq_id: str) -> bool:
         with self._lock:

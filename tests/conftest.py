@@ -76,10 +76,11 @@ def wait_until(pred: Callable[[], bool], timeout: float = 10.0, interval: float 
 class Proc:
     """A real ``kvpark serve`` process."""
 
-    def __init__(self, popen: subprocess.Popen, address: str, lines: "queue.Queue[str]") -> None:
+    def __init__(self, popen: subprocess.Popen, address: str, lines: "queue.Queue[str]", seen: list[str]) -> None:
         self.popen = popen
         self.address = address
         self.lines = lines
+        self.seen = seen  # everything printed so far, start-up lines included
 
     @classmethod
     def start(cls, tmp_path: Path, *args: str, timeout: float = 60.0, data_dir: Path | None = None) -> "Proc":
@@ -116,7 +117,7 @@ class Proc:
                 break
             m = re.search(r"listening on (\S+)", line)
             if m:
-                return cls(p, m.group(1), lines)
+                return cls(p, m.group(1), lines, seen)
         p.kill()
         raise RuntimeError("daemon did not start:\n" + "".join(seen))
 
@@ -129,12 +130,11 @@ class Proc:
         self.popen.wait(30)
 
     def output(self) -> str:
-        out = []
         while True:
             try:
-                out.append(self.lines.get_nowait())
+                self.seen.append(self.lines.get_nowait())
             except queue.Empty:
-                return "".join(out)
+                return "".join(self.seen)
 
 
 @pytest.fixture
