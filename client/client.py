@@ -5,16 +5,19 @@ Primitives:
 - ``park(seq_id, tensors, *, priority=0, overwrite=False) -> SeqInfo``.
 - ``restore(seq_id, *, device=None, into=None) -> list[torch.Tensor]``.
 - ``drop(seq_id) -> bool``, ``info(seq_id) -> SeqInfo``, ``list()``, ``stat()``.
-- ``transport``: "shm" (same host, arena file mapped once) or "inline" (streamed gRPC).
+- ``prefetch(seq_id, *, tier="device", wait=False, timeout=None) -> str``.
+- ``transport``: "cuda_ipc", "shm" (same host, arena file mapped once) or "inline".
 
-Transports, in the order ``auto`` tries them: ``shm`` when the daemon offers an arena
-file on this host that we can open, else ``inline``. Forcing one that cannot work
+Transports, in the order ``auto`` tries them: ``cuda_ipc`` when the daemon's device pool
+is on a GPU this process can see (copies device-to-device into its slots), ``shm`` when
+the daemon offers an arena file on this host that we can open, else ``inline``. Forcing one that cannot work
 raises ``TransportUnavailable``. Every gRPC failure becomes a typed ``KVParkError``.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 from typing import Any, Callable, Iterator, Sequence
 
@@ -36,6 +39,7 @@ from kvpark.proto.layout import TensorMeta, validate_seq_id
 from kvpark.proto.types import SeqInfo, Stat
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import decode_chunk, encode_chunk, regroup
+from kvpark.tiers import copy as copier
 from kvpark.tiers.shm import SharedArena
 
 from .payload import Outputs, byte_view, pieces
@@ -81,6 +85,7 @@ class Client:
         self.timeout = timeout
         self._channel = grpc.insecure_channel(self.address, options=GRPC_OPTIONS)
         self._arena: SharedArena | None = None
+        self._pool: torch.Tensor | None = None  # the daemon's device pool, via CUDA IPC
         ch = self._channel
         u = lambda name, resp: ch.unary_unary(_SVC + name, request_serializer=_ser,  # noqa: E731
                                                response_deserializer=resp.FromString)
@@ -89,6 +94,7 @@ class Client:
         self._commit = u("Commit", pb.SeqInfo)
         self._acquire = u("Acquire", pb.AcquireResponse)
         self._release = u("Release", pb.ReleaseResponse)
+        self._prefetch = u("Prefetch", pb.PrefetchResponse)
         self._drop = u("Drop", pb.DropResponse)
         self._info = u("Info", pb.SeqInfo)
         self._list = u("List", pb.ListResponse)
@@ -115,11 +121,12 @@ class Client:
 
     def _negotiate(self, want: str) -> str:
         offered = set(self.server.transports)
-        if want == "cuda_ipc":
-            raise TransportUnavailable(
-                "transport 'cuda_ipc' needs a daemon device tier on this GPU; this daemon offers "
-                f"{', '.join(sorted(offered)) or 'nothing'}"
-            )
+        if want in ("auto", "cuda_ipc"):
+            why = self._try_cuda_ipc(offered)
+            if why is None:
+                return "cuda_ipc"
+            if want == "cuda_ipc":
+                raise TransportUnavailable(f"transport 'cuda_ipc' is not possible: {why}")
         if want in ("auto", "shm"):
             why = self._try_shm(offered)
             if why is None:
@@ -128,7 +135,22 @@ class Client:
                 raise TransportUnavailable(f"transport 'shm' is not possible: {why}")
         return "inline"
 
+    def _try_cuda_ipc(self, offered: set[str]) -> str | None:
+        d = self.server.device
+        if "cuda_ipc" not in offered or not d.ipc_handle:
+            return "the daemon has no CUDA device tier"
+        device = copier.local_device_for(d.uuid)
+        if device is None:
+            return f"this process cannot see the daemon's GPU ({d.device}, {d.uuid})"
+        try:
+            self._pool = copier.open_ipc(pickle.loads(d.ipc_handle), d.size)
+        except (RuntimeError, pickle.UnpicklingError) as e:
+            return f"cannot open the device pool's IPC handle: {e}"
+        return None
+
     def _try_shm(self, offered: set[str]) -> str | None:
+        if self._arena is not None:
+            return None
         a = self.server.arena
         if "shm" not in offered or not a.path:
             return "the daemon has no shared-memory arena"
@@ -144,6 +166,7 @@ class Client:
         if self._arena is not None:
             self._arena.close()
             self._arena = None
+        self._pool = None
         self._channel.close()
 
     def __enter__(self) -> "Client":
@@ -155,32 +178,48 @@ class Client:
     # ------------------------------------------------------------------ park
 
     def park(self, seq_id: str, tensors: Sequence[torch.Tensor], *, priority: int = 0,
-             overwrite: bool = False) -> SeqInfo:
-        """Store ``tensors`` under ``seq_id``. Visible to others only once this returns."""
+             overwrite: bool = False, pinned: bool = False, ttl_s: float | None = None) -> SeqInfo:
+        """Store ``tensors`` under ``seq_id``. Visible to others only once this returns.
+
+        ``priority``: higher is demoted later. ``pinned``: never demoted below the tier it
+        lands in. ``ttl_s``: dropped that many seconds after the park.
+        """
         validate_seq_id(seq_id)
         if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
             raise InvalidArgument("tensors must be a list or tuple of torch tensors")
         if not -(1 << 31) <= int(priority) < (1 << 31):
             raise InvalidArgument(f"priority must fit in int32, got {priority}")
+        if ttl_s is not None and not ttl_s > 0:
+            raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
         flats = [byte_view(t) for t in tensors]
         metas = [TensorMeta.of(t) for t in tensors]
         header = pb.ParkHeader(
             seq_id=seq_id, tensors=[convert.meta_to_pb(m) for m in metas], nbytes=sum(m.nbytes for m in metas),
-            priority=int(priority), overwrite=overwrite,
+            priority=int(priority), overwrite=overwrite, pinned=pinned, ttl_s=float(ttl_s or 0.0),
         )
-        if self.transport == "shm":
-            return self._park_shm(header, flats)
-        return self._park_inline(header, flats)
+        if self.transport == "inline":
+            return self._park_inline(header, flats)
+        return self._park_pool(header, flats)
 
-    def _park_shm(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
+    def _pool_for(self) -> tuple[torch.Tensor, str]:
+        if self.transport == "cuda_ipc":
+            assert self._pool is not None
+            return self._pool, "device"
         assert self._arena is not None
-        r = self._call(self._reserve, pb.ReserveRequest(header=header))
+        return self._arena.tensor, "host"
+
+    def _park_pool(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
+        """shm / cuda_ipc: reserve slots, copy straight into the daemon's memory, commit."""
+        pool, tier = self._pool_for()
+        r = self._call(self._reserve, pb.ReserveRequest(header=header, tier=tier))
         try:
-            arena = self._arena.tensor
             segs = [(s.offset, s.length) for s in r.segments]
             for si, so, di, do, n in pieces([f.numel() for f in flats], [n for _, n in segs]):
                 base = segs[di][0] + do
-                arena[base : base + n].copy_(flats[si][so : so + n])
+                pool[base : base + n].copy_(flats[si][so : so + n])
+            # Explicit synchronisation: the daemon reads the slots only after Commit,
+            # and every copy into them has completed by then.
+            copier.synchronize(pool.device)
         except BaseException:
             self._abort_quietly(r.lease_id)
             raise
@@ -214,25 +253,26 @@ class Client:
                 into: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Return the parked tensors (on ``device``, default CPU), or fill ``into`` in place."""
         validate_seq_id(seq_id)
-        if self.transport == "shm":
-            return self._restore_shm(seq_id, device, into)
-        return self._restore_inline(seq_id, device, into)
+        if self.transport == "inline":
+            return self._restore_inline(seq_id, device, into)
+        return self._restore_pool(seq_id, device, into)
 
-    def _restore_shm(self, seq_id: str, device: Any, into: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
-        assert self._arena is not None
+    def _restore_pool(self, seq_id: str, device: Any, into: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
+        """shm / cuda_ipc: lease the resident slots, copy straight out, release."""
+        pool, tier = self._pool_for()
         try:
-            r = self._call(self._acquire, pb.AcquireRequest(seq_id=seq_id))
+            r = self._call(self._acquire, pb.AcquireRequest(seq_id=seq_id, tier=tier))
         except ResourceExhausted:
-            # Disk-resident and no host room to stage it: stream it from disk instead.
+            # No room to stage it in that tier (all leased or pinned): stream it instead.
             return self._restore_inline(seq_id, device, into)
         try:
             info = convert.info_from_pb(r.info)
             out = Outputs(info.tensors, device, into)
-            arena = self._arena.tensor
             segs = [(s.offset, s.length) for s in r.segments]
             for di, do, si, so, n in pieces([f.numel() for f in out.flats], [n for _, n in segs]):
                 base = segs[si][0] + so
-                out.flats[di][do : do + n].copy_(arena[base : base + n])
+                out.flats[di][do : do + n].copy_(pool[base : base + n])
+            copier.synchronize(pool.device)  # done reading before the lease ends
         finally:
             self._abort_quietly(r.lease_id)
         return out.finish()
@@ -282,6 +322,23 @@ class Client:
         return out.finish()
 
     # ------------------------------------------------------------------ control
+
+    def prefetch(self, seq_id: str, *, tier: str = "device", wait: bool = False,
+                 timeout: float | None = None) -> str:
+        """Start promoting ``seq_id`` into ``tier`` so a later restore finds it resident.
+
+        With ``wait=True``, return once it is there (raises ``DeadlineExceeded`` after
+        ``timeout`` seconds). Returns the tier the sequence is in now.
+        """
+        validate_seq_id(seq_id)
+        if tier not in ("device", "host"):
+            raise InvalidArgument(f"tier must be 'device' or 'host', got {tier!r}")
+        if timeout is not None and timeout <= 0:
+            raise InvalidArgument(f"timeout must be > 0, got {timeout}")
+        req = pb.PrefetchRequest(seq_id=seq_id, tier=tier, wait=wait, timeout_s=timeout or 0.0)
+        # The daemon enforces ``timeout``; the RPC deadline only guards against a hung daemon.
+        rpc_timeout = None if timeout is None else timeout + 5.0
+        return self._call(self._prefetch, req, timeout=rpc_timeout or self.timeout).tier
 
     def drop(self, seq_id: str) -> bool:
         validate_seq_id(seq_id)

@@ -1,8 +1,9 @@
 """One typed, frozen config tree: embedded defaults -> TOML file -> environment -> CLI.
 
 Primitives:
-- ``Config`` and its sections (``ServerConfig``, ``HostTierConfig``, ``DiskTierConfig``,
-  ``PolicyConfig``, ``LeaseConfig``); each field carries its default and description.
+- ``Config`` and its sections (``ServerConfig``, ``DeviceTierConfig``, ``HostTierConfig``,
+  ``DiskTierConfig``, ``PolicyConfig``, ``LeaseConfig``, ``CopyConfig``); each field
+  carries its default and description.
 - ``load(path=None, env=os.environ, overrides={}) -> Config``.
 - ``parse_size("64MiB") -> int``.
 - ``ConfigError``: a start-up error naming the key and the valid choices.
@@ -54,8 +55,8 @@ def parse_size(value: int | str, key: str = "size") -> int:
 
 
 def _f(default: Any, help: str, *, choices: tuple[Any, ...] | None = None, size: bool = False,
-       auto: bool = False) -> Any:
-    meta = {"help": help, "choices": choices, "size": size, "auto": auto}
+       auto: bool = False, tristate: bool = False) -> Any:
+    meta = {"help": help, "choices": choices, "size": size, "auto": auto, "tristate": tristate}
     return field(default=default, metadata=meta)
 
 
@@ -74,6 +75,16 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class DeviceTierConfig:
+    enabled: str = _f("auto", '"auto" (on when CUDA is available), "true" or "false"',
+                      choices=("auto", "true", "false"), tristate=True)
+    device: str = _f("cuda:0", 'torch device of the pool; "cpu" is a stand-in that runs the same logic in tests')
+    capacity: int = _f(8 << 30, "device pool size", size=True)
+    high_watermark: float = _f(0.0, "usage fraction that starts demotion to host; 0 = policy.high_watermark")
+    low_watermark: float = _f(0.0, "usage fraction demotion brings it down to; 0 = policy.low_watermark")
+
+
+@dataclass(frozen=True)
 class HostTierConfig:
     capacity: int | str = _f(
         "auto", "host arena size; auto = 1/8 of RAM, between 256MiB and 4GiB", size=True, auto=True
@@ -82,6 +93,8 @@ class HostTierConfig:
                         size=True)
     shm_dir: str = _f("/dev/shm", "directory of the shared-memory arena file (mode 0600, removed on stop)")
     prefault: bool = _f(True, "touch every arena page at start so no page fault lands in the hot path")
+    high_watermark: float = _f(0.0, "usage fraction that starts demotion to disk; 0 = policy.high_watermark")
+    low_watermark: float = _f(0.0, "usage fraction demotion brings it down to; 0 = policy.low_watermark")
 
 
 @dataclass(frozen=True)
@@ -93,6 +106,7 @@ class DiskTierConfig:
 
 @dataclass(frozen=True)
 class TiersConfig:
+    device: DeviceTierConfig = field(default_factory=DeviceTierConfig)
     host: HostTierConfig = field(default_factory=HostTierConfig)
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
 
@@ -106,6 +120,14 @@ class PolicyConfig:
     low_watermark: float = _f(0.8, "host usage fraction background demotion brings it down to")
     promote_on_restore: bool = _f(True, "restoring a disk-resident sequence copies it back to host when there is room")
     flush_on_shutdown: bool = _f(True, "a graceful stop writes every host-only sequence to disk first")
+    restore_to: str = _f("auto", 'tier a restore promotes into before serving: "device", "host", or "auto" '
+                         "(device when the device tier is on)", choices=("auto", "device", "host"))
+
+
+@dataclass(frozen=True)
+class CopyConfig:
+    max_inflight_bytes: int = _f(256 << 20, "bytes in flight per direction (H2D, D2H) in the copy engine",
+                                 size=True)
 
 
 @dataclass(frozen=True)
@@ -119,6 +141,7 @@ class Config:
     tiers: TiersConfig = field(default_factory=TiersConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     leases: LeaseConfig = field(default_factory=LeaseConfig)
+    copy: CopyConfig = field(default_factory=CopyConfig)
 
     @property
     def host_capacity(self) -> int:
@@ -127,6 +150,23 @@ class Config:
     @property
     def disk_capacity(self) -> int:
         return int(self.tiers.disk.capacity)
+
+    @property
+    def device_enabled(self) -> bool:
+        """Resolved ``tiers.device.enabled``: "auto" means "when CUDA is available"."""
+        e = self.tiers.device.enabled
+        if e == "auto":
+            import torch
+
+            return torch.cuda.is_available() and torch.device(self.tiers.device.device).type == "cuda"
+        return e == "true"
+
+    @property
+    def restore_to(self) -> str:
+        r = self.policy.restore_to
+        if r == "auto":
+            return "device" if self.device_enabled else "host"
+        return r
 
 
 def _is_section(tp: Any) -> bool:
@@ -139,6 +179,8 @@ def _convert(key: str, f: dataclasses.Field, tp: Any, value: Any) -> Any:
         return "auto"
     if meta.get("size"):
         return parse_size(value, key)
+    if meta.get("tristate") and isinstance(value, bool):
+        return "true" if value else "false"
     if tp is bool:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
@@ -236,13 +278,27 @@ def _resolve(cfg: Config) -> Config:
             "policy.low_watermark/high_watermark: need 0 < low < high <= 1, "
             f"got low={pol.low_watermark} high={pol.high_watermark}"
         )
+    for name, t in (("tiers.device", cfg.tiers.device), ("tiers.host", host)):
+        hi = t.high_watermark or pol.high_watermark
+        lo = t.low_watermark or pol.low_watermark
+        if not 0.0 < lo < hi <= 1.0:
+            raise ConfigError(f"{name}.low_watermark/high_watermark: need 0 < low < high <= 1, got low={lo} high={hi}")
+    dev = cfg.tiers.device
+    if pol.restore_to == "device" and dev.enabled == "false":
+        raise ConfigError('policy.restore_to: "device" needs tiers.device.enabled = "auto" or "true"')
+    try:
+        import torch
+
+        torch.device(dev.device)
+    except (RuntimeError, TypeError) as e:
+        raise ConfigError(f"tiers.device.device: {dev.device!r} is not a torch device ({e})") from None
     if cfg.leases.ttl_s <= 0:
         raise ConfigError(f"leases.ttl_s: must be > 0, got {cfg.leases.ttl_s}")
     if cfg.server.max_workers < 2:
         raise ConfigError(f"server.max_workers: must be >= 2, got {cfg.server.max_workers}")
     if not (4 << 10) <= cfg.server.chunk_size <= (16 << 20):
         raise ConfigError(f"server.chunk_size: must be between 4KiB and 16MiB, got {cfg.server.chunk_size}")
-    return dataclasses.replace(cfg, tiers=TiersConfig(host=host, disk=disk))
+    return dataclasses.replace(cfg, tiers=TiersConfig(device=dev, host=host, disk=disk))
 
 
 def load(

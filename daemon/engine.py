@@ -1,28 +1,39 @@
-"""The engine: sequences, their placement on the host and disk tiers, and leases.
+"""The engine: sequences, their placement on the device/host/disk tiers, and leases.
 
-Speaks dataclasses only (protobuf stops at the servicer). All decisions about *what* to
-demote come from ``kvpark.tiers.policy``; this module applies them.
+Speaks dataclasses only (protobuf stops at the servicer). *What* to demote comes from
+``kvpark.tiers.policy``; *how* bytes move between memory tiers is the copy engine's job
+(``kvpark.tiers.copy``); this module decides where things live and applies it.
 
 Primitives:
-- ``Engine(config)``; ``start()``; ``close(flush=...)``.
-- Park, two-phase: ``reserve(ParkSpec, stream=False) -> Lease`` (host slots under a
+- ``Engine(config)``; ``start()``; ``close(flush=...)``; ``flush()``.
+- Park, two-phase: ``reserve(ParkSpec, stream=False, tier=None) -> Lease`` (slots under a
   write lease), ``write_chunk(lease, offset, data)`` for inline bytes,
   ``commit(lease_id) -> SeqInfo`` (publish), ``release(lease_id)`` (abort).
-- Restore: ``acquire(seq_id, need_host, stream) -> ReadHandle`` (host-resident and
-  read-leased, or served from disk), ``iter_chunks(handle, size)``, ``release(lease_id)``.
+- Restore: ``acquire(seq_id, need=None, stream=False) -> ReadHandle`` (a memory copy
+  under a read lease, or disk records), ``iter_chunks(handle, size)``, ``release``.
+- ``prefetch(seq_id, tier, wait, timeout) -> str``.
 - ``drop``, ``info``, ``list``, ``stat``, ``hello``.
+
+Tiers, fastest first: ``device`` (optional GPU pool, or a CPU stand-in), ``host`` (the
+shared arena), ``disk`` (LMDB). A sequence may hold copies in several tiers at once:
+committed data is immutable, so copies are identical, and a copy is attached only
+after the copy engine reports it complete: a reader never sees a half-copied slot.
 
 Invariants:
 - A sequence is visible only after commit; a failed or abandoned park frees its slots.
-- Host slots of a sequence with readers are never freed or reused; dropping or
-  overwriting such a sequence defers the free to the last release.
-- Every disk write, delete and the publish of a write-through park happen under
+- A memory copy with readers, or with a copy in flight from it, is never freed;
+  dropping or overwriting such a sequence defers the free to the last reader.
+- Pinned sequences are never demoted below the tier they are in.
+- Every disk write and delete, and the publish of a write-through park, happen under
   ``_disk_lock``; metadata changes happen under ``_lock``, which is never held across
-  I/O. Lock order: ``_commit_lock`` -> ``_disk_lock`` -> ``_lock``.
+  I/O. Lock order: ``_commit_lock`` -> ``Seq.move_lock`` -> ``_disk_lock`` -> ``_lock``;
+  ``move_lock`` is only ever *tried* by demotion, so two promotions making room for
+  each other cannot deadlock.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import secrets
 import threading
@@ -30,10 +41,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterator
 
+import torch
+
 from kvpark.proto import VERSION
 from kvpark.proto.errors import (
     AlreadyExists,
-    DataLoss,
+    DeadlineExceeded,
     InvalidArgument,
     KVParkError,
     LeaseExpired,
@@ -44,18 +57,22 @@ from kvpark.proto.errors import (
 from kvpark.proto.layout import TensorMeta, fingerprint, validate_seq_id, validate_tensors
 from kvpark.proto.types import SeqInfo, Stat, TierStat
 from kvpark.proto.wire import regroup
+from kvpark.tiers import copy as copier
 from kvpark.tiers import policy
-from kvpark.tiers.arena import Allocation, SlotAllocator
+from kvpark.tiers.arena import Allocation
 from kvpark.tiers.disk import DiskStore, Manifest
+from kvpark.tiers.memory import MemTier
 from kvpark.tiers.shm import SharedArena, remove_stale
 
 from .config import Config
 
 log = logging.getLogger("kvpark.engine")
 
-# How long a park waits for in-flight work (demotions, reads, other reservations) to
-# free host room before it gives up with RESOURCE_EXHAUSTED.
+# How long a park or promotion waits for in-flight work (copies, reads, other
+# reservations) to free room before it gives up with RESOURCE_EXHAUSTED.
 ROOM_WAIT_S = 10.0
+MEM_TIERS = ("device", "host")
+_BELOW = {"device": "host", "host": "disk"}
 
 
 @dataclass(frozen=True)
@@ -65,18 +82,21 @@ class ParkSpec:
     nbytes: int
     priority: int = 0
     overwrite: bool = False
+    pinned: bool = False
+    ttl_s: float = 0.0
 
 
 @dataclass(eq=False)
 class Seq:
     manifest: Manifest
-    host: Allocation | None = None
+    res: dict[str, Allocation] = field(default_factory=dict)  # ready memory copies
     on_disk: bool = False
-    readers: int = 0
-    demoting: bool = False
+    readers: dict[str, int] = field(default_factory=dict)
+    moving: int = 0  # copies in flight from this sequence's memory
     dropped: bool = False
     access_count: int = 0
-    promote_lock: threading.Lock = field(default_factory=threading.Lock)
+    promotions: int = 0
+    move_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def seq_id(self) -> str:
@@ -84,13 +104,26 @@ class Seq:
 
     @property
     def tier(self) -> str:
-        return "host" if self.host is not None else "disk"
+        for t in MEM_TIERS:
+            if t in self.res:
+                return t
+        return "disk"
+
+    @property
+    def pinned(self) -> bool:
+        return bool(self.manifest.extra.get("pinned", False))
+
+    @property
+    def expires_at(self) -> float | None:
+        v = self.manifest.extra.get("expires_at")
+        return float(v) if v else None
 
 
 @dataclass(eq=False)
 class Lease:
     lease_id: str
     kind: str  # "write" | "read"
+    tier: str  # memory tier the lease holds
     expires_at: float | None  # None: held by a live stream, released by it
     seq: Seq | None = None  # read leases
     spec: ParkSpec | None = None  # write leases
@@ -100,30 +133,46 @@ class Lease:
 
 @dataclass
 class ReadHandle:
-    """What a restore reads: host extents under a read lease, or disk records."""
+    """What a restore reads: a memory copy under a read lease, or disk records."""
 
     info: SeqInfo
     manifest: Manifest
-    lease: Lease | None  # set when host-resident
+    lease: Lease | None  # set when served from memory
     alloc: Allocation | None
+    tier: str
 
 
 class Engine:
     def __init__(self, config: Config) -> None:
         self.config = config
         host = config.tiers.host
+        pol = config.policy
         self.slot_size = host.slot_size
         self._lock = threading.Lock()
         self._disk_lock = threading.Lock()
         self._commit_lock = threading.Lock()
         self._wake = threading.Condition(self._lock)
-        self._space = threading.Condition(self._lock)  # notified whenever host slots are freed
+        self._space = threading.Condition(self._lock)  # notified whenever memory slots are freed
         self._seqs: dict[str, Seq] = {}
         self._leases: dict[str, Lease] = {}
         self._gen = 0
         self._disk_used = 0
         self._closed = False
         self._thread: threading.Thread | None = None
+        self._prefetches: dict[tuple[str, str], concurrent.futures.Future[None]] = {}
+        self._prefetcher = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpark-prefetch")
+
+        self.tiers: dict[str, MemTier] = {}
+        if config.device_enabled:
+            dev = config.tiers.device
+            device = torch.device(dev.device)
+            if device.type == "cuda" and not copier.cuda_available():
+                raise RuntimeError(f"tiers.device.device is {dev.device} but CUDA is not available")
+            cap = (dev.capacity // host.slot_size) * host.slot_size
+            pool = torch.empty(cap, dtype=torch.uint8, device=device)
+            self.tiers["device"] = MemTier("device", pool, host.slot_size, dev.high_watermark or pol.high_watermark,
+                                           dev.low_watermark or pol.low_watermark)
+            log.info("device tier: %d MiB on %s", cap >> 20, device)
 
         removed = remove_stale(host.shm_dir)
         if removed:
@@ -132,9 +181,18 @@ class Engine:
         self.arena = SharedArena.create(host.shm_dir, cap, prefault=host.prefault)
         log.info("host arena: %d MiB in %d slots of %d KiB, %s (%.2fs to map)", cap >> 20, cap // host.slot_size,
                  host.slot_size >> 10, self.arena.path or "private memory", self.arena.prefault_s)
-        self.alloc = SlotAllocator(cap, host.slot_size)
+        if copier.cuda_available():
+            log.info("host arena page-locked in %.2fs", copier.pin_host(self.arena.tensor))
+        self.tiers["host"] = MemTier("host", self.arena.tensor, host.slot_size,
+                                     host.high_watermark or pol.high_watermark, host.low_watermark or pol.low_watermark,
+                                     view=self.arena.view)
+        self.copy = copier.CopyEngine(config.copy.max_inflight_bytes)
         self.disk = DiskStore(config.tiers.disk.path, config.disk_capacity, writemap=config.tiers.disk.writemap)
         self._load_index()
+
+    @property
+    def host(self) -> MemTier:
+        return self.tiers["host"]
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -161,20 +219,26 @@ class Engine:
                 return
             self._closed = True
             self._wake.notify_all()
+            self._space.notify_all()
         if self._thread is not None:
             self._thread.join()
+        self._prefetcher.shutdown(wait=True, cancel_futures=True)
         if flush:
             self.flush()
         with self._lock:
             for lease in list(self._leases.values()):
                 self._end_lease(lease)
+        self.copy.close()
         self.disk.close()
+        if copier.cuda_available():
+            copier.unpin_host(self.arena.tensor)
+        self.tiers.clear()
         self.arena.close(unlink=True)
 
     def flush(self) -> int:
-        """Write every host-only sequence to disk (keeping the host copy). Returns how many."""
+        """Write every memory-only sequence to disk (keeping its memory copies)."""
         with self._lock:
-            todo = [s for s in self._seqs.values() if s.host is not None and not s.on_disk]
+            todo = [s for s in self._seqs.values() if s.res and not s.on_disk]
         total = len(todo)
         done, last = 0, time.monotonic()
         for s in todo:
@@ -188,41 +252,61 @@ class Engine:
                 last = time.monotonic()
         self.disk.sync()
         if total:
-            log.info("flush: %d/%d host-only sequence(s) written to disk", done, total)
+            log.info("flush: %d/%d memory-only sequence(s) written to disk", done, total)
         return done
-
-    # ------------------------------------------------------------------ park
 
     def _check_open(self) -> None:
         if self._closed:
             raise Unavailable("daemon is shutting down")
 
-    def reserve(self, spec: ParkSpec, stream: bool = False) -> Lease:
+    def _tier_arg(self, tier: str) -> str:
+        if tier not in MEM_TIERS:
+            raise InvalidArgument(f"tier must be 'device' or 'host', got {tier!r}")
+        if tier not in self.tiers:
+            raise InvalidArgument(f"the {tier} tier is not enabled on this daemon")
+        return tier
+
+    @property
+    def park_tier(self) -> str:
+        """Where inline parks land: the fastest tier."""
+        return "device" if "device" in self.tiers else "host"
+
+    # ------------------------------------------------------------------ park
+
+    def reserve(self, spec: ParkSpec, stream: bool = False, tier: str | None = None) -> Lease:
         validate_seq_id(spec.seq_id)
         validate_tensors(spec.tensors, spec.nbytes)
+        if spec.ttl_s < 0:
+            raise InvalidArgument(f"ttl_s must be >= 0, got {spec.ttl_s}")
         self._check_open()
-        if spec.nbytes > self.alloc.capacity:
+        tier = self._tier_arg(tier or self.park_tier)
+        order = [tier] if tier == "host" or not stream else [tier, "host"]
+        if spec.nbytes > max(self.tiers[t].alloc.capacity for t in order):
             raise ResourceExhausted(
-                f"sequence of {spec.nbytes} bytes is larger than the host tier ({self.alloc.capacity} bytes)"
+                f"sequence of {spec.nbytes} bytes is larger than the {tier} tier "
+                f"({self.tiers[tier].alloc.capacity} bytes)"
             )
-        deadline = time.monotonic() + ROOM_WAIT_S
-        while True:
-            with self._lock:
-                if not spec.overwrite and spec.seq_id in self._seqs:
-                    raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
-                a = self.alloc.alloc(spec.nbytes)
-                if a is not None:
-                    ttl = None if stream else time.monotonic() + self.config.leases.ttl_s
-                    lease = Lease(secrets.token_hex(16), "write", ttl, spec=spec, alloc=a)
-                    self._leases[lease.lease_id] = lease
-                    return lease
-            if not self._await_room(spec.nbytes, None, deadline):
-                break
+        for t in order:  # an inline park that cannot land on device lands on host
+            mem = self.tiers[t]
+            deadline = time.monotonic() + (ROOM_WAIT_S if t == order[-1] else 0.0)
+            while True:
+                with self._lock:
+                    if not spec.overwrite and spec.seq_id in self._seqs:
+                        raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
+                    a = mem.alloc.alloc(spec.nbytes)
+                    if a is not None:
+                        ttl = None if stream else time.monotonic() + self.config.leases.ttl_s
+                        lease = Lease(secrets.token_hex(16), "write", t, ttl, spec=spec, alloc=a)
+                        self._leases[lease.lease_id] = lease
+                        return lease
+                if not self._await_room(t, spec.nbytes, None, deadline):
+                    break
+        mem = self.tiers[order[-1]]
         with self._lock:
-            free = self.alloc.free_bytes
+            free = mem.alloc.free_bytes
         raise ResourceExhausted(
-            f"host tier cannot take {spec.nbytes} bytes ({free} of {self.alloc.capacity} free) and demotion to "
-            f"disk freed too little (disk {self._disk_used}/{self.disk.capacity} bytes used, or sequences leased)"
+            f"{mem.name} tier cannot take {spec.nbytes} bytes ({free} of {mem.alloc.capacity} free) and demotion "
+            f"freed too little (disk {self._disk_used}/{self.disk.capacity} bytes used, or sequences leased/pinned)"
         )
 
     def write_chunk(self, lease: Lease, offset: int, data: memoryview) -> None:
@@ -235,30 +319,28 @@ class Engine:
             raise InvalidArgument("empty chunk")
         if offset + n > lease.spec.nbytes:
             raise InvalidArgument(f"chunk [{offset}, {offset + n}) overruns the declared {lease.spec.nbytes} bytes")
-        view = self.arena.view
+        mem = self.tiers[lease.tier]
         pos = 0
         bs = self.slot_size
         while pos < n:
-            o = offset + pos
-            blk, within = divmod(o, bs)
+            blk, within = divmod(offset + pos, bs)
             base, ln = lease.alloc.extents[blk]
             take = min(ln - within, n - pos)
-            view[base + within : base + within + take] = data[pos : pos + take]
+            mem.write(base + within, data[pos : pos + take])
             pos += take
         lease.received += n
 
     def _manifest_for(self, spec: ParkSpec) -> Manifest:
         now = time.time()
+        extra: dict = {}
+        if spec.pinned:
+            extra["pinned"] = True
+        if spec.ttl_s > 0:
+            extra["expires_at"] = now + spec.ttl_s
         return Manifest(
-            seq_id=spec.seq_id,
-            gen=0,
-            tensors=spec.tensors,
-            nbytes=spec.nbytes,
-            block_size=self.slot_size,
-            fingerprint=fingerprint(spec.tensors),
-            priority=spec.priority,
-            created_at=now,
-            last_access=now,
+            seq_id=spec.seq_id, gen=0, tensors=spec.tensors, nbytes=spec.nbytes, block_size=self.slot_size,
+            fingerprint=fingerprint(spec.tensors), priority=spec.priority, created_at=now, last_access=now,
+            extra=extra,
         )
 
     def commit(self, lease_id: str, expect_nbytes: int | None = None) -> SeqInfo:
@@ -267,45 +349,46 @@ class Engine:
                 lease = self._leases.pop(lease_id, None)
                 if lease is None or lease.kind != "write":
                     raise LeaseExpired(f"write lease {lease_id!r} is gone (expired, aborted or never issued)")
-                spec, alloc = lease.spec, lease.alloc
+                spec, alloc, mem = lease.spec, lease.alloc, self.tiers[lease.tier]
                 assert spec is not None and alloc is not None
                 if expect_nbytes is not None and (lease.received != spec.nbytes or expect_nbytes != spec.nbytes):
-                    self._free_host(alloc)
+                    self._free(mem, alloc)
                     raise InvalidArgument(
                         f"commit after {lease.received} bytes (commit says {expect_nbytes}); header declared "
                         f"{spec.nbytes}"
                     )
                 old = self._seqs.get(spec.seq_id)
                 if old is not None and not spec.overwrite:
-                    self._free_host(alloc)
+                    self._free(mem, alloc)
                     raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
                 if self._closed:
-                    self._free_host(alloc)
+                    self._free(mem, alloc)
                     raise Unavailable("daemon is shutting down")
                 self._gen += 1
                 m = self._manifest_for(spec)
                 m.gen = self._gen
-                seq = Seq(manifest=m, host=alloc)
+                seq = Seq(manifest=m, res={mem.name: alloc})
             if self.config.policy.write == "write_through":
                 with self._disk_lock:
                     with self._lock:
                         freed = old.manifest.nbytes if old is not None and old.on_disk else 0
                         if self._disk_used - freed + m.nbytes > self.disk.capacity:
-                            self._free_host(alloc)
+                            self._free(mem, alloc)
                             raise ResourceExhausted(
                                 f"disk tier full: {self._disk_used} of {self.disk.capacity} bytes used, park needs "
                                 f"{m.nbytes} (write_through)"
                             )
                     try:
-                        self.disk.write(m, self._views(alloc), replace=old.manifest if freed else None, sync=True)
+                        self.disk.write(m, mem.views(alloc), replace=old.manifest if freed else None, sync=True)
                     except BaseException:
                         with self._lock:
-                            self._free_host(alloc)
+                            self._free(mem, alloc)
                         raise
                     with self._lock:
                         seq.on_disk = True
                         self._disk_used += m.nbytes
                         if freed:
+                            assert old is not None
                             old.on_disk = False
                             self._disk_used -= freed
                         self._publish(seq, old)
@@ -321,24 +404,27 @@ class Engine:
         if old is not None:
             self._retire(old)
         self._seqs[seq.seq_id] = seq
-        if policy.over_high(self.alloc.used_bytes, self.alloc.capacity, self.config.policy.high_watermark):
+        if any(policy.over_high(t.alloc.used_bytes, t.alloc.capacity, t.high) for t in self.tiers.values()):
             self._wake.notify_all()
 
     def _retire(self, seq: Seq) -> None:
-        # REQUIRES: self._lock held. Host slots are freed now, or by the last reader.
+        # REQUIRES: self._lock held. Memory is freed now, or by the last reader/copy.
         seq.dropped = True
         if self._seqs.get(seq.seq_id) is seq:
             del self._seqs[seq.seq_id]
-        self._maybe_free_host(seq)
+        self._release_dropped(seq)
 
-    def _maybe_free_host(self, seq: Seq) -> None:
-        if seq.dropped and seq.readers == 0 and not seq.demoting and seq.host is not None:
-            self._free_host(seq.host)
-            seq.host = None
-
-    def _free_host(self, alloc: Allocation) -> None:
+    def _release_dropped(self, seq: Seq) -> None:
         # REQUIRES: self._lock held.
-        self.alloc.free(alloc)
+        if not seq.dropped or seq.moving:
+            return
+        for name in list(seq.res):
+            if not seq.readers.get(name):
+                self._free(self.tiers[name], seq.res.pop(name))
+
+    def _free(self, mem: MemTier, alloc: Allocation) -> None:
+        # REQUIRES: self._lock held.
+        mem.alloc.free(alloc)
         self._space.notify_all()
 
     def _delete_from_disk(self, seq: Seq) -> None:
@@ -349,10 +435,6 @@ class Engine:
                 seq.on_disk = False
                 self._disk_used -= seq.manifest.nbytes
             self.disk.delete(seq.manifest)
-
-    def _views(self, alloc: Allocation) -> list[memoryview]:
-        v = self.arena.view
-        return [v[o : o + n] for o, n in alloc.extents]
 
     # ------------------------------------------------------------------ leases
 
@@ -370,12 +452,13 @@ class Engine:
         self._leases.pop(lease.lease_id, None)
         if lease.kind == "write":
             if lease.alloc is not None:
-                self._free_host(lease.alloc)
+                self._free(self.tiers[lease.tier], lease.alloc)
                 lease.alloc = None
         elif lease.seq is not None:
-            lease.seq.readers -= 1
-            assert lease.seq.readers >= 0
-            self._maybe_free_host(lease.seq)
+            seq = lease.seq
+            seq.readers[lease.tier] -= 1
+            assert seq.readers[lease.tier] >= 0
+            self._release_dropped(seq)
             lease.seq = None
 
     def _reap(self) -> None:
@@ -384,76 +467,156 @@ class Engine:
             for lease in [l for l in self._leases.values() if l.expires_at is not None and l.expires_at < now]:
                 log.warning("%s lease %s expired; freeing what it held", lease.kind, lease.lease_id[:8])
                 self._end_lease(lease)
+            wall = time.time()
+            expired = [s.seq_id for s in self._seqs.values() if s.expires_at is not None and s.expires_at <= wall]
+        for sid in expired:
+            log.info("sequence %r reached its TTL; dropped", sid)
+            self.drop(sid)
 
     # ------------------------------------------------------------------ restore
 
-    def acquire(self, seq_id: str, need_host: bool = False, stream: bool = False) -> ReadHandle:
+    def acquire(self, seq_id: str, need: str | None = None, stream: bool = False) -> ReadHandle:
+        """Lease a readable copy. ``need`` forces a memory tier (shm: host, cuda_ipc: device)."""
         validate_seq_id(seq_id)
         self._check_open()
+        if need is not None:
+            self._tier_arg(need)
+        want = need or (self.config.restore_to if self.config.policy.promote_on_restore else None)
         for _ in range(3):
             with self._lock:
-                seq = self._seqs.get(seq_id)
-                if seq is None:
-                    raise NotFound(f"no parked sequence {seq_id!r}")
+                seq = self._get(seq_id)
                 seq.manifest.last_access = time.time()
                 seq.access_count += 1
-                if seq.host is not None:
-                    return self._lease_read(seq, stream)
-            if need_host or self.config.policy.promote_on_restore:
-                self._promote(seq, make_room=need_host)
+                have = want in seq.res if want else bool(seq.res)
+            if want and not have:
+                self._promote(seq, want, make_room=need is not None)
             with self._lock:
                 if seq.dropped:
                     continue  # overwritten or dropped meanwhile: look it up again
-                if seq.host is not None:
-                    return self._lease_read(seq, stream)
-            if need_host:
-                raise ResourceExhausted(
-                    f"sequence {seq_id!r} ({seq.manifest.nbytes} bytes) is on disk and the host tier has no room "
-                    "to stage it (leased sequences cannot be demoted)"
-                )
-            with self._lock:
-                return ReadHandle(self._info(seq), seq.manifest, None, None)
+                if need is not None:
+                    if need in seq.res:
+                        return self._lease_read(seq, need, stream)
+                    raise ResourceExhausted(
+                        f"sequence {seq_id!r} ({seq.manifest.nbytes} bytes) is not in the {need} tier and there is "
+                        f"no room to stage it there (leased or pinned sequences cannot be demoted)"
+                    )
+                # Streams read CPU memory best: prefer a host copy, then a device copy.
+                for t in ("host", "device"):
+                    if t in seq.res:
+                        return self._lease_read(seq, t, stream)
+                return ReadHandle(self._info(seq), seq.manifest, None, None, "disk")
         raise NotFound(f"no parked sequence {seq_id!r}")
 
-    def _lease_read(self, seq: Seq, stream: bool) -> ReadHandle:
-        # REQUIRES: self._lock held and seq.host set.
-        ttl = None if stream else time.monotonic() + self.config.leases.ttl_s
-        lease = Lease(secrets.token_hex(16), "read", ttl, seq=seq)
-        seq.readers += 1
-        self._leases[lease.lease_id] = lease
-        return ReadHandle(self._info(seq), seq.manifest, lease, seq.host)
+    def _get(self, seq_id: str) -> Seq:
+        # REQUIRES: self._lock held.
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise NotFound(f"no parked sequence {seq_id!r}")
+        return seq
 
-    def _promote(self, seq: Seq, make_room: bool) -> None:
-        """Copy a disk-resident sequence into host slots (verifying every block)."""
+    def _lease_read(self, seq: Seq, tier: str, stream: bool) -> ReadHandle:
+        # REQUIRES: self._lock held and tier in seq.res.
+        ttl = None if stream else time.monotonic() + self.config.leases.ttl_s
+        lease = Lease(secrets.token_hex(16), "read", tier, ttl, seq=seq)
+        seq.readers[tier] = seq.readers.get(tier, 0) + 1
+        self._leases[lease.lease_id] = lease
+        return ReadHandle(self._info(seq), seq.manifest, lease, seq.res[tier], tier)
+
+    def _alloc_in(self, tier: str, seq: Seq, make_room: bool) -> Allocation | None:
+        mem = self.tiers[tier]
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while True:
+            with self._lock:
+                if tier in seq.res or seq.dropped:
+                    return None
+                a = mem.alloc.alloc(seq.manifest.nbytes)
+            if a is not None or not make_room or not self._await_room(tier, seq.manifest.nbytes, seq, deadline):
+                return a
+
+    def _promote(self, seq: Seq, to: str, make_room: bool) -> None:
+        """Bring a copy of ``seq`` into memory tier ``to`` (verifying disk blocks on the way)."""
         m = seq.manifest
         if m.block_size != self.slot_size:
             return  # parked under another slot size; served from disk as it is
-        with seq.promote_lock:
-            alloc = None
-            deadline = time.monotonic() + ROOM_WAIT_S
-            while True:
-                with self._lock:
-                    if seq.host is not None or seq.dropped:
-                        return
-                    alloc = self.alloc.alloc(m.nbytes)
-                if alloc is not None or not make_room or not self._await_room(m.nbytes, seq, deadline):
-                    break
-            if alloc is None:
-                return
-            try:
-                view = self.arena.view
+        with seq.move_lock:
+            if to == "device" and "host" not in seq.res and "device" not in seq.res:
+                self._promote_locked(seq, "host", make_room=False)  # stage via pinned host memory
+            self._promote_locked(seq, to, make_room)
+
+    def _promote_locked(self, seq: Seq, to: str, make_room: bool) -> None:
+        # REQUIRES: seq.move_lock held.
+        mem = self.tiers[to]
+        a = self._alloc_in(to, seq, make_room)
+        if a is None:
+            return
+        src = next((t for t in MEM_TIERS if t in seq.res and t != to), None)
+        try:
+            if src is not None:
+                self._copy(seq, src, to, a, restore=True)
+            else:
                 with self.disk.read_txn() as r:
-                    for i, (off, n) in enumerate(alloc.extents):
-                        view[off : off + n] = r.read_block(m, i, n)
-            except BaseException:
+                    for i, (off, n) in enumerate(a.extents):
+                        mem.read_into(off, r.read_block(seq.manifest, i, n))
                 with self._lock:
-                    self._free_host(alloc)
-                raise
+                    seq.promotions += 1
+        except BaseException:
+            with self._lock:
+                self._free(mem, a)
+            raise
+        with self._lock:
+            if seq.dropped:
+                self._free(mem, a)
+                return
+            seq.res[to] = a
+
+    def _copy(self, seq: Seq, src: str, dst: str, dst_alloc: Allocation, restore: bool) -> None:
+        """Copy ``seq``'s bytes from memory tier ``src`` into ``dst_alloc`` and wait for it."""
+        with self._lock:
+            src_alloc = seq.res[src]
+            seq.moving += 1  # the source copy cannot be freed under the copy
+        try:
+            s_mem, d_mem = self.tiers[src], self.tiers[dst]
+            pieces = [(d_mem.tensor(d, n), s_mem.tensor(s, n)) for s, d, n in
+                      copier.runs(src_alloc.extents, dst_alloc.extents)]
+            self.copy.submit(pieces, restore=restore).wait()
+        finally:
+            with self._lock:
+                seq.moving -= 1
+                self._release_dropped(seq)
+
+    def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None) -> str:
+        validate_seq_id(seq_id)
+        self._check_open()
+        self._tier_arg(tier)
+        with self._lock:
+            seq = self._get(seq_id)
+            if tier in seq.res:
+                return seq.tier
+            key = (seq_id, tier)
+            fut = self._prefetches.get(key)
+            if fut is None or fut.done():
+                fut = self._prefetcher.submit(self._promote, seq, tier, True)
+                self._prefetches[key] = fut
+                fut.add_done_callback(lambda f, k=key: self._prefetch_done(k, f))
+        if wait:
+            try:
+                fut.result(timeout=timeout)
+            except concurrent.futures.TimeoutError:
+                raise DeadlineExceeded(f"prefetch of {seq_id!r} to {tier} did not finish within {timeout}s") from None
             with self._lock:
                 if seq.dropped:
-                    self._free_host(alloc)
-                    return
-                seq.host = alloc
+                    raise NotFound(f"no parked sequence {seq_id!r}")
+                if tier not in seq.res:
+                    raise ResourceExhausted(f"no room in the {tier} tier for {seq_id!r} (leased or pinned data)")
+        with self._lock:
+            return seq.tier
+
+    def _prefetch_done(self, key: tuple[str, str], fut: concurrent.futures.Future[None]) -> None:
+        with self._lock:
+            if self._prefetches.get(key) is fut:
+                del self._prefetches[key]
+        if not fut.cancelled() and fut.exception() is not None:
+            log.warning("prefetch of %r to %s failed: %s", key[0], key[1], fut.exception())
 
     def iter_chunks(self, handle: ReadHandle, chunk_size: int) -> Iterator[tuple[int, list[memoryview]]]:
         """(payload offset, views) pieces of at most ``chunk_size`` bytes, in payload order.
@@ -463,141 +626,161 @@ class Engine:
         """
         m = handle.manifest
         if handle.alloc is not None:
-            yield from regroup(self._views(handle.alloc), chunk_size)
+            yield from regroup(self.tiers[handle.tier].views(handle.alloc), chunk_size)
             return
-        lengths = m.block_lengths
         with self.disk.read_txn() as r:
-            yield from regroup((r.read_block(m, i, n) for i, n in enumerate(lengths)), chunk_size)
+            yield from regroup((r.read_block(m, i, n) for i, n in enumerate(m.block_lengths)), chunk_size)
 
     # ------------------------------------------------------------------ demotion
 
-    def _evictable(self, exclude: Seq | None = None) -> list[policy.SeqMeta]:
-        # REQUIRES: self._lock held.
+    def _evictable(self, tier: str, exclude: Seq | None = None) -> list[policy.SeqMeta]:
+        # REQUIRES: self._lock held. Pinned sequences leave a tier only when a faster
+        # copy remains (they are never demoted below the tier they are in).
         return [
-            policy.SeqMeta(s.seq_id, s.host.charged, s.manifest.last_access, s.manifest.priority, s.access_count,
-                           s.manifest.created_at)
+            policy.SeqMeta(s.seq_id, s.res[tier].charged, s.manifest.last_access, s.manifest.priority,
+                           s.access_count, s.manifest.created_at, s.promotions)
             for s in self._seqs.values()
-            if s.host is not None and s.readers == 0 and not s.demoting and s is not exclude
+            if tier in s.res and not s.readers.get(tier) and not s.moving and s is not exclude
+            and (not s.pinned or s.tier != tier)
         ]
 
-    def _await_room(self, need: int, exclude: Seq | None, deadline: float) -> bool:
-        """Demote (or wait for in-flight work to free space) so ``need`` bytes may fit.
+    def _await_room(self, tier: str, need: int, exclude: Seq | None, deadline: float) -> bool:
+        """Demote (or wait for in-flight work to free space) so ``need`` bytes may fit in ``tier``.
 
         False when waiting cannot help: nothing is demotable and nothing in flight
-        (a demotion, a read, a reservation) will free space before ``deadline``.
+        (a copy, a read, a reservation) will free space before ``deadline``.
         """
-        if self._make_room(need, exclude):
+        if self._make_room(tier, need, exclude):
             return True
         with self._lock:
             transient = any(l.expires_at is None or l.kind == "write" for l in self._leases.values()) or any(
-                s.demoting for s in self._seqs.values()
+                s.moving or s.move_lock.locked() for s in self._seqs.values()
             )
             if not transient or time.monotonic() >= deadline or self._closed:
                 return False
             self._space.wait(min(0.05, max(0.0, deadline - time.monotonic())))
         return True
 
-    def _make_room(self, need: int, exclude: Seq | None = None) -> bool:
-        """Demote in policy order until ``need`` bytes fit. True if it fits now.
+    def _make_room(self, tier: str, need: int, exclude: Seq | None = None) -> bool:
+        """Demote in policy order until ``need`` bytes fit in ``tier``. True if it fits now.
 
         The byte target alone is not enough: packed tails fragment slots, so the loop
         checks the allocator itself after every victim.
         """
+        mem = self.tiers[tier]
         with self._lock:
-            if self.alloc.fits(need):
+            if mem.alloc.fits(need):
                 return True
-            order = policy.plan_demotion(
-                self.config.policy.eviction, self._evictable(exclude), self.alloc.used_bytes,
-                self.alloc.capacity, target=-1,
-            )
+            order = policy.demotion_order(self.config.policy.eviction, self._evictable(tier, exclude))
         for sid in order:
-            self._demote(sid)
+            self._demote(sid, tier)
             with self._lock:
-                if self.alloc.fits(need):
+                if mem.alloc.fits(need):
                     return True
         return False
 
-    def _demote(self, seq_id: str) -> bool:
+    def _demote(self, seq_id: str, tier: str) -> bool:
+        """Move ``seq_id``'s copy out of ``tier`` to the next tier down. True if freed."""
         with self._lock:
             seq = self._seqs.get(seq_id)
-            if seq is None or seq.host is None:
+            if seq is None or tier not in seq.res:
                 return False
+        if not seq.move_lock.acquire(blocking=False):
+            return False  # a promotion or another demotion owns it right now
         try:
-            self._write_to_disk(seq)
+            if tier == "device" and "host" not in seq.res and not seq.on_disk:
+                a = self._alloc_in("host", seq, make_room=True)
+                if a is not None:
+                    try:
+                        self._copy(seq, "device", "host", a, restore=False)
+                    except BaseException:
+                        with self._lock:
+                            self._free(self.host, a)
+                        raise
+                    with self._lock:
+                        if seq.dropped:
+                            self._free(self.host, a)
+                        else:
+                            seq.res["host"] = a
+            if not any(t in seq.res for t in MEM_TIERS if t != tier):
+                self._write_to_disk(seq)  # host demotion, or device when host had no room
         except KVParkError as e:
-            log.warning("demotion of %r failed: %s", seq_id, e)
+            log.warning("demotion of %r from %s failed: %s", seq_id, tier, e)
             return False
+        finally:
+            seq.move_lock.release()
         with self._lock:
-            if seq.on_disk and seq.readers == 0 and not seq.demoting and seq.host is not None:
-                self._free_host(seq.host)
-                seq.host = None
+            elsewhere = seq.on_disk or any(t in seq.res for t in MEM_TIERS if t != tier)
+            if elsewhere and tier in seq.res and not seq.readers.get(tier) and not seq.moving:
+                self._free(self.tiers[tier], seq.res.pop(tier))
                 return True
         return False
 
     def _write_to_disk(self, seq: Seq) -> bool:
-        """Make sure ``seq`` has a durable-enough disk copy; its host copy is kept."""
+        """Make sure ``seq`` has a disk copy; its memory copies are kept."""
         with self._disk_lock:
             with self._lock:
-                if seq.dropped or seq.host is None or seq.on_disk or seq.demoting:
+                if seq.dropped or seq.on_disk or not seq.res:
                     return seq.on_disk
                 if self._disk_used + seq.manifest.nbytes > self.disk.capacity:
-                    raise ResourceExhausted(
-                        f"disk tier full: {self._disk_used} of {self.disk.capacity} bytes used"
-                    )
-                seq.demoting = True  # pins the host copy while we read it
+                    raise ResourceExhausted(f"disk tier full: {self._disk_used} of {self.disk.capacity} bytes used")
+                src = "host" if "host" in seq.res else "device"
+                alloc = seq.res[src]
+                seq.moving += 1  # pins the memory copy while we read it
             try:
-                self.disk.write(seq.manifest, self._views(seq.host))
+                self.disk.write(seq.manifest, self.tiers[src].views(alloc))
             finally:
                 with self._lock:
-                    seq.demoting = False
+                    seq.moving -= 1
             with self._lock:
                 seq.on_disk = True
                 self._disk_used += seq.manifest.nbytes
-                if seq.dropped:
-                    stale = True
-                    self._maybe_free_host(seq)
-                else:
-                    stale = False
-            if stale:  # dropped or overwritten while we wrote: remove what we wrote
-                with self._lock:
+                stale = seq.dropped
+                self._release_dropped(seq)
+                if stale:  # dropped or overwritten while we wrote: remove what we wrote
                     seq.on_disk = False
                     self._disk_used -= seq.manifest.nbytes
+            if stale:
                 self.disk.delete(seq.manifest)
                 return False
             return True
 
     def _maintain(self) -> None:
         interval = min(1.0, max(0.05, self.config.leases.ttl_s / 4))
-        cfg = self.config.policy
         while True:
             with self._lock:
                 if self._closed:
                     return
-                if not policy.over_high(self.alloc.used_bytes, self.alloc.capacity, cfg.high_watermark):
+                if not any(policy.over_high(t.alloc.used_bytes, t.alloc.capacity, t.high)
+                           for t in self.tiers.values()):
                     self._wake.wait(interval)
                 if self._closed:
                     return
+            moved = 0
             try:
                 self._reap()
-                with self._lock:
-                    plan = []
-                    if policy.over_high(self.alloc.used_bytes, self.alloc.capacity, cfg.high_watermark):
-                        plan = policy.plan_demotion(
-                            cfg.eviction, self._evictable(), self.alloc.used_bytes, self.alloc.capacity,
-                            policy.background_target(self.alloc.capacity, cfg.low_watermark),
-                        )
-                moved = 0
-                for sid in plan:
-                    if self._closed:
-                        break
-                    moved += self._demote(sid)
-                if not moved:
-                    # Nothing could move (disk full, or everything leased): back off, don't spin.
+                for name in MEM_TIERS:  # device first: its demotions may push host over
+                    mem = self.tiers.get(name)
+                    if mem is None:
+                        continue
                     with self._lock:
-                        if not self._closed:
-                            self._wake.wait(interval)
+                        plan = []
+                        if policy.over_high(mem.alloc.used_bytes, mem.alloc.capacity, mem.high):
+                            plan = policy.plan_demotion(
+                                self.config.policy.eviction, self._evictable(name), mem.alloc.used_bytes,
+                                mem.alloc.capacity, policy.background_target(mem.alloc.capacity, mem.low),
+                            )
+                    for sid in plan:
+                        if self._closed:
+                            break
+                        moved += self._demote(sid, name)
             except Exception:  # the maintenance thread must never die
                 log.exception("maintenance pass failed")
+            if not moved:
+                # Nothing could move (disk full, or everything leased/pinned): back off, don't spin.
+                with self._lock:
+                    if not self._closed:
+                        self._wake.wait(interval)
 
     # ------------------------------------------------------------------ queries
 
@@ -615,24 +798,14 @@ class Engine:
     def _info(self, seq: Seq) -> SeqInfo:
         m = seq.manifest
         return SeqInfo(
-            seq_id=m.seq_id,
-            nbytes=m.nbytes,
-            tier=seq.tier,
-            num_tensors=len(m.tensors),
-            tensors=m.tensors,
-            priority=m.priority,
-            created_at=m.created_at,
-            last_access=m.last_access,
-            num_blocks=len(m.block_lengths),
+            seq_id=m.seq_id, nbytes=m.nbytes, tier=seq.tier, num_tensors=len(m.tensors), tensors=m.tensors,
+            priority=m.priority, created_at=m.created_at, last_access=m.last_access, num_blocks=len(m.block_lengths),
         )
 
     def info(self, seq_id: str) -> SeqInfo:
         validate_seq_id(seq_id)
         with self._lock:
-            seq = self._seqs.get(seq_id)
-            if seq is None:
-                raise NotFound(f"no parked sequence {seq_id!r}")
-            return self._info(seq)
+            return self._info(self._get(seq_id))
 
     def list(self) -> list[SeqInfo]:
         with self._lock:
@@ -640,37 +813,37 @@ class Engine:
 
     def stat(self) -> Stat:
         with self._lock:
-            host = [s for s in self._seqs.values() if s.host is not None]
+            tiers: dict[str, TierStat] = {}
+            for name, mem in self.tiers.items():
+                held = [s.res[name] for s in self._seqs.values() if name in s.res]
+                tiers[name] = TierStat(mem.alloc.capacity, mem.alloc.used_bytes, sum(len(a.extents) for a in held),
+                                       len(held))
             disk = [s for s in self._seqs.values() if s.on_disk]
-            return Stat(
-                tiers={
-                    "host": TierStat(
-                        self.alloc.capacity,
-                        self.alloc.used_bytes,
-                        sum(len(s.host.extents) for s in host),  # type: ignore[union-attr]
-                        len(host),
-                    ),
-                    "disk": TierStat(
-                        self.disk.capacity,
-                        self._disk_used,
-                        sum(len(s.manifest.block_lengths) for s in disk),
-                        len(disk),
-                    ),
-                },
-                sequences=len(self._seqs),
-                leases=len(self._leases),
-            )
+            tiers["disk"] = TierStat(self.disk.capacity, self._disk_used,
+                                     sum(len(s.manifest.block_lengths) for s in disk), len(disk))
+            return Stat(tiers=tiers, sequences=len(self._seqs), leases=len(self._leases))
 
     def hello(self) -> dict:
+        transports = ["inline"]
+        if self.arena.path:
+            transports.insert(0, "shm")
+        dev = self.tiers.get("device")
+        handle = b""
+        if dev is not None and dev.device.type == "cuda":
+            import pickle
+
+            transports.insert(0, "cuda_ipc")
+            handle = pickle.dumps(copier.ipc_handle(dev.pool))
         return {
             "server_version": VERSION,
-            "transports": ["shm", "inline"] if self.arena.path else ["inline"],
+            "transports": transports,
             "chunk_size": self.config.server.chunk_size,
             "arena_path": self.arena.path,
             "arena_size": self.arena.size,
             "slot_size": self.slot_size,
             "lease_ttl_s": self.config.leases.ttl_s,
+            "device": str(dev.device) if dev is not None else "",
+            "device_size": dev.alloc.capacity if dev is not None else 0,
+            "ipc_handle": handle,
+            "device_uuid": copier.device_uuid(dev.device) if dev is not None else "",
         }
-
-
-__all__ = ["Engine", "ParkSpec", "Lease", "ReadHandle", "DataLoss"]

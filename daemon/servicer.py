@@ -78,6 +78,8 @@ def _spec(h: pb.ParkHeader) -> ParkSpec:
         nbytes=h.nbytes,
         priority=h.priority,
         overwrite=h.overwrite,
+        pinned=h.pinned,
+        ttl_s=h.ttl_s,
     )
 
 
@@ -104,6 +106,8 @@ class Servicer:
                 hostname=self.hostname, boot_id=self.boot_id,
             ),
             lease_ttl_s=h["lease_ttl_s"],
+            device=pb.DeviceInfo(device=h["device"], size=h["device_size"], ipc_handle=h["ipc_handle"],
+                                 uuid=h["device_uuid"]),
         )
 
     @_typed
@@ -148,7 +152,7 @@ class Servicer:
 
     @_typed
     def Reserve(self, req: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
-        lease = self.engine.reserve(_spec(req.header))
+        lease = self.engine.reserve(_spec(req.header), tier=req.tier or "host")
         assert lease.alloc is not None
         return pb.ReserveResponse(
             lease_id=lease.lease_id,
@@ -162,7 +166,7 @@ class Servicer:
 
     @_typed
     def Acquire(self, req: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireResponse:
-        h = self.engine.acquire(req.seq_id, need_host=True)
+        h = self.engine.acquire(req.seq_id, need=req.tier or "host")
         assert h.lease is not None and h.alloc is not None
         return pb.AcquireResponse(
             lease_id=h.lease.lease_id,
@@ -174,6 +178,13 @@ class Servicer:
     @_typed
     def Release(self, req: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
         return pb.ReleaseResponse(released=self.engine.release(req.lease_id))
+
+    @_typed
+    def Prefetch(self, req: pb.PrefetchRequest, context: grpc.ServicerContext) -> pb.PrefetchResponse:
+        if req.timeout_s < 0:
+            raise InvalidArgument(f"timeout_s must be >= 0, got {req.timeout_s}")
+        tier = self.engine.prefetch(req.seq_id, req.tier or "device", wait=req.wait, timeout=req.timeout_s or None)
+        return pb.PrefetchResponse(tier=tier)
 
     @_typed
     def Drop(self, req: pb.DropRequest, context: grpc.ServicerContext) -> pb.DropResponse:
@@ -218,6 +229,7 @@ def handlers(engine: Engine, hostname: str, boot_id: str) -> grpc.GenericRpcHand
             "Commit": unary(s.Commit, pb.CommitRequest),
             "Acquire": unary(s.Acquire, pb.AcquireRequest),
             "Release": unary(s.Release, pb.ReleaseRequest),
+            "Prefetch": unary(s.Prefetch, pb.PrefetchRequest),
             "Drop": unary(s.Drop, pb.DropRequest),
             "Info": unary(s.Info, pb.InfoRequest),
             "List": unary(s.List, pb.ListRequest),

@@ -1,22 +1,32 @@
 """Pure placement and eviction policy: decisions are functions of sequence metadata.
 
 Nothing here touches memory, disk or locks; the engine gathers ``SeqMeta`` snapshots,
-asks for a plan, and applies it. That keeps every decision unit-testable without I/O.
+asks for a plan, and applies it. That keeps every decision unit-testable without I/O,
+and one contract suite (tests/tiers/test_policy.py) runs over every registered policy.
 
 Primitives:
 - ``SeqMeta``: what a policy may look at.
-- ``POLICIES``: name -> eviction key (lowest key is evicted first); ``register`` adds one.
-- ``over_high(used, capacity, high) -> bool``: when background demotion should start.
-- ``plan_demotion(policy, candidates, used, capacity, target) -> list[str]``: victims, in
-  order, whose removal brings ``used`` to ``target`` or below; if even all candidates
-  are not enough, all of them (the caller checks).
-- ``background_target(capacity, low)`` and ``room_target(capacity, need)``.
+- ``POLICIES``: name -> order function (candidates -> demotion order, first = coldest);
+  ``register(name, order)`` adds one. Built in:
+    - ``lru``: least recently used first;
+    - ``lfu``: fewest accesses first, LRU among equals;
+    - ``s3fifo``: S3-FIFO-style: sequences never touched since they were parked (the
+      "small queue" of one-hit wonders) leave first in FIFO order, then the rest in FIFO order;
+    - ``arc``: ARC-style: a recency list (touched at most once) and a frequency list,
+      each LRU; the split adapts to where "ghost hits" (promotions back up from a
+      lower tier) came from, so the list that was evicted too eagerly keeps more room.
+  Every policy orders by ``priority`` first: a higher priority is demoted last.
+- ``over_high(used, capacity, high)``; ``background_target(capacity, low)``; ``room_target``.
+- ``demotion_order(policy, candidates) -> list[str]``: all of them, coldest first.
+- ``plan_demotion(policy, candidates, used, capacity, target) -> list[str]``: victims in
+  order whose removal brings ``used`` to ``target`` or below (all of them if not enough).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Iterable
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,22 +37,68 @@ class SeqMeta:
     priority: int = 0
     access_count: int = 0
     created_at: float = 0.0
+    promotions: int = 0  # times brought back up from a lower tier (ARC's ghost hits)
 
 
-EvictionKey = Callable[[SeqMeta], tuple]
+Order = Callable[[list[SeqMeta]], list[SeqMeta]]
 
 
-def _lru(m: SeqMeta) -> tuple:
-    # Priority first: a higher-priority sequence is only demoted once every
-    # lower-priority one has gone, whatever their recency.
-    return (m.priority, m.last_access)
+def _by_priority(order: Order) -> Order:
+    def wrapped(cands: list[SeqMeta]) -> list[SeqMeta]:
+        out: list[SeqMeta] = []
+        for prio in sorted({c.priority for c in cands}):
+            out.extend(order([c for c in cands if c.priority == prio]))
+        return out
+
+    return wrapped
 
 
-POLICIES: dict[str, EvictionKey] = {"lru": _lru}
+def _lru(c: list[SeqMeta]) -> list[SeqMeta]:
+    return sorted(c, key=lambda m: (m.last_access, m.seq_id))
 
 
-def register(name: str, key: EvictionKey) -> None:
-    POLICIES[name] = key
+def _lfu(c: list[SeqMeta]) -> list[SeqMeta]:
+    return sorted(c, key=lambda m: (m.access_count, m.last_access, m.seq_id))
+
+
+def _s3fifo(c: list[SeqMeta]) -> list[SeqMeta]:
+    return sorted(c, key=lambda m: (m.access_count > 0, m.created_at, m.seq_id))
+
+
+def _arc(c: list[SeqMeta]) -> list[SeqMeta]:
+    t1 = _lru([m for m in c if m.access_count <= 1])
+    t2 = _lru([m for m in c if m.access_count > 1])
+    g1 = sum(m.promotions for m in t1)
+    g2 = sum(m.promotions for m in t2)
+    # Target share of the recency list: grows with ghost hits on recency entries.
+    p = min(0.9, max(0.1, (g1 + 1) / (g1 + g2 + 2)))
+    b1, b2 = sum(m.nbytes for m in t1), sum(m.nbytes for m in t2)
+    out: list[SeqMeta] = []
+    i = j = 0
+    while i < len(t1) or j < len(t2):
+        total = b1 + b2
+        take_t1 = j >= len(t2) or (i < len(t1) and total > 0 and b1 / total > p)
+        if take_t1:
+            out.append(t1[i])
+            b1 -= t1[i].nbytes
+            i += 1
+        else:
+            out.append(t2[j])
+            b2 -= t2[j].nbytes
+            j += 1
+    return out
+
+
+POLICIES: dict[str, Order] = {
+    "lru": _by_priority(_lru),
+    "lfu": _by_priority(_lfu),
+    "s3fifo": _by_priority(_s3fifo),
+    "arc": _by_priority(_arc),
+}
+
+
+def register(name: str, order: Order) -> None:
+    POLICIES[name] = _by_priority(order)
 
 
 def over_high(used: int, capacity: int, high: float) -> bool:
@@ -57,6 +113,18 @@ def room_target(capacity: int, need: int) -> int:
     return capacity - need
 
 
+def demotion_order(policy: str, candidates: Iterable[SeqMeta]) -> list[str]:
+    """Every candidate, coldest first."""
+    return [m.seq_id for m in _get(policy)(list(candidates))]
+
+
+def _get(policy: str) -> Order:
+    try:
+        return POLICIES[policy]
+    except KeyError:
+        raise ValueError(f"unknown eviction policy {policy!r}; known: {', '.join(sorted(POLICIES))}") from None
+
+
 def plan_demotion(
     policy: str,
     candidates: Iterable[SeqMeta],
@@ -64,14 +132,11 @@ def plan_demotion(
     capacity: int,
     target: int,
 ) -> list[str]:
-    try:
-        key = POLICIES[policy]
-    except KeyError:
-        raise ValueError(f"unknown eviction policy {policy!r}; known: {', '.join(sorted(POLICIES))}") from None
+    order = _get(policy)
     if used <= target:
         return []
     victims: list[str] = []
-    for m in sorted(candidates, key=key):
+    for m in order(list(candidates)):
         if used <= target:
             break
         victims.append(m.seq_id)

@@ -36,35 +36,53 @@ class ArenaInfo(_message.Message):
     boot_id: str
     def __init__(self, path: _Optional[str] = ..., size: _Optional[int] = ..., slot_size: _Optional[int] = ..., hostname: _Optional[str] = ..., boot_id: _Optional[str] = ...) -> None: ...
 
+class DeviceInfo(_message.Message):
+    __slots__ = ("device", "size", "ipc_handle", "uuid")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    IPC_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    UUID_FIELD_NUMBER: _ClassVar[int]
+    device: str
+    size: int
+    ipc_handle: bytes
+    uuid: str
+    def __init__(self, device: _Optional[str] = ..., size: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., uuid: _Optional[str] = ...) -> None: ...
+
 class HelloResponse(_message.Message):
-    __slots__ = ("server_version", "transports", "chunk_size", "max_seq_id_len", "arena", "lease_ttl_s")
+    __slots__ = ("server_version", "transports", "chunk_size", "max_seq_id_len", "arena", "lease_ttl_s", "device")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_SEQ_ID_LEN_FIELD_NUMBER: _ClassVar[int]
     ARENA_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     transports: _containers.RepeatedScalarFieldContainer[str]
     chunk_size: int
     max_seq_id_len: int
     arena: ArenaInfo
     lease_ttl_s: float
-    def __init__(self, server_version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., chunk_size: _Optional[int] = ..., max_seq_id_len: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    device: DeviceInfo
+    def __init__(self, server_version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., chunk_size: _Optional[int] = ..., max_seq_id_len: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., lease_ttl_s: _Optional[float] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ...) -> None: ...
 
 class ParkHeader(_message.Message):
-    __slots__ = ("seq_id", "tensors", "nbytes", "priority", "overwrite")
+    __slots__ = ("seq_id", "tensors", "nbytes", "priority", "overwrite", "pinned", "ttl_s")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     OVERWRITE_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    TTL_S_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     nbytes: int
     priority: int
     overwrite: bool
-    def __init__(self, seq_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., nbytes: _Optional[int] = ..., priority: _Optional[int] = ..., overwrite: _Optional[bool] = ...) -> None: ...
+    pinned: bool
+    ttl_s: float
+    def __init__(self, seq_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., nbytes: _Optional[int] = ..., priority: _Optional[int] = ..., overwrite: _Optional[bool] = ..., pinned: _Optional[bool] = ..., ttl_s: _Optional[float] = ...) -> None: ...
 
 class DataChunk(_message.Message):
     __slots__ = ("offset", "data")
@@ -119,10 +137,12 @@ class Segment(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("header",)
+    __slots__ = ("header", "tier")
     HEADER_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     header: ParkHeader
-    def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ...) -> None: ...
+    tier: str
+    def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("lease_id", "segments", "expires_in_s")
@@ -141,10 +161,12 @@ class CommitRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("seq_id",)
+    __slots__ = ("seq_id", "tier")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
-    def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
+    tier: str
+    def __init__(self, seq_id: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "info", "segments", "expires_in_s")
@@ -169,6 +191,24 @@ class ReleaseResponse(_message.Message):
     RELEASED_FIELD_NUMBER: _ClassVar[int]
     released: bool
     def __init__(self, released: _Optional[bool] = ...) -> None: ...
+
+class PrefetchRequest(_message.Message):
+    __slots__ = ("seq_id", "tier", "wait", "timeout_s")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    WAIT_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    tier: str
+    wait: bool
+    timeout_s: float
+    def __init__(self, seq_id: _Optional[str] = ..., tier: _Optional[str] = ..., wait: _Optional[bool] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+
+class PrefetchResponse(_message.Message):
+    __slots__ = ("tier",)
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    tier: str
+    def __init__(self, tier: _Optional[str] = ...) -> None: ...
 
 class DropRequest(_message.Message):
     __slots__ = ("seq_id",)

@@ -69,6 +69,11 @@ class KVParkStub:
                 request_serializer=kvpark_dot_v1_dot_kvpark__pb2.ReleaseRequest.SerializeToString,
                 response_deserializer=kvpark_dot_v1_dot_kvpark__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
+        self.Prefetch = channel.unary_unary(
+                '/kvpark.v1.KVPark/Prefetch',
+                request_serializer=kvpark_dot_v1_dot_kvpark__pb2.PrefetchRequest.SerializeToString,
+                response_deserializer=kvpark_dot_v1_dot_kvpark__pb2.PrefetchResponse.FromString,
+                _registered_method=True)
         self.Drop = channel.unary_unary(
                 '/kvpark.v1.KVPark/Drop',
                 request_serializer=kvpark_dot_v1_dot_kvpark__pb2.DropRequest.SerializeToString,
@@ -145,6 +150,13 @@ class KVParkServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Prefetch(self, request, context):
+        """Starts promotion to a faster tier so a later restore finds the data resident.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Drop(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -206,6 +218,11 @@ def add_KVParkServicer_to_server(servicer, server):
                     servicer.Release,
                     request_deserializer=kvpark_dot_v1_dot_kvpark__pb2.ReleaseRequest.FromString,
                     response_serializer=kvpark_dot_v1_dot_kvpark__pb2.ReleaseResponse.SerializeToString,
+            ),
+            'Prefetch': grpc.unary_unary_rpc_method_handler(
+                    servicer.Prefetch,
+                    request_deserializer=kvpark_dot_v1_dot_kvpark__pb2.PrefetchRequest.FromString,
+                    response_serializer=kvpark_dot_v1_dot_kvpark__pb2.PrefetchResponse.SerializeToString,
             ),
             'Drop': grpc.unary_unary_rpc_method_handler(
                     servicer.Drop,
@@ -417,6 +434,33 @@ class KVPark:
             '/kvpark.v1.KVPark/Release',
             kvpark_dot_v1_dot_kvpark__pb2.ReleaseRequest.SerializeToString,
             kvpark_dot_v1_dot_kvpark__pb2.ReleaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Prefetch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpark.v1.KVPark/Prefetch',
+            kvpark_dot_v1_dot_kvpark__pb2.PrefetchRequest.SerializeToString,
+            kvpark_dot_v1_dot_kvpark__pb2.PrefetchResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -53,9 +53,10 @@ def test_threads_park_restore_drop(daemon: Callable[..., Daemon], transport: str
         assert engine is not None
         # Exact accounting: host charge equals what the resident sequences hold.
         with engine._lock:
-            charged = sum(s.host.charged for s in engine._seqs.values() if s.host is not None)
+            for name, mem in engine.tiers.items():
+                charged = sum(s.res[name].charged for s in engine._seqs.values() if name in s.res)
+                assert mem.alloc.used_bytes == charged, name
             on_disk = sum(s.manifest.nbytes for s in engine._seqs.values() if s.on_disk)
-            assert engine.alloc.used_bytes == charged
             assert engine._disk_used == on_disk
         for sid in kept:
             assert c.drop(sid)

@@ -1,0 +1,168 @@
+"""Three tiers together, with device = "cpu" as the stand-in for a GPU pool."""
+
+import random
+import threading
+import time
+from typing import Callable
+
+import pytest
+import torch
+
+from kvpark.client import Client, DeadlineExceeded, InvalidArgument, NotFound
+from kvpark.daemon.server import Daemon
+
+from ..conftest import wait_until
+
+MiB = 1 << 20
+DEV = {"tiers.device.enabled": "true", "tiers.device.device": "cpu", "tiers.device.capacity": "8MiB"}
+
+
+def blob(i: int, n: int = MiB) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+
+
+def test_parks_land_on_the_device_tier(daemon: Callable[..., Daemon]) -> None:
+    d = daemon(**DEV)
+    with Client(d.address, transport="inline") as c:
+        assert c.park("a", [blob(1)]).tier == "device"
+        st = c.stat()
+        assert list(st.tiers) == ["device", "host", "disk"]
+        assert st.tiers["device"].sequences == 1 and st.tiers["host"].sequences == 0
+        assert torch.equal(c.restore("a")[0], blob(1))
+    with Client(d.address, transport="shm") as c:
+        # A shm client writes into the host arena, so its parks land on host.
+        assert c.park("b", [blob(2)]).tier == "host"
+
+
+def test_pressure_demotes_down_the_chain_bit_exact(daemon: Callable[..., Daemon]) -> None:
+    # Step 1: 40 MiB through an 8 MiB device tier and a 16 MiB host tier.
+    d = daemon(**DEV, **{"policy.promote_on_restore": False})
+    with Client(d.address, transport="inline") as c:
+        for i in range(40):
+            c.park(f"s{i:02d}", [blob(i)])
+        st = c.stat()
+        # Step 2: every tier holds some, none is over capacity.
+        assert 0 < st.tiers["device"].used_bytes <= 8 * MiB
+        assert 0 < st.tiers["host"].used_bytes <= 16 * MiB
+        assert st.tiers["disk"].sequences >= 16
+        tiers = {s.seq_id: s.tier for s in c.list()}
+        assert tiers["s00"] == "disk" and tiers["s39"] == "device"
+        assert "host" in tiers.values()
+        # Step 3: bytes are exact at every level (no promotion, so tiers stay put).
+        for i in range(40):
+            assert torch.equal(c.restore(f"s{i:02d}")[0], blob(i)), i
+        assert {s.seq_id: s.tier for s in c.list()} == tiers
+
+
+def test_restore_promotes_to_device_and_prefetch_moves_up(daemon: Callable[..., Daemon]) -> None:
+    d = daemon(**DEV)
+    with Client(d.address, transport="inline") as c:
+        for i in range(30):
+            c.park(f"s{i:02d}", [blob(i)])
+        assert c.info("s00").tier == "disk"
+        # Background demotion leaves headroom under the device tier's high watermark.
+        assert wait_until(lambda: c.stat().tiers["device"].used_bytes <= int(0.8 * 8 * MiB))
+        # Restore promotes into restore_to (device when enabled) before serving.
+        assert torch.equal(c.restore("s00")[0], blob(0))
+        assert c.info("s00").tier == "device"
+        # Prefetch without waiting starts the move; with wait it is there on return.
+        assert c.info("s01").tier == "disk"
+        c.prefetch("s01", tier="host")
+        assert wait_until(lambda: c.info("s01").tier in ("host", "device"))
+        assert c.prefetch("s02", tier="device", wait=True, timeout=30) == "device"
+        assert c.info("s02").tier == "device"
+        assert torch.equal(c.restore("s02")[0], blob(2))
+        with pytest.raises(NotFound):
+            c.prefetch("ghost", wait=True)
+        with pytest.raises(InvalidArgument):
+            c.prefetch("s03", tier="tape")
+
+
+def test_prefetch_timeout(daemon: Callable[..., Daemon]) -> None:
+    d = daemon(**{**DEV, "tiers.host.capacity": "64MiB", "tiers.device.capacity": "64MiB"})
+    with Client(d.address, transport="inline") as c:
+        c.park("big", [blob(1, 48 * MiB)])
+        c.park("filler", [blob(2, 40 * MiB)])  # pushes "big" off device
+        assert wait_until(lambda: c.info("big").tier != "device")
+        with pytest.raises(DeadlineExceeded):
+            c.prefetch("big", tier="device", wait=True, timeout=1e-6)
+
+
+def test_prefetch_needs_an_enabled_tier(daemon: Callable[..., Daemon]) -> None:
+    d = daemon()
+    with Client(d.address) as c:
+        c.park("x", [blob(1)])
+        with pytest.raises(InvalidArgument, match="device tier is not enabled"):
+            c.prefetch("x", tier="device")
+        assert c.prefetch("x", tier="host", wait=True) == "host"
+
+
+def test_pinned_sequences_stay_and_priorities_go_last(daemon: Callable[..., Daemon]) -> None:
+    d = daemon(**DEV)
+    with Client(d.address, transport="inline") as c:
+        c.park("pin", [blob(1)], pinned=True)
+        c.park("vip", [blob(2)], priority=9)
+        for i in range(40):
+            c.park(f"s{i}", [blob(i)])
+        assert c.info("pin").tier == "device"
+        assert c.info("vip").tier in ("device", "host")
+        assert c.info("s0").tier == "disk"
+        assert torch.equal(c.restore("pin")[0], blob(1))
+
+
+def test_ttl_drops_expired_sequences(daemon: Callable[..., Daemon]) -> None:
+    d = daemon(**DEV, **{"leases.ttl_s": 0.4})
+    with Client(d.address) as c:
+        c.park("short", [blob(1)], ttl_s=0.3)
+        c.park("long", [blob(2)])
+        assert c.info("short").seq_id == "short"
+        assert wait_until(lambda: [s.seq_id for s in c.list()] == ["long"], timeout=10)
+        with pytest.raises(InvalidArgument):
+            c.park("bad", [blob(1)], ttl_s=-1)
+
+
+def test_restores_racing_demotions_never_see_half_copied_blocks(daemon: Callable[..., Daemon]) -> None:
+    d = daemon(**DEV)
+    truth = {f"s{i}": blob(i, random.Random(i).choice([MiB, MiB + 333, 2 * MiB + 7])) for i in range(24)}
+    with Client(d.address, transport="inline") as c:
+        for sid, t in truth.items():
+            c.park(sid, [t])
+    stop = time.monotonic() + 4.0
+    errors: list[BaseException] = []
+
+    def reader(w: int, transport: str) -> None:
+        rng = random.Random(w)
+        try:
+            with Client(d.address, transport=transport) as c:
+                while time.monotonic() < stop:
+                    sid = rng.choice(list(truth))
+                    assert torch.equal(c.restore(sid)[0], truth[sid]), sid
+        except BaseException as e:
+            errors.append(e)
+
+    def churn() -> None:
+        try:
+            with Client(d.address, transport="inline") as c:
+                i = 0
+                while time.monotonic() < stop:
+                    c.park(f"churn{i % 12}", [blob(100 + i)], overwrite=True)
+                    i += 1
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=reader, args=(w, "inline" if w % 2 else "shm")) for w in range(4)]
+    threads.append(threading.Thread(target=churn))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[0]
+    with Client(d.address) as c:
+        assert wait_until(lambda: c.stat().leases == 0)
+        engine = d.engine
+        assert engine is not None
+        with engine._lock:
+            for name, mem in engine.tiers.items():
+                assert mem.alloc.used_bytes == sum(s.res[name].charged for s in engine._seqs.values()
+                                                   if name in s.res), name
