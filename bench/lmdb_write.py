@@ -20,6 +20,10 @@ Variants:
 - write_through: what ``policy.write = write_through`` does per park: one txn per
   4 MiB sequence (4 records + a manifest), then ``env.sync(True)`` after every commit
   (``DiskStore.write(sync=True)``), for ``writemap`` on and off.
+- Every variant twice: into a fresh environment (the file grows: new blocks, and with
+  ``writemap`` a page fault per new page), and into a "reused" one where the same amount
+  was written and deleted first, so the writes land on free-list pages already in the
+  file and mapped, as in a daemon that has been running a while.
 
 Each variant runs ``--reps`` times (fresh environment each time); the table shows the
 median and the best in MB/s (1e6 payload bytes per second). The environment lives in a
@@ -122,10 +126,30 @@ def open_env(path: str, total: int, writemap: bool, map_async: bool, sync: bool)
     return env, env.open_db(b"blocks"), env.open_db(b"manifests")
 
 
+def prefill(env: Any, blocks: Any, records: list[tuple[bytes, bytes]], batch: int) -> None:
+    """Write every record under other keys, then delete them: the file is allocated and its
+    pages are on LMDB's free list, as in a daemon that has been demoting and dropping."""
+    for start in range(0, len(records), batch):
+        with env.begin(write=True) as txn:
+            for key, val in records[start : start + batch]:
+                txn.put(b"old-" + key, val, db=blocks)
+    env.sync(True)
+    with env.begin(write=True) as txn:
+        for key, _ in records:
+            txn.delete(b"old-" + key, db=blocks)
+    for _ in range(2):  # let the freed pages age past the last transaction that saw them
+        with env.begin(write=True) as txn:
+            txn.put(b"tick", b"", db=blocks)
+    env.sync(True)
+
+
 def run_variant(base: str, records: list[tuple[bytes, bytes]], total: int, v: dict[str, Any]) -> float:
     path = tempfile.mkdtemp(prefix="env-", dir=base)
-    env, blocks, manifests = open_env(path, total, v["writemap"], v["map_async"], v["sync"])
+    # Room for the prefill's pages too while both are in the file.
+    env, blocks, manifests = open_env(path, 2 * total, v["writemap"], v["map_async"], v["sync"])
     try:
+        if v["file"] == "reused":
+            prefill(env, blocks, records, max(1, (64 * MiB) // len(records[0][1])))
         per_txn = v["per_txn"]  # records per transaction
         t0 = time.perf_counter()
         for start in range(0, len(records), per_txn):
@@ -161,17 +185,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     base, where = pick_dir(args.dir)
 
     variants: list[dict[str, Any]] = []
-    for sync in (False, True):
+    for file in ("fresh", "reused"):
+        for sync in (False, True):
+            for writemap in (True, False):
+                for map_async in (False, True):
+                    for label, per_txn in (("txn per record", 1), ("txn per 64 MiB", batch), ("one txn", n)):
+                        variants.append(dict(
+                            group="commit sync=True (LMDB default)" if sync else "commit sync=False (as DiskStore)",
+                            file=file, writemap=writemap, map_async=map_async, sync=sync, batching=label,
+                            per_txn=per_txn))
         for writemap in (True, False):
-            for map_async in (False, True):
-                for label, per_txn in (("txn per record", 1), ("txn per 64 MiB", batch), ("one txn", n)):
-                    variants.append(dict(
-                        group="commit sync=True (LMDB default)" if sync else "commit sync=False (as DiskStore)",
-                        writemap=writemap, map_async=map_async, sync=sync, batching=label, per_txn=per_txn))
-    for writemap in (True, False):
-        variants.append(dict(group="write_through (sync after every commit)", writemap=writemap, map_async=False,
-                             sync=False, batching="txn per 4 MiB seq + env.sync(True)", per_txn=4, manifest=True,
-                             sync_each=True))
+            variants.append(dict(group="write_through (sync every commit)", file=file, writemap=writemap,
+                                 map_async=False, sync=False, batching="txn per 4 MiB seq + env.sync(True)",
+                                 per_txn=4, manifest=True, sync_each=True))
 
     print(f"LMDB write benchmark: {total // MiB} MiB as {n} records of {record // MiB} MiB (+{HEADER.size} B header)"
           f", reps={args.reps}; environments in {where}", flush=True)
@@ -184,19 +210,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         shutil.rmtree(base, ignore_errors=True)
 
-    lines = ["", f"MB/s (1e6 payload bytes/s), median of {args.reps} (best); timed: all commits + env.sync(True)"]
-    hdr = f"{'group':<42}{'writemap':>9}{'map_async':>10}  {'batching':<36}{'median':>9}{'best':>9}"
+    lines = ["", f"MB/s (1e6 payload bytes/s), median of {args.reps} (best); timed: all commits + env.sync(True)",
+             "file fresh = new environment; reused = the same amount written and deleted first (free-list pages)"]
+    hdr = f"{'file':<7}{'group':<34}{'writemap':>9}{'map_async':>10}  {'batching':<36}{'median':>9}{'best':>9}"
     lines.append(hdr)
     group = None
     for v in variants:
-        g = v["group"] if v["group"] != group else ""
-        group = v["group"]
-        lines.append(f"{g:<42}{'on' if v['writemap'] else 'off':>9}{'on' if v['map_async'] else 'off':>10}  "
+        key = (v["file"], v["group"])
+        f, g = (v["file"], v["group"]) if key != group else ("", "")
+        group = key
+        lines.append(f"{f:<7}{g:<34}{'on' if v['writemap'] else 'off':>9}{'on' if v['map_async'] else 'off':>10}  "
                      f"{v['batching']:<36}{v['median_mbps']:9.0f}{v['best_mbps']:9.0f}")
     lines.append(f"(info) building the records (xxh3-64 + header join), no LMDB: {total / build_s / 1e6:.0f} MB/s")
-    best = max(variants, key=lambda v: v["median_mbps"])
-    lines.append(f"fastest by median: {best['group']}, writemap {'on' if best['writemap'] else 'off'}, map_async "
-                 f"{'on' if best['map_async'] else 'off'}, {best['batching']}: {best['median_mbps']:.0f} MB/s")
+    for file in ("fresh", "reused"):
+        best = max((v for v in variants if v["file"] == file), key=lambda v: v["median_mbps"])
+        lines.append(f"fastest by median, {file} file: {best['group']}, writemap {'on' if best['writemap'] else 'off'}"
+                     f", map_async {'on' if best['map_async'] else 'off'}, {best['batching']}: "
+                     f"{best['median_mbps']:.0f} MB/s")
+    for file in ("fresh", "reused"):
+        for wm in (True, False):
+            xs = [v["median_mbps"] for v in variants if v["file"] == file and v["writemap"] == wm]
+            lines.append(f"{file} file, writemap {'on ' if wm else 'off'}: median over its variants "
+                         f"{statistics.median(xs):.0f} MB/s")
     print("\n".join(lines), flush=True)
 
     result = dict(
