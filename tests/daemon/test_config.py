@@ -82,3 +82,9 @@ def test_sizes() -> None:
 def test_reference_covers_every_key_with_help() -> None:
     keys = {k for k, _, h in reference() if h}
     assert {"server.listen", "tiers.host.capacity", "tiers.disk.path", "policy.write", "leases.ttl_s"} <= keys
+
+
+def test_docs_config_lists_every_key() -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
+    missing = [k for k, _, _ in reference() if f"`{k}`" not in doc]
+    assert not missing, f"docs/config.md lacks {missing}"
