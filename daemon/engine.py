@@ -47,6 +47,8 @@ from kvpark.proto import VERSION
 from kvpark.proto.errors import (
     AlreadyExists,
     DeadlineExceeded,
+    FailedPrecondition,
+    LayoutMismatch,
     InvalidArgument,
     KVParkError,
     LeaseExpired,
@@ -71,6 +73,7 @@ log = logging.getLogger("kvpark.engine")
 # How long a park or promotion waits for in-flight work (copies, reads, other
 # reservations) to free room before it gives up with RESOURCE_EXHAUSTED.
 ROOM_WAIT_S = 10.0
+MAX_PARTS = 1 << 16  # ids in one restore/lookup call
 MEM_TIERS = ("device", "host")
 _BELOW = {"device": "host", "host": "disk"}
 
@@ -84,6 +87,9 @@ class ParkSpec:
     overwrite: bool = False
     pinned: bool = False
     ttl_s: float = 0.0
+    refs: tuple[str, ...] = ()
+    shared: bool = False
+    attrs: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -118,28 +124,54 @@ class Seq:
         v = self.manifest.extra.get("expires_at")
         return float(v) if v else None
 
+    @property
+    def refs(self) -> tuple[str, ...]:
+        return tuple(self.manifest.extra.get("refs", ()))
+
+    @property
+    def shared(self) -> bool:
+        return bool(self.manifest.extra.get("shared", False))
+
+    @property
+    def attrs(self) -> dict[str, str]:
+        return dict(self.manifest.extra.get("attrs", {}))
+
 
 @dataclass(eq=False)
 class Lease:
     lease_id: str
     kind: str  # "write" | "read"
-    tier: str  # memory tier the lease holds
+    tier: str  # memory tier of a write lease
     expires_at: float | None  # None: held by a live stream, released by it
-    seq: Seq | None = None  # read leases
+    parts: list[tuple[Seq, str]] = field(default_factory=list)  # read leases: (sequence, tier) pairs
     spec: ParkSpec | None = None  # write leases
     alloc: Allocation | None = None  # write leases
     received: int = 0  # inline bytes written so far
 
 
 @dataclass
+class Part:
+    """One sequence's bytes inside a restore: a leased memory copy, or disk records."""
+
+    manifest: Manifest
+    alloc: Allocation | None
+    tier: str  # "device" | "host" | "disk"
+
+
+@dataclass
 class ReadHandle:
-    """What a restore reads: a memory copy under a read lease, or disk records."""
+    """What a restore reads: the parts in payload order, under one read lease."""
 
     info: SeqInfo
-    manifest: Manifest
-    lease: Lease | None  # set when served from memory
-    alloc: Allocation | None
-    tier: str
+    parts: list[Part]
+    lease: Lease | None  # holds every memory part
+
+    def segments(self) -> list[tuple[int, int]]:
+        out: list[tuple[int, int]] = []
+        for p in self.parts:
+            assert p.alloc is not None
+            out.extend(p.alloc.segments())
+        return out
 
 
 class Engine:
@@ -154,6 +186,8 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._space = threading.Condition(self._lock)  # notified whenever memory slots are freed
         self._seqs: dict[str, Seq] = {}
+        self._refcount: dict[str, int] = {}  # shared block id -> sequences using it
+        self._orphans: list[Seq] = []  # retired shared blocks whose disk copies still need deleting
         self._leases: dict[str, Lease] = {}
         self._gen = 0
         self._disk_used = 0
@@ -201,9 +235,12 @@ class Engine:
         for b in bad:
             log.error("unreadable manifest skipped: %s", b)
         for m in manifests:
-            self._seqs[m.seq_id] = Seq(manifest=m, on_disk=True)
+            seq = Seq(manifest=m, on_disk=True)
+            self._seqs[m.seq_id] = seq
             self._disk_used += m.nbytes
             self._gen = max(self._gen, m.gen)
+            for r in seq.refs:
+                self._refcount[r] = self._refcount.get(r, 0) + 1
         if manifests:
             log.info("disk tier: %d sequence(s), %d MiB, rebuilt from manifests", len(manifests),
                      self._disk_used >> 20)
@@ -278,6 +315,12 @@ class Engine:
         validate_tensors(spec.tensors, spec.nbytes)
         if spec.ttl_s < 0:
             raise InvalidArgument(f"ttl_s must be >= 0, got {spec.ttl_s}")
+        for r in spec.refs:
+            validate_seq_id(r)
+        if spec.shared and spec.refs:
+            raise InvalidArgument("a shared block cannot itself reference other blocks")
+        if len(spec.attrs) > 64 or any(len(k) + len(v) > 4096 for k, v in spec.attrs.items()):
+            raise InvalidArgument("attrs: at most 64 entries of at most 4096 bytes each")
         self._check_open()
         tier = self._tier_arg(tier or self.park_tier)
         order = [tier] if tier == "host" or not stream else [tier, "host"]
@@ -333,6 +376,12 @@ class Engine:
     def _manifest_for(self, spec: ParkSpec) -> Manifest:
         now = time.time()
         extra: dict = {}
+        if spec.refs:
+            extra["refs"] = list(spec.refs)
+        if spec.shared:
+            extra["shared"] = True
+        if spec.attrs:
+            extra["attrs"] = dict(spec.attrs)
         if spec.pinned:
             extra["pinned"] = True
         if spec.ttl_s > 0:
@@ -361,6 +410,14 @@ class Engine:
                 if old is not None and not spec.overwrite:
                     self._free(mem, alloc)
                     raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
+                if old is not None and old.shared and self._refcount.get(old.seq_id):
+                    self._free(mem, alloc)
+                    raise FailedPrecondition(f"shared block {spec.seq_id!r} is in use; it cannot be overwritten")
+                for r in spec.refs:
+                    target = self._seqs.get(r)
+                    if target is None or not target.shared:
+                        self._free(mem, alloc)
+                        raise NotFound(f"referenced shared block {r!r} is not parked")
                 if self._closed:
                     self._free(mem, alloc)
                     raise Unavailable("daemon is shutting down")
@@ -397,10 +454,15 @@ class Engine:
                     self._publish(seq, old)
                 if old is not None and old.on_disk:
                     self._delete_from_disk(old)
-            return self._info(seq)
+            self._delete_retired()
+            with self._lock:
+                return self._info(seq)
 
     def _publish(self, seq: Seq, old: Seq | None) -> None:
-        # REQUIRES: self._lock held.
+        # REQUIRES: self._lock held. References are taken before the old ones go, so a
+        # block shared by the old and the new version never drops to zero.
+        for r in seq.refs:
+            self._refcount[r] = self._refcount.get(r, 0) + 1
         if old is not None:
             self._retire(old)
         self._seqs[seq.seq_id] = seq
@@ -413,6 +475,16 @@ class Engine:
         if self._seqs.get(seq.seq_id) is seq:
             del self._seqs[seq.seq_id]
         self._release_dropped(seq)
+        for r in seq.refs:
+            left = self._refcount.get(r, 0) - 1
+            if left > 0:
+                self._refcount[r] = left
+                continue
+            self._refcount.pop(r, None)
+            block = self._seqs.get(r)
+            if block is not None and block.shared:
+                self._retire(block)  # its last user is gone
+                self._orphans.append(block)
 
     def _release_dropped(self, seq: Seq) -> None:
         # REQUIRES: self._lock held.
@@ -454,12 +526,12 @@ class Engine:
             if lease.alloc is not None:
                 self._free(self.tiers[lease.tier], lease.alloc)
                 lease.alloc = None
-        elif lease.seq is not None:
-            seq = lease.seq
-            seq.readers[lease.tier] -= 1
-            assert seq.readers[lease.tier] >= 0
-            self._release_dropped(seq)
-            lease.seq = None
+        else:
+            for seq, tier in lease.parts:
+                seq.readers[tier] -= 1
+                assert seq.readers[tier] >= 0
+                self._release_dropped(seq)
+            lease.parts = []
 
     def _reap(self) -> None:
         now = time.monotonic()
@@ -469,43 +541,95 @@ class Engine:
                 self._end_lease(lease)
             wall = time.time()
             expired = [s.seq_id for s in self._seqs.values() if s.expires_at is not None and s.expires_at <= wall]
+            # Shared blocks nobody took up (their sequence's park failed or never came).
+            grace = wall - self.config.leases.ttl_s
+            expired += [s.seq_id for s in self._seqs.values()
+                        if s.shared and not self._refcount.get(s.seq_id) and s.manifest.created_at < grace]
         for sid in expired:
-            log.info("sequence %r reached its TTL; dropped", sid)
-            self.drop(sid)
+            try:
+                if self.drop(sid):
+                    log.info("sequence %r expired (TTL, or an unused shared block); dropped", sid)
+            except FailedPrecondition:
+                pass  # a shared block taken up meanwhile
 
     # ------------------------------------------------------------------ restore
 
-    def acquire(self, seq_id: str, need: str | None = None, stream: bool = False) -> ReadHandle:
-        """Lease a readable copy. ``need`` forces a memory tier (shm: host, cuda_ipc: device)."""
-        validate_seq_id(seq_id)
+    def acquire(self, seq_ids: str | list[str], need: str | None = None, stream: bool = False,
+                expect_layout: str = "") -> ReadHandle:
+        """Lease readable copies of one or more sequences, served as one payload.
+
+        A sequence that references shared blocks expands to those blocks, then itself.
+        ``need`` forces a memory tier (shm: host, cuda_ipc: device); otherwise each part
+        is served from its fastest CPU-readable copy, or from disk. With
+        ``expect_layout``, every named sequence must carry ``attrs["layout"]`` equal to it.
+        """
+        ids = [seq_ids] if isinstance(seq_ids, str) else list(seq_ids)
+        if not ids:
+            raise InvalidArgument("no sequence ids given")
+        if len(ids) > MAX_PARTS:
+            raise InvalidArgument(f"{len(ids)} ids; at most {MAX_PARTS} per call")
+        for sid in ids:
+            validate_seq_id(sid)
         self._check_open()
         if need is not None:
             self._tier_arg(need)
-        want = need or (self.config.restore_to if self.config.policy.promote_on_restore else None)
-        for _ in range(3):
-            with self._lock:
-                seq = self._get(seq_id)
-                seq.manifest.last_access = time.time()
-                seq.access_count += 1
-                have = want in seq.res if want else bool(seq.res)
-            if want and not have:
-                self._promote(seq, want, make_room=need is not None)
-            with self._lock:
-                if seq.dropped:
-                    continue  # overwritten or dropped meanwhile: look it up again
-                if need is not None:
-                    if need in seq.res:
-                        return self._lease_read(seq, need, stream)
-                    raise ResourceExhausted(
-                        f"sequence {seq_id!r} ({seq.manifest.nbytes} bytes) is not in the {need} tier and there is "
-                        f"no room to stage it there (leased or pinned sequences cannot be demoted)"
+        with self._lock:
+            tops = [self._get(sid) for sid in ids]
+            for t in tops:
+                have = t.attrs.get("layout", "")
+                if expect_layout and have != expect_layout:
+                    raise LayoutMismatch(
+                        f"sequence {t.seq_id!r} was parked with layout {have or '(none)'}; the caller expects "
+                        f"{expect_layout}"
                     )
-                # Streams read CPU memory best: prefer a host copy, then a device copy.
-                for t in ("host", "device"):
-                    if t in seq.res:
-                        return self._lease_read(seq, t, stream)
-                return ReadHandle(self._info(seq), seq.manifest, None, None, "disk")
-        raise NotFound(f"no parked sequence {seq_id!r}")
+            comps: list[Seq] = []
+            for t in tops:
+                comps.extend(self._get(r) for r in t.refs)
+                comps.append(t)
+            now = time.time()
+            for c in comps:
+                c.manifest.last_access = now
+                c.access_count += 1
+        want = need or (self.config.restore_to if self.config.policy.promote_on_restore else None)
+        lease = Lease(secrets.token_hex(16), "read", need or "", None if stream else
+                      time.monotonic() + self.config.leases.ttl_s)
+        parts: list[Part] = []
+        try:
+            for c in comps:
+                parts.append(self._acquire_part(c, need, want, lease))
+        except BaseException:
+            with self._lock:
+                self._end_lease(lease)
+            raise
+        with self._lock:
+            if lease.parts:
+                self._leases[lease.lease_id] = lease
+            info = self._info_of(tops, comps)
+        return ReadHandle(info, parts, lease if lease.parts else None)
+
+    def _acquire_part(self, seq: Seq, need: str | None, want: str | None, lease: Lease) -> Part:
+        with self._lock:
+            have = want in seq.res if want else bool(seq.res)
+        if want and not have:
+            self._promote(seq, want, make_room=need is not None)
+        with self._lock:
+            if seq.dropped:
+                raise NotFound(f"sequence {seq.seq_id!r} was dropped or overwritten during the restore")
+            if need is not None:
+                if need not in seq.res:
+                    raise ResourceExhausted(
+                        f"sequence {seq.seq_id!r} ({seq.manifest.nbytes} bytes) is not in the {need} tier and "
+                        "there is no room to stage it there (leased or pinned sequences cannot be demoted)"
+                    )
+                tiers: tuple[str, ...] = (need,)
+            else:
+                tiers = ("host", "device")  # streams read CPU memory best
+            for t in tiers:
+                if t in seq.res:
+                    seq.readers[t] = seq.readers.get(t, 0) + 1
+                    lease.parts.append((seq, t))
+                    return Part(seq.manifest, seq.res[t], t)
+            return Part(seq.manifest, None, "disk")
 
     def _get(self, seq_id: str) -> Seq:
         # REQUIRES: self._lock held.
@@ -514,13 +638,19 @@ class Engine:
             raise NotFound(f"no parked sequence {seq_id!r}")
         return seq
 
-    def _lease_read(self, seq: Seq, tier: str, stream: bool) -> ReadHandle:
-        # REQUIRES: self._lock held and tier in seq.res.
-        ttl = None if stream else time.monotonic() + self.config.leases.ttl_s
-        lease = Lease(secrets.token_hex(16), "read", tier, ttl, seq=seq)
-        seq.readers[tier] = seq.readers.get(tier, 0) + 1
-        self._leases[lease.lease_id] = lease
-        return ReadHandle(self._info(seq), seq.manifest, lease, seq.res[tier], tier)
+    def lookup(self, seq_ids: list[str]) -> int:
+        """How many of ``seq_ids``, from the first, are parked."""
+        if len(seq_ids) > MAX_PARTS:
+            raise InvalidArgument(f"{len(seq_ids)} ids; at most {MAX_PARTS} per call")
+        for sid in seq_ids:
+            validate_seq_id(sid)
+        n = 0
+        with self._lock:
+            for sid in seq_ids:
+                if sid not in self._seqs:
+                    break
+                n += 1
+        return n
 
     def _alloc_in(self, tier: str, seq: Seq, make_room: bool) -> Allocation | None:
         mem = self.tiers[tier]
@@ -621,15 +751,23 @@ class Engine:
     def iter_chunks(self, handle: ReadHandle, chunk_size: int) -> Iterator[tuple[int, list[memoryview]]]:
         """(payload offset, views) pieces of at most ``chunk_size`` bytes, in payload order.
 
-        Disk-served sequences are read inside one read transaction; each block is verified
+        Disk-served parts are read inside one read transaction; each block is verified
         before any of its bytes are yielded.
         """
-        m = handle.manifest
-        if handle.alloc is not None:
-            yield from regroup(self.tiers[handle.tier].views(handle.alloc), chunk_size)
+        def views(r: object) -> Iterator[memoryview]:
+            for p in handle.parts:
+                if p.alloc is not None:
+                    yield from self.tiers[p.tier].views(p.alloc)
+                else:
+                    m = p.manifest
+                    for i, n in enumerate(m.block_lengths):
+                        yield r.read_block(m, i, n)  # type: ignore[attr-defined]
+
+        if all(p.alloc is not None for p in handle.parts):
+            yield from regroup(views(None), chunk_size)
             return
         with self.disk.read_txn() as r:
-            yield from regroup((r.read_block(m, i, n) for i, n in enumerate(m.block_lengths)), chunk_size)
+            yield from regroup(views(r), chunk_size)
 
     # ------------------------------------------------------------------ demotion
 
@@ -790,16 +928,47 @@ class Engine:
             seq = self._seqs.get(seq_id)
             if seq is None:
                 return False
+            if seq.shared and self._refcount.get(seq_id):
+                raise FailedPrecondition(
+                    f"shared block {seq_id!r} is used by {self._refcount[seq_id]} sequence(s); drop those instead"
+                )
             self._retire(seq)
-        if seq.on_disk:
-            self._delete_from_disk(seq)
+        self._delete_retired(seq)
         return True
 
+    def _delete_retired(self, seq: Seq | None = None) -> None:
+        """Delete the disk copies of ``seq`` and of shared blocks retired with it."""
+        with self._lock:
+            todo, self._orphans = self._orphans, []
+        for s in ([seq] if seq is not None else []) + todo:
+            if s.on_disk:
+                self._delete_from_disk(s)
+
     def _info(self, seq: Seq) -> SeqInfo:
-        m = seq.manifest
+        # REQUIRES: self._lock held.
+        comps = [self._seqs[r] for r in seq.refs if r in self._seqs] + [seq]
+        return self._info_of([seq], comps)
+
+    def _info_of(self, tops: list[Seq], comps: list[Seq]) -> SeqInfo:
+        # REQUIRES: self._lock held. A composite's tier is the slowest of its parts'.
+        rank = {"device": 0, "host": 1, "disk": 2}
+        top = tops[0]
+        m = top.manifest
+        tensors = tuple(t for c in comps for t in c.manifest.tensors)
         return SeqInfo(
-            seq_id=m.seq_id, nbytes=m.nbytes, tier=seq.tier, num_tensors=len(m.tensors), tensors=m.tensors,
-            priority=m.priority, created_at=m.created_at, last_access=m.last_access, num_blocks=len(m.block_lengths),
+            seq_id=",".join(t.seq_id for t in tops),
+            nbytes=sum(c.manifest.nbytes for c in comps),
+            tier=max((c.tier for c in comps), key=rank.__getitem__),
+            num_tensors=len(tensors),
+            tensors=tensors,
+            priority=m.priority,
+            created_at=m.created_at,
+            last_access=m.last_access,
+            num_blocks=sum(len(c.manifest.block_lengths) for c in comps),
+            attrs=top.attrs,
+            refs=top.refs,
+            shared=top.shared,
+            refcount=self._refcount.get(top.seq_id, 0),
         )
 
     def info(self, seq_id: str) -> SeqInfo:

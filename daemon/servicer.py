@@ -80,6 +80,9 @@ def _spec(h: pb.ParkHeader) -> ParkSpec:
         overwrite=h.overwrite,
         pinned=h.pinned,
         ttl_s=h.ttl_s,
+        refs=tuple(h.refs),
+        shared=h.shared,
+        attrs=dict(h.attrs),
     )
 
 
@@ -139,7 +142,8 @@ class Servicer:
 
     @_typed_stream
     def Restore(self, req: pb.RestoreRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        handle = self.engine.acquire(req.seq_id, stream=True)
+        ids = list(req.seq_ids) or req.seq_id
+        handle = self.engine.acquire(ids, stream=True, expect_layout=req.expect_layout)
         try:
             yield pb.RestoreResponse(header=pb.RestoreHeader(info=convert.info_to_pb(handle.info))).SerializeToString()
             for offset, views in self.engine.iter_chunks(handle, self.engine.config.server.chunk_size):
@@ -166,12 +170,12 @@ class Servicer:
 
     @_typed
     def Acquire(self, req: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireResponse:
-        h = self.engine.acquire(req.seq_id, need=req.tier or "host")
-        assert h.lease is not None and h.alloc is not None
+        ids = list(req.seq_ids) or req.seq_id
+        h = self.engine.acquire(ids, need=req.tier or "host", expect_layout=req.expect_layout)
         return pb.AcquireResponse(
-            lease_id=h.lease.lease_id,
+            lease_id=h.lease.lease_id if h.lease is not None else "",
             info=convert.info_to_pb(h.info),
-            segments=_segments(h.alloc.segments()),
+            segments=_segments(h.segments()),
             expires_in_s=self.engine.config.leases.ttl_s,
         )
 
@@ -185,6 +189,10 @@ class Servicer:
             raise InvalidArgument(f"timeout_s must be >= 0, got {req.timeout_s}")
         tier = self.engine.prefetch(req.seq_id, req.tier or "device", wait=req.wait, timeout=req.timeout_s or None)
         return pb.PrefetchResponse(tier=tier)
+
+    @_typed
+    def Lookup(self, req: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        return pb.LookupResponse(prefix=self.engine.lookup(list(req.seq_ids)))
 
     @_typed
     def Drop(self, req: pb.DropRequest, context: grpc.ServicerContext) -> pb.DropResponse:
@@ -230,6 +238,7 @@ def handlers(engine: Engine, hostname: str, boot_id: str) -> grpc.GenericRpcHand
             "Acquire": unary(s.Acquire, pb.AcquireRequest),
             "Release": unary(s.Release, pb.ReleaseRequest),
             "Prefetch": unary(s.Prefetch, pb.PrefetchRequest),
+            "Lookup": unary(s.Lookup, pb.LookupRequest),
             "Drop": unary(s.Drop, pb.DropRequest),
             "Info": unary(s.Info, pb.InfoRequest),
             "List": unary(s.List, pb.ListRequest),

@@ -29,6 +29,10 @@ def info_to_pb(i: SeqInfo) -> pb.SeqInfo:
         created_at=i.created_at,
         last_access=i.last_access,
         num_blocks=i.num_blocks,
+        attrs=i.attrs,
+        refs=list(i.refs),
+        shared=i.shared,
+        refcount=i.refcount,
     )
 
 
@@ -44,6 +48,10 @@ def info_from_pb(p: pb.SeqInfo) -> SeqInfo:
         created_at=p.created_at,
         last_access=p.last_access,
         num_blocks=p.num_blocks,
+        attrs=dict(p.attrs),
+        refs=tuple(p.refs),
+        shared=p.shared,
+        refcount=p.refcount,
     )
 
 

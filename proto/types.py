@@ -21,6 +21,10 @@ class SeqInfo:
     created_at: float = 0.0
     last_access: float = 0.0
     num_blocks: int = 0
+    attrs: dict[str, str] = field(default_factory=dict)
+    refs: tuple[str, ...] = ()
+    shared: bool = False
+    refcount: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -67,7 +67,14 @@ class HelloResponse(_message.Message):
     def __init__(self, server_version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., chunk_size: _Optional[int] = ..., max_seq_id_len: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., lease_ttl_s: _Optional[float] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ...) -> None: ...
 
 class ParkHeader(_message.Message):
-    __slots__ = ("seq_id", "tensors", "nbytes", "priority", "overwrite", "pinned", "ttl_s")
+    __slots__ = ("seq_id", "tensors", "nbytes", "priority", "overwrite", "pinned", "ttl_s", "refs", "shared", "attrs")
+    class AttrsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TENSORS_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
@@ -75,6 +82,9 @@ class ParkHeader(_message.Message):
     OVERWRITE_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
+    REFS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    ATTRS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     nbytes: int
@@ -82,7 +92,10 @@ class ParkHeader(_message.Message):
     overwrite: bool
     pinned: bool
     ttl_s: float
-    def __init__(self, seq_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., nbytes: _Optional[int] = ..., priority: _Optional[int] = ..., overwrite: _Optional[bool] = ..., pinned: _Optional[bool] = ..., ttl_s: _Optional[float] = ...) -> None: ...
+    refs: _containers.RepeatedScalarFieldContainer[str]
+    shared: bool
+    attrs: _containers.ScalarMap[str, str]
+    def __init__(self, seq_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., nbytes: _Optional[int] = ..., priority: _Optional[int] = ..., overwrite: _Optional[bool] = ..., pinned: _Optional[bool] = ..., ttl_s: _Optional[float] = ..., refs: _Optional[_Iterable[str]] = ..., shared: _Optional[bool] = ..., attrs: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class DataChunk(_message.Message):
     __slots__ = ("offset", "data")
@@ -109,10 +122,14 @@ class ParkRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., chunk: _Optional[_Union[DataChunk, _Mapping]] = ..., commit: _Optional[_Union[ParkCommit, _Mapping]] = ...) -> None: ...
 
 class RestoreRequest(_message.Message):
-    __slots__ = ("seq_id",)
+    __slots__ = ("seq_id", "seq_ids", "expect_layout")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
-    def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    expect_layout: str
+    def __init__(self, seq_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[str]] = ..., expect_layout: _Optional[str] = ...) -> None: ...
 
 class RestoreHeader(_message.Message):
     __slots__ = ("info",)
@@ -161,12 +178,16 @@ class CommitRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("seq_id", "tier")
+    __slots__ = ("seq_id", "tier", "seq_ids", "expect_layout")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     tier: str
-    def __init__(self, seq_id: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    expect_layout: str
+    def __init__(self, seq_id: _Optional[str] = ..., tier: _Optional[str] = ..., seq_ids: _Optional[_Iterable[str]] = ..., expect_layout: _Optional[str] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
     __slots__ = ("lease_id", "info", "segments", "expires_in_s")
@@ -210,6 +231,18 @@ class PrefetchResponse(_message.Message):
     tier: str
     def __init__(self, tier: _Optional[str] = ...) -> None: ...
 
+class LookupRequest(_message.Message):
+    __slots__ = ("seq_ids",)
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("prefix",)
+    PREFIX_FIELD_NUMBER: _ClassVar[int]
+    prefix: int
+    def __init__(self, prefix: _Optional[int] = ...) -> None: ...
+
 class DropRequest(_message.Message):
     __slots__ = ("seq_id",)
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
@@ -229,7 +262,14 @@ class InfoRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
 
 class SeqInfo(_message.Message):
-    __slots__ = ("seq_id", "nbytes", "tier", "tensors", "priority", "created_at", "last_access", "num_blocks")
+    __slots__ = ("seq_id", "nbytes", "tier", "tensors", "priority", "created_at", "last_access", "num_blocks", "attrs", "refs", "shared", "refcount")
+    class AttrsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NBYTES_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +278,10 @@ class SeqInfo(_message.Message):
     CREATED_AT_FIELD_NUMBER: _ClassVar[int]
     LAST_ACCESS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ATTRS_FIELD_NUMBER: _ClassVar[int]
+    REFS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_FIELD_NUMBER: _ClassVar[int]
+    REFCOUNT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     nbytes: int
     tier: str
@@ -246,7 +290,11 @@ class SeqInfo(_message.Message):
     created_at: float
     last_access: float
     num_blocks: int
-    def __init__(self, seq_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., tier: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., priority: _Optional[int] = ..., created_at: _Optional[float] = ..., last_access: _Optional[float] = ..., num_blocks: _Optional[int] = ...) -> None: ...
+    attrs: _containers.ScalarMap[str, str]
+    refs: _containers.RepeatedScalarFieldContainer[str]
+    shared: bool
+    refcount: int
+    def __init__(self, seq_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., tier: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., priority: _Optional[int] = ..., created_at: _Optional[float] = ..., last_access: _Optional[float] = ..., num_blocks: _Optional[int] = ..., attrs: _Optional[_Mapping[str, str]] = ..., refs: _Optional[_Iterable[str]] = ..., shared: _Optional[bool] = ..., refcount: _Optional[int] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ()

@@ -74,6 +74,11 @@ class KVParkStub:
                 request_serializer=kvpark_dot_v1_dot_kvpark__pb2.PrefetchRequest.SerializeToString,
                 response_deserializer=kvpark_dot_v1_dot_kvpark__pb2.PrefetchResponse.FromString,
                 _registered_method=True)
+        self.Lookup = channel.unary_unary(
+                '/kvpark.v1.KVPark/Lookup',
+                request_serializer=kvpark_dot_v1_dot_kvpark__pb2.LookupRequest.SerializeToString,
+                response_deserializer=kvpark_dot_v1_dot_kvpark__pb2.LookupResponse.FromString,
+                _registered_method=True)
         self.Drop = channel.unary_unary(
                 '/kvpark.v1.KVPark/Drop',
                 request_serializer=kvpark_dot_v1_dot_kvpark__pb2.DropRequest.SerializeToString,
@@ -157,6 +162,13 @@ class KVParkServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Lookup(self, request, context):
+        """How many of the given ids, from the first, are parked (prefix lookup).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Drop(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -223,6 +235,11 @@ def add_KVParkServicer_to_server(servicer, server):
                     servicer.Prefetch,
                     request_deserializer=kvpark_dot_v1_dot_kvpark__pb2.PrefetchRequest.FromString,
                     response_serializer=kvpark_dot_v1_dot_kvpark__pb2.PrefetchResponse.SerializeToString,
+            ),
+            'Lookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.Lookup,
+                    request_deserializer=kvpark_dot_v1_dot_kvpark__pb2.LookupRequest.FromString,
+                    response_serializer=kvpark_dot_v1_dot_kvpark__pb2.LookupResponse.SerializeToString,
             ),
             'Drop': grpc.unary_unary_rpc_method_handler(
                     servicer.Drop,
@@ -461,6 +478,33 @@ class KVPark:
             '/kvpark.v1.KVPark/Prefetch',
             kvpark_dot_v1_dot_kvpark__pb2.PrefetchRequest.SerializeToString,
             kvpark_dot_v1_dot_kvpark__pb2.PrefetchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Lookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpark.v1.KVPark/Lookup',
+            kvpark_dot_v1_dot_kvpark__pb2.LookupRequest.SerializeToString,
+            kvpark_dot_v1_dot_kvpark__pb2.LookupResponse.FromString,
             options,
             channel_credentials,
             insecure,
