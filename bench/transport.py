@@ -206,6 +206,9 @@ class Servers:
             "tiers.disk.path": os.path.join(self.tmp, "disk"),
             "tiers.disk.capacity": "4GiB",
             "policy.flush_on_shutdown": "false",  # everything is dropped; nothing to flush
+            # Host transports only: no device pool (on a GPU machine "auto" would add one
+            # and inline parks / restores could land there).
+            "tiers.device.enabled": "false",
         }
         if mode == "inprocess":
             from kvpark.daemon.config import load
@@ -274,6 +277,7 @@ class RedisServer:
     def __init__(self) -> None:
         self.proc: subprocess.Popen | None = None
         self.version = ""
+        self.hiredis = False
         self.skip_reason = ""
         exe = shutil.which("redis-server")
         if exe is None:
@@ -281,7 +285,8 @@ class RedisServer:
                                 "(install it, e.g. `apt-get install -y redis-server`)")
             return
         try:
-            import redis  # noqa: F401
+            import redis
+            from redis.utils import HIREDIS_AVAILABLE
         except ImportError:
             self.skip_reason = "redis-py not installed (pip install 'redis>=5' hiredis); Redis rows skipped"
             return
@@ -293,8 +298,7 @@ class RedisServer:
              "--protected-mode", "yes", "--daemonize", "no", "--loglevel", "warning"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        import redis
-
+        self.hiredis = bool(HIREDIS_AVAILABLE)
         # 1 MiB socket reads: GET of large values runs ~1.5x faster than with redis-py's 64 KiB
         # default here, so Redis is compared at its better setting.
         self.client = redis.Redis(host="127.0.0.1", port=self.port, socket_timeout=120,
@@ -697,6 +701,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         meta=dict(
             cpu=cpu_model(), cpus=os.cpu_count(), python=platform.python_version(), torch=torch.__version__,
             grpc=grpc.__version__, redis_server=redis_srv.version if redis_srv is not None else "",
+            redis_hiredis_parser=redis_srv.hiredis if redis_srv is not None else False,
             torch_threads=args.threads, torch_default_threads=default_threads, servers=args.servers,
             reps=args.reps, warmup=args.warmup, statistic="best of reps (median also given)",
             gb="1e9 bytes", case_a=cases["a"]["label"], case_b=cases["b"]["label"], chunk=CHUNK,
