@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import pickle
 import socket
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import grpc
 import numpy as np
@@ -68,6 +68,36 @@ def _boot_id() -> str:
         return ""
 
 
+def _header(seq_id: str, tensors: Sequence[torch.Tensor]) -> pb.ParkHeader:
+    validate_seq_id(seq_id)
+    metas = [TensorMeta.of(t) for t in tensors]
+    return pb.ParkHeader(seq_id=seq_id, tensors=[convert.meta_to_pb(m) for m in metas],
+                         nbytes=sum(m.nbytes for m in metas))
+
+
+def _set_ids(req: Any, ids: list[str]) -> None:
+    if len(ids) == 1:
+        req.seq_id = ids[0]
+    else:
+        req.seq_ids.extend(ids)
+
+
+class _Layerwise:
+    """The iterator ``restore(..., layerwise=True)`` returns; ``close()`` ends the lease early."""
+
+    def __init__(self, gen: Iterator[tuple[int, torch.Tensor]]) -> None:
+        self._gen = gen
+
+    def __iter__(self) -> "_Layerwise":
+        return self
+
+    def __next__(self) -> tuple[int, torch.Tensor]:
+        return next(self._gen)
+
+    def close(self) -> None:
+        self._gen.close()  # type: ignore[attr-defined]
+
+
 def _ser(m: Any) -> bytes:
     return m.SerializeToString()
 
@@ -95,6 +125,7 @@ class Client:
         self._acquire = u("Acquire", pb.AcquireResponse)
         self._release = u("Release", pb.ReleaseResponse)
         self._prefetch = u("Prefetch", pb.PrefetchResponse)
+        self._lookup = u("Lookup", pb.LookupResponse)
         self._drop = u("Drop", pb.DropResponse)
         self._info = u("Info", pb.SeqInfo)
         self._list = u("List", pb.ListResponse)
@@ -178,11 +209,16 @@ class Client:
     # ------------------------------------------------------------------ park
 
     def park(self, seq_id: str, tensors: Sequence[torch.Tensor], *, priority: int = 0,
-             overwrite: bool = False, pinned: bool = False, ttl_s: float | None = None) -> SeqInfo:
+             overwrite: bool = False, pinned: bool = False, ttl_s: float | None = None,
+             attrs: Mapping[str, str] | None = None, refs: Sequence[str] = (),
+             new_blocks: Mapping[str, Sequence[torch.Tensor]] | None = None) -> SeqInfo:
         """Store ``tensors`` under ``seq_id``. Visible to others only once this returns.
 
         ``priority``: higher is demoted later. ``pinned``: never demoted below the tier it
-        lands in. ``ttl_s``: dropped that many seconds after the park.
+        lands in. ``ttl_s``: dropped that many seconds after the park. ``attrs``: string
+        metadata returned by ``info``. ``refs``: shared blocks the sequence starts with
+        (its payload is theirs, then ``tensors``); ``new_blocks`` creates missing ones in
+        the same commit (block id -> tensors); existing ones are kept (dedup).
         """
         validate_seq_id(seq_id)
         if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
@@ -191,12 +227,16 @@ class Client:
             raise InvalidArgument(f"priority must fit in int32, got {priority}")
         if ttl_s is not None and not ttl_s > 0:
             raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
-        flats = [byte_view(t) for t in tensors]
-        metas = [TensorMeta.of(t) for t in tensors]
-        header = pb.ParkHeader(
-            seq_id=seq_id, tensors=[convert.meta_to_pb(m) for m in metas], nbytes=sum(m.nbytes for m in metas),
-            priority=int(priority), overwrite=overwrite, pinned=pinned, ttl_s=float(ttl_s or 0.0),
-        )
+        header = _header(seq_id, tensors)
+        header.priority, header.overwrite, header.pinned = int(priority), overwrite, pinned
+        header.ttl_s = float(ttl_s or 0.0)
+        header.refs.extend(refs)
+        header.attrs.update(attrs or {})
+        flats: list[torch.Tensor] = []
+        for bid, bts in (new_blocks or {}).items():
+            header.blocks.append(_header(bid, bts))
+            flats.extend(byte_view(t) for t in bts)
+        flats.extend(byte_view(t) for t in tensors)
         if self.transport == "inline":
             return self._park_inline(header, flats)
         return self._park_pool(header, flats)
@@ -226,6 +266,8 @@ class Client:
         return convert.info_from_pb(self._call(self._commit, pb.CommitRequest(lease_id=r.lease_id)))
 
     def _abort_quietly(self, lease_id: str) -> None:
+        if not lease_id:
+            return
         try:
             self._call(self._release, pb.ReleaseRequest(lease_id=lease_id))
         except KVParkError:
@@ -235,12 +277,13 @@ class Client:
         # One D2H per device tensor; CPU tensors are framed straight from their memory.
         views = [memoryview(f.cpu().numpy()) for f in flats if f.numel()]
         size = self.chunk_size
+        total = sum(len(v) for v in views)
 
         def stream() -> Iterator[bytes]:
             yield pb.ParkRequest(header=header).SerializeToString()
             for off, vs in regroup(views, size):
                 yield encode_chunk(off, *vs)
-            yield pb.ParkRequest(commit=pb.ParkCommit(nbytes=header.nbytes)).SerializeToString()
+            yield pb.ParkRequest(commit=pb.ParkCommit(nbytes=total)).SerializeToString()
 
         try:
             return convert.info_from_pb(self._park(stream(), timeout=self.timeout))
@@ -250,76 +293,141 @@ class Client:
     # ------------------------------------------------------------------ restore
 
     def restore(self, seq_id: str, *, device: torch.device | str | None = None,
-                into: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Return the parked tensors (on ``device``, default CPU), or fill ``into`` in place."""
-        validate_seq_id(seq_id)
-        if self.transport == "inline":
-            return self._restore_inline(seq_id, device, into)
-        return self._restore_pool(seq_id, device, into)
+                into: Sequence[torch.Tensor] | None = None, layerwise: bool = False
+                ) -> list[torch.Tensor] | Iterator[tuple[int, torch.Tensor]]:
+        """Return the parked tensors (on ``device``, default CPU), or fill ``into`` in place.
 
-    def _restore_pool(self, seq_id: str, device: Any, into: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
-        """shm / cuda_ipc: lease the resident slots, copy straight out, release."""
-        pool, tier = self._pool_for()
-        try:
-            r = self._call(self._acquire, pb.AcquireRequest(seq_id=seq_id, tier=tier))
-        except ResourceExhausted:
-            # No room to stage it in that tier (all leased or pinned): stream it instead.
-            return self._restore_inline(seq_id, device, into)
+        With ``layerwise=True``, return an iterator of ``(index, tensor)`` that yields
+        each tensor as soon as its bytes have landed, in order, so a consumer can start
+        on tensor 0 (layer 0) while later ones are still arriving. On CUDA each tensor's
+        copies are queued on a side stream up front and each yield waits on its own event.
+        """
+        validate_seq_id(seq_id)
+        gen = self._restore_gen([seq_id], device, into, "")
+        info = next(gen)
+        assert isinstance(info, SeqInfo)
+        if layerwise:
+            return _Layerwise(gen)  # type: ignore[arg-type]
+        return [t for _, t in gen]  # type: ignore[misc]
+
+    def restore_many(self, seq_ids: Sequence[str], *, device: torch.device | str | None = None,
+                     into: Sequence[torch.Tensor] | None = None, expect_layout: str = ""
+                     ) -> tuple[SeqInfo, list[torch.Tensor]]:
+        """Restore several sequences (shared blocks included) as one payload, under one lease.
+
+        Returns the combined ``SeqInfo`` (its ``attrs`` are the first sequence's) and
+        every tensor in order. With ``expect_layout``, raises ``LayoutMismatch`` unless
+        each named sequence was parked with ``attrs["layout"] == expect_layout``.
+        """
+        if isinstance(seq_ids, str) or not seq_ids:
+            raise InvalidArgument("seq_ids must be a non-empty list of ids")
+        for sid in seq_ids:
+            validate_seq_id(sid)
+        gen = self._restore_gen(list(seq_ids), device, into, expect_layout)
+        info = next(gen)
+        assert isinstance(info, SeqInfo)
+        return info, [t for _, t in gen]  # type: ignore[misc]
+
+    def _restore_gen(self, ids: list[str], device: Any, into: Sequence[torch.Tensor] | None,
+                     expect_layout: str) -> Iterator[SeqInfo | tuple[int, torch.Tensor]]:
+        """First yields the SeqInfo, then ``(index, tensor)`` as each tensor is complete."""
+        if self.transport != "inline":
+            pool, tier = self._pool_for()
+            req = pb.AcquireRequest(tier=tier, expect_layout=expect_layout)
+            _set_ids(req, ids)
+            try:
+                r = self._call(self._acquire, req)
+            except ResourceExhausted:
+                # No room to stage it in that tier (all leased or pinned): stream it instead.
+                pass
+            else:
+                return self._restore_pool(r, pool, device, into)
+        return self._restore_inline(ids, device, into, expect_layout)
+
+    def _restore_pool(self, r: pb.AcquireResponse, pool: torch.Tensor, device: Any,
+                      into: Sequence[torch.Tensor] | None) -> Iterator[SeqInfo | tuple[int, torch.Tensor]]:
+        """shm / cuda_ipc: copy straight out of the leased slots, one event per tensor."""
         try:
             info = convert.info_from_pb(r.info)
             out = Outputs(info.tensors, device, into)
             segs = [(s.offset, s.length) for s in r.segments]
+            by_tensor: list[list[tuple[int, int, int, int]]] = [[] for _ in out.flats]
             for di, do, si, so, n in pieces([f.numel() for f in out.flats], [n for _, n in segs]):
-                base = segs[si][0] + so
-                out.flats[di][do : do + n].copy_(pool[base : base + n])
+                by_tensor[di].append((do, segs[si][0] + so, n, 0))
+            copies = copier.LayerCopier(pool.device, out.device)
+            marks = []
+            for di, plan in enumerate(by_tensor):
+                for do, base, n, _ in plan:
+                    copies.copy(out.flats[di][do : do + n], pool[base : base + n])
+                marks.append(copies.mark())
+            yield info
+            for i, mark in enumerate(marks):
+                copies.wait(mark)
+                yield i, out.finish_one(i)
             copier.synchronize(pool.device)  # done reading before the lease ends
         finally:
             self._abort_quietly(r.lease_id)
-        return out.finish()
 
-    def _restore_inline(self, seq_id: str, device: Any, into: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
-        call = self._restore(pb.RestoreRequest(seq_id=seq_id), timeout=self.timeout)
+    def _restore_inline(self, ids: list[str], device: Any, into: Sequence[torch.Tensor] | None,
+                        expect_layout: str) -> Iterator[SeqInfo | tuple[int, torch.Tensor]]:
+        req = pb.RestoreRequest(expect_layout=expect_layout)
+        _set_ids(req, ids)
+        call = self._restore(req, timeout=self.timeout)
+        what = ",".join(ids)
         try:
             it = iter(call)
             first = next(it, None)
             if first is None:
-                raise DataLoss(f"restore of {seq_id!r}: the daemon sent no header")
+                raise DataLoss(f"restore of {what!r}: the daemon sent no header")
             head = pb.RestoreResponse.FromString(first)
             if head.WhichOneof("kind") != "header":
-                raise DataLoss(f"restore of {seq_id!r}: stream did not start with a header")
+                raise DataLoss(f"restore of {what!r}: stream did not start with a header")
             info = convert.info_from_pb(head.header.info)
             try:
                 out = Outputs(info.tensors, device, into, staging_device="cpu")
             except KVParkError:
                 call.cancel()
                 raise
+            yield info
             dsts = [f.numpy() for f in out.flats]
             lens = [d.size for d in dsts]
-            starts = np.cumsum([0, *lens[:-1]]).tolist() if lens else []
+            ends = np.cumsum(lens).tolist() if lens else []
             pos = 0
-            ti = 0
+            ti = 0  # next tensor to hand out
+            while ti < len(lens) and lens[ti] == 0:
+                yield ti, out.finish_one(ti)
+                ti += 1
             for raw in it:
                 chunk = decode_chunk(raw)
                 if chunk is None:
-                    raise DataLoss(f"restore of {seq_id!r}: unexpected non-chunk message")
+                    raise DataLoss(f"restore of {what!r}: unexpected non-chunk message")
                 offset, data = chunk
                 if offset != pos or pos + len(data) > info.nbytes:
-                    raise DataLoss(f"restore of {seq_id!r}: chunk at {offset} (+{len(data)}), expected {pos}")
+                    raise DataLoss(f"restore of {what!r}: chunk at {offset} (+{len(data)}), expected {pos}")
                 src = np.frombuffer(data, dtype=np.uint8)
                 done = 0
                 while done < len(src):
-                    while starts[ti] + lens[ti] <= pos:
-                        ti += 1
-                    within = pos - starts[ti]
+                    within = pos - (ends[ti] - lens[ti])
                     n = min(lens[ti] - within, len(src) - done)
                     dsts[ti][within : within + n] = src[done : done + n]
                     done += n
                     pos += n
-            if pos != info.nbytes:
-                raise DataLoss(f"restore of {seq_id!r}: stream ended after {pos} of {info.nbytes} bytes")
+                    while ti < len(lens) and pos >= ends[ti]:  # tensor complete (and any empty ones after it)
+                        yield ti, out.finish_one(ti)
+                        ti += 1
+            if pos != info.nbytes or ti != len(lens):
+                raise DataLoss(f"restore of {what!r}: stream ended after {pos} of {info.nbytes} bytes")
         except grpc.RpcError as e:
             raise _translate(e) from None
-        return out.finish()
+
+    def present(self, seq_ids: Sequence[str]) -> list[bool]:
+        """For each id, whether it is parked."""
+        req = pb.LookupRequest(seq_ids=list(seq_ids))
+        return list(self._call(self._lookup, req).present)
+
+    def lookup(self, seq_ids: Sequence[str]) -> int:
+        """How many of ``seq_ids``, from the first, are parked (a prefix lookup)."""
+        return int(self._call(self._lookup, pb.LookupRequest(seq_ids=list(seq_ids))).prefix)
 
     # ------------------------------------------------------------------ control
 

@@ -77,6 +77,16 @@ class Outputs:
         self.flats = [t.reshape(-1).view(torch.uint8) for t in self.targets]
         self.device = target
 
+    def finish_one(self, i: int) -> torch.Tensor:
+        """Tensor ``i`` once its bytes have landed (copied to the caller's/target place)."""
+        tgt = self.targets[i]
+        if self.into is not None:
+            t = self.into[i]
+            if t is not tgt:
+                t.copy_(tgt)
+            return t
+        return tgt if tgt.device == self.device else tgt.to(self.device)
+
     def finish(self) -> list[torch.Tensor]:
         if self.into is not None:
             for t, tgt in zip(self.into, self.targets):

@@ -90,6 +90,12 @@ class ParkSpec:
     refs: tuple[str, ...] = ()
     shared: bool = False
     attrs: dict[str, str] = field(default_factory=dict)
+    blocks: tuple["ParkSpec", ...] = ()  # shared blocks created by this park; their bytes come first
+
+    @property
+    def total(self) -> int:
+        """Payload bytes the park carries: new blocks, then the sequence's own."""
+        return sum(b.nbytes for b in self.blocks) + self.nbytes
 
 
 @dataclass(eq=False)
@@ -145,8 +151,13 @@ class Lease:
     expires_at: float | None  # None: held by a live stream, released by it
     parts: list[tuple[Seq, str]] = field(default_factory=list)  # read leases: (sequence, tier) pairs
     spec: ParkSpec | None = None  # write leases
-    alloc: Allocation | None = None  # write leases
+    alloc: Allocation | None = None  # write leases: the sequence's own bytes
+    block_allocs: list[Allocation] = field(default_factory=list)  # write leases: spec.blocks, in order
     received: int = 0  # inline bytes written so far
+
+    def write_allocs(self) -> list[Allocation]:
+        """Allocations in payload order (new shared blocks, then the sequence)."""
+        return [*self.block_allocs, *([self.alloc] if self.alloc is not None else [])]
 
 
 @dataclass
@@ -321,12 +332,22 @@ class Engine:
             raise InvalidArgument("a shared block cannot itself reference other blocks")
         if len(spec.attrs) > 64 or any(len(k) + len(v) > 4096 for k, v in spec.attrs.items()):
             raise InvalidArgument("attrs: at most 64 entries of at most 4096 bytes each")
+        if len(spec.blocks) > MAX_PARTS:
+            raise InvalidArgument(f"{len(spec.blocks)} new blocks; at most {MAX_PARTS} per park")
+        refs = set(spec.refs)
+        for b in spec.blocks:
+            validate_seq_id(b.seq_id)
+            validate_tensors(b.tensors, b.nbytes)
+            if b.seq_id not in refs:
+                raise InvalidArgument(f"new block {b.seq_id!r} is not among the sequence's refs")
+        if len({b.seq_id for b in spec.blocks}) != len(spec.blocks):
+            raise InvalidArgument("the same new block is listed twice")
         self._check_open()
         tier = self._tier_arg(tier or self.park_tier)
         order = [tier] if tier == "host" or not stream else [tier, "host"]
-        if spec.nbytes > max(self.tiers[t].alloc.capacity for t in order):
+        if spec.total > max(self.tiers[t].alloc.capacity for t in order):
             raise ResourceExhausted(
-                f"sequence of {spec.nbytes} bytes is larger than the {tier} tier "
+                f"sequence of {spec.total} bytes is larger than the {tier} tier "
                 f"({self.tiers[tier].alloc.capacity} bytes)"
             )
         for t in order:  # an inline park that cannot land on device lands on host
@@ -336,41 +357,61 @@ class Engine:
                 with self._lock:
                     if not spec.overwrite and spec.seq_id in self._seqs:
                         raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
-                    a = mem.alloc.alloc(spec.nbytes)
-                    if a is not None:
+                    got = self._alloc_all(mem, [b.nbytes for b in spec.blocks] + [spec.nbytes])
+                    if got is not None:
                         ttl = None if stream else time.monotonic() + self.config.leases.ttl_s
-                        lease = Lease(secrets.token_hex(16), "write", t, ttl, spec=spec, alloc=a)
+                        lease = Lease(secrets.token_hex(16), "write", t, ttl, spec=spec, alloc=got[-1],
+                                      block_allocs=got[:-1])
                         self._leases[lease.lease_id] = lease
                         return lease
-                if not self._await_room(t, spec.nbytes, None, deadline):
+                if not self._await_room(t, spec.total, None, deadline):
                     break
         mem = self.tiers[order[-1]]
         with self._lock:
             free = mem.alloc.free_bytes
         raise ResourceExhausted(
-            f"{mem.name} tier cannot take {spec.nbytes} bytes ({free} of {mem.alloc.capacity} free) and demotion "
+            f"{mem.name} tier cannot take {spec.total} bytes ({free} of {mem.alloc.capacity} free) and demotion "
             f"freed too little (disk {self._disk_used}/{self.disk.capacity} bytes used, or sequences leased/pinned)"
         )
+
+    def _alloc_all(self, mem: MemTier, sizes: list[int]) -> list[Allocation] | None:
+        # REQUIRES: self._lock held. All or nothing.
+        got: list[Allocation] = []
+        for n in sizes:
+            a = mem.alloc.alloc(n)
+            if a is None:
+                for g in got:
+                    self._free(mem, g)
+                return None
+            got.append(a)
+        return got
 
     def write_chunk(self, lease: Lease, offset: int, data: memoryview) -> None:
         """Copy inline bytes straight into the reserved slots. Chunks must arrive in order."""
         n = len(data)
         assert lease.spec is not None and lease.alloc is not None
+        total = lease.spec.total
         if offset != lease.received:
             raise InvalidArgument(f"chunk at offset {offset}, expected {lease.received} (chunks must be in order)")
         if n == 0:
             raise InvalidArgument("empty chunk")
-        if offset + n > lease.spec.nbytes:
-            raise InvalidArgument(f"chunk [{offset}, {offset + n}) overruns the declared {lease.spec.nbytes} bytes")
+        if offset + n > total:
+            raise InvalidArgument(f"chunk [{offset}, {offset + n}) overruns the declared {total} bytes")
         mem = self.tiers[lease.tier]
-        pos = 0
         bs = self.slot_size
-        while pos < n:
-            blk, within = divmod(offset + pos, bs)
-            base, ln = lease.alloc.extents[blk]
-            take = min(ln - within, n - pos)
-            mem.write(base + within, data[pos : pos + take])
-            pos += take
+        pos = 0
+        start = 0  # payload offset where the current allocation begins
+        for a in lease.write_allocs():
+            size = a.nbytes
+            while pos < n and offset + pos < start + size:
+                blk, within = divmod(offset + pos - start, bs)
+                base, ln = a.extents[blk]
+                take = min(ln - within, n - pos)
+                mem.write(base + within, data[pos : pos + take])
+                pos += take
+            start += size
+            if pos == n:
+                break
         lease.received += n
 
     def _manifest_for(self, spec: ParkSpec) -> Manifest:
@@ -400,31 +441,30 @@ class Engine:
                     raise LeaseExpired(f"write lease {lease_id!r} is gone (expired, aborted or never issued)")
                 spec, alloc, mem = lease.spec, lease.alloc, self.tiers[lease.tier]
                 assert spec is not None and alloc is not None
-                if expect_nbytes is not None and (lease.received != spec.nbytes or expect_nbytes != spec.nbytes):
-                    self._free(mem, alloc)
-                    raise InvalidArgument(
-                        f"commit after {lease.received} bytes (commit says {expect_nbytes}); header declared "
-                        f"{spec.nbytes}"
-                    )
+                try:
+                    new_blocks = self._check_commit(lease, expect_nbytes)
+                except BaseException:
+                    for a in lease.write_allocs():
+                        self._free(mem, a)
+                    raise
                 old = self._seqs.get(spec.seq_id)
-                if old is not None and not spec.overwrite:
-                    self._free(mem, alloc)
-                    raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
-                if old is not None and old.shared and self._refcount.get(old.seq_id):
-                    self._free(mem, alloc)
-                    raise FailedPrecondition(f"shared block {spec.seq_id!r} is in use; it cannot be overwritten")
-                for r in spec.refs:
-                    target = self._seqs.get(r)
-                    if target is None or not target.shared:
-                        self._free(mem, alloc)
-                        raise NotFound(f"referenced shared block {r!r} is not parked")
-                if self._closed:
-                    self._free(mem, alloc)
-                    raise Unavailable("daemon is shutting down")
                 self._gen += 1
                 m = self._manifest_for(spec)
                 m.gen = self._gen
                 seq = Seq(manifest=m, res={mem.name: alloc})
+            # New shared blocks are published first; the sequence that references them
+            # commits an instant later (if it fails, unreferenced blocks expire).
+            for i, b in enumerate(new_blocks):
+                try:
+                    self._commit_block(b)
+                except BaseException:
+                    with self._lock:
+                        for later in new_blocks[i:]:
+                            for name, a in later.res.items():
+                                self._free(self.tiers[name], a)
+                            later.res.clear()
+                        self._free(mem, alloc)
+                    raise
             if self.config.policy.write == "write_through":
                 with self._disk_lock:
                     with self._lock:
@@ -457,6 +497,69 @@ class Engine:
             self._delete_retired()
             with self._lock:
                 return self._info(seq)
+
+    def _check_commit(self, lease: Lease, expect_nbytes: int | None) -> list[Seq]:
+        """Validate a commit; returns the shared blocks to create. REQUIRES: self._lock held.
+
+        Blocks that exist by now (another park created the same content) are dropped
+        from the list and their reserved slots freed: content-addressed dedup.
+        """
+        spec, mem = lease.spec, self.tiers[lease.tier]
+        assert spec is not None
+        if expect_nbytes is not None and (lease.received != spec.total or expect_nbytes != spec.total):
+            raise InvalidArgument(
+                f"commit after {lease.received} bytes (commit says {expect_nbytes}); header declared {spec.total}"
+            )
+        old = self._seqs.get(spec.seq_id)
+        if old is not None and not spec.overwrite:
+            raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
+        if old is not None and old.shared and self._refcount.get(old.seq_id):
+            raise FailedPrecondition(f"shared block {spec.seq_id!r} is in use; it cannot be overwritten")
+        if self._closed:
+            raise Unavailable("daemon is shutting down")
+        fresh: list[Seq] = []
+        keep: list[Allocation] = []
+        for b, a in zip(spec.blocks, lease.block_allocs):
+            have = self._seqs.get(b.seq_id)
+            if have is not None and not have.shared:
+                raise FailedPrecondition(f"{b.seq_id!r} is parked as a plain sequence, not a shared block")
+            if have is not None:
+                self._free(mem, a)  # same content is already stored
+                continue
+            self._gen += 1
+            m = self._manifest_for(ParkSpec(b.seq_id, b.tensors, b.nbytes, priority=spec.priority, shared=True))
+            m.gen = self._gen
+            fresh.append(Seq(manifest=m, res={mem.name: a}))
+            keep.append(a)
+        creating = {f.seq_id for f in fresh}
+        for r in spec.refs:
+            target = self._seqs.get(r)
+            if r not in creating and (target is None or not target.shared):
+                for f in fresh:
+                    self._free(mem, f.res[mem.name])
+                lease.block_allocs = []
+                raise NotFound(f"referenced shared block {r!r} is not parked")
+        lease.block_allocs = []  # owned by the fresh block sequences now
+        return fresh
+
+    def _commit_block(self, block: Seq) -> None:
+        """Publish one new shared block (writing it through to disk first when configured)."""
+        if self.config.policy.write == "write_through":
+            with self._disk_lock:
+                with self._lock:
+                    if self._disk_used + block.manifest.nbytes > self.disk.capacity:
+                        raise ResourceExhausted(f"disk tier full: {self._disk_used} of {self.disk.capacity} bytes")
+                name, a = next(iter(block.res.items()))
+                self.disk.write(block.manifest, self.tiers[name].views(a), sync=True)
+                with self._lock:
+                    block.on_disk = True
+                    self._disk_used += block.manifest.nbytes
+        with self._lock:
+            if block.seq_id in self._seqs:  # a concurrent park created it first
+                self._retire(block)
+                self._orphans.append(block)
+            else:
+                self._seqs[block.seq_id] = block
 
     def _publish(self, seq: Seq, old: Seq | None) -> None:
         # REQUIRES: self._lock held. References are taken before the old ones go, so a
@@ -638,19 +741,14 @@ class Engine:
             raise NotFound(f"no parked sequence {seq_id!r}")
         return seq
 
-    def lookup(self, seq_ids: list[str]) -> int:
-        """How many of ``seq_ids``, from the first, are parked."""
+    def present(self, seq_ids: list[str]) -> list[bool]:
+        """For each id, whether it is parked (prefix lookups and dedup)."""
         if len(seq_ids) > MAX_PARTS:
             raise InvalidArgument(f"{len(seq_ids)} ids; at most {MAX_PARTS} per call")
         for sid in seq_ids:
             validate_seq_id(sid)
-        n = 0
         with self._lock:
-            for sid in seq_ids:
-                if sid not in self._seqs:
-                    break
-                n += 1
-        return n
+            return [sid in self._seqs for sid in seq_ids]
 
     def _alloc_in(self, tier: str, seq: Seq, make_room: bool) -> Allocation | None:
         mem = self.tiers[tier]

@@ -72,6 +72,8 @@ def _typed_stream(fn: Callable[..., Iterator[bytes]]) -> Callable[..., Iterator[
 
 
 def _spec(h: pb.ParkHeader) -> ParkSpec:
+    if any(b.blocks for b in h.blocks):
+        raise InvalidArgument("new blocks cannot carry blocks of their own")
     return ParkSpec(
         seq_id=h.seq_id,
         tensors=tuple(convert.meta_from_pb(m) for m in h.tensors),
@@ -83,6 +85,7 @@ def _spec(h: pb.ParkHeader) -> ParkSpec:
         refs=tuple(h.refs),
         shared=h.shared,
         attrs=dict(h.attrs),
+        blocks=tuple(_spec(b) for b in h.blocks),
     )
 
 
@@ -157,10 +160,9 @@ class Servicer:
     @_typed
     def Reserve(self, req: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
         lease = self.engine.reserve(_spec(req.header), tier=req.tier or "host")
-        assert lease.alloc is not None
         return pb.ReserveResponse(
             lease_id=lease.lease_id,
-            segments=_segments(lease.alloc.segments()),
+            segments=_segments([seg for a in lease.write_allocs() for seg in a.segments()]),
             expires_in_s=self.engine.config.leases.ttl_s,
         )
 
@@ -192,7 +194,9 @@ class Servicer:
 
     @_typed
     def Lookup(self, req: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
-        return pb.LookupResponse(prefix=self.engine.lookup(list(req.seq_ids)))
+        present = self.engine.present(list(req.seq_ids))
+        prefix = next((i for i, p in enumerate(present) if not p), len(present))
+        return pb.LookupResponse(prefix=prefix, present=present)
 
     @_typed
     def Drop(self, req: pb.DropRequest, context: grpc.ServicerContext) -> pb.DropResponse:

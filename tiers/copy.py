@@ -255,3 +255,38 @@ def local_device_for(uuid: str) -> torch.device | None:
         if str(torch.cuda.get_device_properties(i).uuid) == uuid:
             return torch.device("cuda", i)
     return None
+
+
+class LayerCopier:
+    """Client-side copies with per-tensor readiness marks.
+
+    On CUDA (either end on a GPU) the copies are queued on a side stream and ``mark()``
+    records an event, so ``wait(mark)`` returns as soon as that tensor has landed while
+    later ones keep copying. On CPU copies run at once and marks are no-ops, so the
+    same API completes in order.
+    """
+
+    def __init__(self, src: torch.device, dst: torch.device) -> None:
+        dev = src if src.type == "cuda" else dst
+        self._cuda = dev.type == "cuda"
+        self._stream = torch.cuda.Stream(device=dev) if self._cuda else None
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(dev))
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self._stream is None:
+            dst.copy_(src)
+            return
+        with torch.cuda.stream(self._stream):
+            dst.copy_(src, non_blocking=True)
+
+    def mark(self) -> object:
+        if self._stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self._stream)
+        return ev
+
+    def wait(self, mark: object) -> None:
+        if mark is not None:
+            mark.synchronize()  # type: ignore[attr-defined]

@@ -67,7 +67,7 @@ class HelloResponse(_message.Message):
     def __init__(self, server_version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., chunk_size: _Optional[int] = ..., max_seq_id_len: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., lease_ttl_s: _Optional[float] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ...) -> None: ...
 
 class ParkHeader(_message.Message):
-    __slots__ = ("seq_id", "tensors", "nbytes", "priority", "overwrite", "pinned", "ttl_s", "refs", "shared", "attrs")
+    __slots__ = ("seq_id", "tensors", "nbytes", "priority", "overwrite", "pinned", "ttl_s", "refs", "shared", "attrs", "blocks")
     class AttrsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -85,6 +85,7 @@ class ParkHeader(_message.Message):
     REFS_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
     ATTRS_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     nbytes: int
@@ -95,7 +96,8 @@ class ParkHeader(_message.Message):
     refs: _containers.RepeatedScalarFieldContainer[str]
     shared: bool
     attrs: _containers.ScalarMap[str, str]
-    def __init__(self, seq_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., nbytes: _Optional[int] = ..., priority: _Optional[int] = ..., overwrite: _Optional[bool] = ..., pinned: _Optional[bool] = ..., ttl_s: _Optional[float] = ..., refs: _Optional[_Iterable[str]] = ..., shared: _Optional[bool] = ..., attrs: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    blocks: _containers.RepeatedCompositeFieldContainer[ParkHeader]
+    def __init__(self, seq_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., nbytes: _Optional[int] = ..., priority: _Optional[int] = ..., overwrite: _Optional[bool] = ..., pinned: _Optional[bool] = ..., ttl_s: _Optional[float] = ..., refs: _Optional[_Iterable[str]] = ..., shared: _Optional[bool] = ..., attrs: _Optional[_Mapping[str, str]] = ..., blocks: _Optional[_Iterable[_Union[ParkHeader, _Mapping]]] = ...) -> None: ...
 
 class DataChunk(_message.Message):
     __slots__ = ("offset", "data")
@@ -238,10 +240,12 @@ class LookupRequest(_message.Message):
     def __init__(self, seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("prefix",)
+    __slots__ = ("prefix", "present")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
+    PRESENT_FIELD_NUMBER: _ClassVar[int]
     prefix: int
-    def __init__(self, prefix: _Optional[int] = ...) -> None: ...
+    present: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, prefix: _Optional[int] = ..., present: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class DropRequest(_message.Message):
     __slots__ = ("seq_id",)
