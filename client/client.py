@@ -311,25 +311,28 @@ class Client:
         return [t for _, t in gen]  # type: ignore[misc]
 
     def restore_many(self, seq_ids: Sequence[str], *, device: torch.device | str | None = None,
-                     into: Sequence[torch.Tensor] | None = None, expect_layout: str = ""
-                     ) -> tuple[SeqInfo, list[torch.Tensor]]:
+                     into: Sequence[torch.Tensor] | None = None, into_flat: torch.Tensor | None = None,
+                     expect_layout: str = "") -> tuple[SeqInfo, list[torch.Tensor]]:
         """Restore several sequences (shared blocks included) as one payload, under one lease.
 
         Returns the combined ``SeqInfo`` (its ``attrs`` are the first sequence's) and
-        every tensor in order. With ``expect_layout``, raises ``LayoutMismatch`` unless
-        each named sequence was parked with ``attrs["layout"] == expect_layout``.
+        every tensor in order. ``into_flat`` takes the whole payload into one contiguous
+        caller tensor instead (then no tensors are returned). With ``expect_layout``,
+        raises ``LayoutMismatch`` unless each named sequence was parked with
+        ``attrs["layout"] == expect_layout``.
         """
         if isinstance(seq_ids, str) or not seq_ids:
             raise InvalidArgument("seq_ids must be a non-empty list of ids")
         for sid in seq_ids:
             validate_seq_id(sid)
-        gen = self._restore_gen(list(seq_ids), device, into, expect_layout)
+        gen = self._restore_gen(list(seq_ids), device, into, expect_layout, into_flat)
         info = next(gen)
         assert isinstance(info, SeqInfo)
         return info, [t for _, t in gen]  # type: ignore[misc]
 
     def _restore_gen(self, ids: list[str], device: Any, into: Sequence[torch.Tensor] | None,
-                     expect_layout: str) -> Iterator[SeqInfo | tuple[int, torch.Tensor]]:
+                     expect_layout: str, into_flat: torch.Tensor | None = None
+                     ) -> Iterator[SeqInfo | tuple[int, torch.Tensor]]:
         """First yields the SeqInfo, then ``(index, tensor)`` as each tensor is complete."""
         if self.transport != "inline":
             pool, tier = self._pool_for()
@@ -341,15 +344,16 @@ class Client:
                 # No room to stage it in that tier (all leased or pinned): stream it instead.
                 pass
             else:
-                return self._restore_pool(r, pool, device, into)
-        return self._restore_inline(ids, device, into, expect_layout)
+                return self._restore_pool(r, pool, device, into, into_flat)
+        return self._restore_inline(ids, device, into, expect_layout, into_flat)
 
     def _restore_pool(self, r: pb.AcquireResponse, pool: torch.Tensor, device: Any,
-                      into: Sequence[torch.Tensor] | None) -> Iterator[SeqInfo | tuple[int, torch.Tensor]]:
+                      into: Sequence[torch.Tensor] | None, into_flat: torch.Tensor | None
+                      ) -> Iterator[SeqInfo | tuple[int, torch.Tensor]]:
         """shm / cuda_ipc: copy straight out of the leased slots, one event per tensor."""
         try:
             info = convert.info_from_pb(r.info)
-            out = Outputs(info.tensors, device, into)
+            out = Outputs(info.tensors, device, into, into_flat=into_flat)
             segs = [(s.offset, s.length) for s in r.segments]
             by_tensor: list[list[tuple[int, int, int, int]]] = [[] for _ in out.flats]
             for di, do, si, so, n in pieces([f.numel() for f in out.flats], [n for _, n in segs]):
@@ -361,15 +365,20 @@ class Client:
                     copies.copy(out.flats[di][do : do + n], pool[base : base + n])
                 marks.append(copies.mark())
             yield info
-            for i, mark in enumerate(marks):
-                copies.wait(mark)
-                yield i, out.finish_one(i)
+            if out.flat is not None:
+                copies.wait(marks[0])
+                out.finish_flat()
+            else:
+                for i, mark in enumerate(marks):
+                    copies.wait(mark)
+                    yield i, out.finish_one(i)
             copier.synchronize(pool.device)  # done reading before the lease ends
         finally:
             self._abort_quietly(r.lease_id)
 
     def _restore_inline(self, ids: list[str], device: Any, into: Sequence[torch.Tensor] | None,
-                        expect_layout: str) -> Iterator[SeqInfo | tuple[int, torch.Tensor]]:
+                        expect_layout: str, into_flat: torch.Tensor | None = None
+                        ) -> Iterator[SeqInfo | tuple[int, torch.Tensor]]:
         req = pb.RestoreRequest(expect_layout=expect_layout)
         _set_ids(req, ids)
         call = self._restore(req, timeout=self.timeout)
@@ -384,11 +393,14 @@ class Client:
                 raise DataLoss(f"restore of {what!r}: stream did not start with a header")
             info = convert.info_from_pb(head.header.info)
             try:
-                out = Outputs(info.tensors, device, into, staging_device="cpu")
+                out = Outputs(info.tensors, device, into, staging_device="cpu", into_flat=into_flat)
             except KVParkError:
                 call.cancel()
                 raise
             yield info
+            if out.flat is not None:
+                yield from self._receive_flat(it, out, info, what)
+                return
             dsts = [f.numpy() for f in out.flats]
             lens = [d.size for d in dsts]
             ends = np.cumsum(lens).tolist() if lens else []
@@ -419,6 +431,26 @@ class Client:
                 raise DataLoss(f"restore of {what!r}: stream ended after {pos} of {info.nbytes} bytes")
         except grpc.RpcError as e:
             raise _translate(e) from None
+
+    @staticmethod
+    def _receive_flat(it: Iterator[bytes], out: Outputs, info: SeqInfo, what: str) -> Iterator[Any]:
+        assert out.flat is not None
+        dst = out.flat.numpy()
+        pos = 0
+        for raw in it:
+            chunk = decode_chunk(raw)
+            if chunk is None:
+                raise DataLoss(f"restore of {what!r}: unexpected non-chunk message")
+            offset, data = chunk
+            if offset != pos or pos + len(data) > info.nbytes:
+                raise DataLoss(f"restore of {what!r}: chunk at {offset} (+{len(data)}), expected {pos}")
+            dst[pos : pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
+            pos += len(data)
+        if pos != info.nbytes:
+            raise DataLoss(f"restore of {what!r}: stream ended after {pos} of {info.nbytes} bytes")
+        out.finish_flat()
+        return
+        yield
 
     def present(self, seq_ids: Sequence[str]) -> list[bool]:
         """For each id, whether it is parked."""

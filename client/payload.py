@@ -47,9 +47,24 @@ class Outputs:
     """Where restored bytes go: fresh tensors on ``device``, or the caller's ``into``."""
 
     def __init__(self, metas: Sequence[TensorMeta], device: torch.device | str | None,
-                 into: Sequence[torch.Tensor] | None, staging_device: str | torch.device | None = None) -> None:
+                 into: Sequence[torch.Tensor] | None, staging_device: str | torch.device | None = None,
+                 into_flat: torch.Tensor | None = None) -> None:
         self.metas = list(metas)
         self.into = list(into) if into is not None else None
+        if into_flat is not None:
+            # The whole payload lands in one caller buffer (adapters: one staging tensor).
+            total = sum(m.nbytes for m in self.metas)
+            flat = into_flat.reshape(-1).view(torch.uint8) if into_flat.is_contiguous() else None
+            if flat is None or flat.numel() != total:
+                raise InvalidArgument(f"into_flat must be a contiguous tensor of {total} bytes")
+            ok = staging_device is None or into_flat.device == torch.device(staging_device)
+            self._flat_user = None if ok else flat
+            self.flat = flat if ok else torch.empty(total, dtype=torch.uint8, device=staging_device)
+            self.targets = []
+            self.flats = [self.flat]
+            self.device = into_flat.device
+            return
+        self.flat = None
         if self.into is not None:
             if len(self.into) != len(self.metas):
                 raise InvalidArgument(f"into has {len(self.into)} tensors; the sequence has {len(self.metas)}")
@@ -76,6 +91,10 @@ class Outputs:
                 self.targets.append(torch.empty(m.shape, dtype=torch_dtype(m.dtype), device=stage or target))
         self.flats = [t.reshape(-1).view(torch.uint8) for t in self.targets]
         self.device = target
+
+    def finish_flat(self) -> None:
+        if self.flat is not None and self._flat_user is not None:
+            self._flat_user.copy_(self.flat)
 
     def finish_one(self, i: int) -> torch.Tensor:
         """Tensor ``i`` once its bytes have landed (copied to the caller's/target place)."""
