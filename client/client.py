@@ -45,6 +45,10 @@ from kvpark.tiers.shm import SharedArena
 from .payload import Outputs, byte_view, pieces
 
 DEFAULT_ADDRESS = "127.0.0.1:50551"
+# Payloads up to this size travel inside one unary RPC even on shm/cuda_ipc: one round
+# trip beats two (reserve+commit, acquire+release) when the bytes are few
+# (bench/transport.py: a unary round trip costs about as much as copying 200 KiB through gRPC).
+SMALL_POOL_BYTES = 128 << 10
 TRANSPORTS = ("auto", "shm", "cuda_ipc", "inline")
 _SVC = "/kvpark.v1.KVPark/"
 
@@ -126,6 +130,8 @@ class Client:
         self._release = u("Release", pb.ReleaseResponse)
         self._prefetch = u("Prefetch", pb.PrefetchResponse)
         self._lookup = u("Lookup", pb.LookupResponse)
+        self._park_small_rpc = u("ParkSmall", pb.SeqInfo)
+        self._get = u("Get", pb.GetResponse)
         self._drop = u("Drop", pb.DropResponse)
         self._info = u("Info", pb.SeqInfo)
         self._list = u("List", pb.ListResponse)
@@ -237,9 +243,16 @@ class Client:
             header.blocks.append(_header(bid, bts))
             flats.extend(byte_view(t) for t in bts)
         flats.extend(byte_view(t) for t in tensors)
+        total = sum(f.numel() for f in flats)
+        if total <= (self.chunk_size if self.transport == "inline" else SMALL_POOL_BYTES):
+            return self._park_small(header, flats)
         if self.transport == "inline":
             return self._park_inline(header, flats)
         return self._park_pool(header, flats)
+
+    def _park_small(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
+        data = b"".join(memoryview(f.cpu().numpy()) for f in flats if f.numel())
+        return convert.info_from_pb(self._call(self._park_small_rpc, pb.ParkSmallRequest(header=header, data=data)))
 
     def _pool_for(self) -> tuple[torch.Tensor, str]:
         if self.transport == "cuda_ipc":
@@ -336,7 +349,7 @@ class Client:
         """First yields the SeqInfo, then ``(index, tensor)`` as each tensor is complete."""
         if self.transport != "inline":
             pool, tier = self._pool_for()
-            req = pb.AcquireRequest(tier=tier, expect_layout=expect_layout)
+            req = pb.AcquireRequest(tier=tier, expect_layout=expect_layout, inline_max=SMALL_POOL_BYTES)
             _set_ids(req, ids)
             try:
                 r = self._call(self._acquire, req)
@@ -344,8 +357,34 @@ class Client:
                 # No room to stage it in that tier (all leased or pinned): stream it instead.
                 pass
             else:
+                if r.inlined:
+                    return self._from_bytes(r.info, r.data, device, into, into_flat)
                 return self._restore_pool(r, pool, device, into, into_flat)
+        else:
+            g = pb.GetRequest(expect_layout=expect_layout, max_bytes=self.chunk_size)
+            _set_ids(g, ids)
+            got = self._call(self._get, g)
+            if not got.too_large:
+                return self._from_bytes(got.info, got.data, device, into, into_flat)
         return self._restore_inline(ids, device, into, expect_layout, into_flat)
+
+    @staticmethod
+    def _from_bytes(info_pb: pb.SeqInfo, data: bytes, device: Any, into: Sequence[torch.Tensor] | None,
+                    into_flat: torch.Tensor | None) -> Iterator[SeqInfo | tuple[int, torch.Tensor]]:
+        info = convert.info_from_pb(info_pb)
+        if len(data) != info.nbytes:
+            raise DataLoss(f"restore of {info.seq_id!r}: {len(data)} bytes for a {info.nbytes}-byte payload")
+        out = Outputs(info.tensors, device, into, staging_device="cpu", into_flat=into_flat)
+        src = np.frombuffer(data, dtype=np.uint8)
+        yield info
+        pos = 0
+        for i, f in enumerate(out.flats):
+            n = f.numel()
+            f.numpy()[:] = src[pos : pos + n]
+            pos += n
+            if out.flat is None:
+                yield i, out.finish_one(i)
+        out.finish_flat()
 
     def _restore_pool(self, r: pb.AcquireResponse, pool: torch.Tensor, device: Any,
                       into: Sequence[torch.Tensor] | None, into_flat: torch.Tensor | None

@@ -24,7 +24,7 @@ from kvpark.proto.errors import ERROR_KEY, Internal, InvalidArgument, KVParkErro
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import decode_chunk, encode_chunk
 
-from .engine import Engine, ParkSpec
+from .engine import Engine, ParkSpec, ReadHandle
 
 log = logging.getLogger("kvpark.servicer")
 SERVICE = "kvpark.v1.KVPark"
@@ -158,6 +158,34 @@ class Servicer:
                 self.engine.release(handle.lease.lease_id)
 
     @_typed
+    def ParkSmall(self, req: pb.ParkSmallRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
+        lease = self.engine.reserve(_spec(req.header), stream=True)
+        try:
+            if req.data:
+                self.engine.write_chunk(lease, 0, memoryview(req.data))
+            lease_id, lease = lease.lease_id, None
+            return convert.info_to_pb(self.engine.commit(lease_id, expect_nbytes=len(req.data)))
+        finally:
+            if lease is not None:
+                self.engine.release(lease.lease_id)
+
+    @_typed
+    def Get(self, req: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetResponse:
+        ids = list(req.seq_ids) or req.seq_id
+        handle = self.engine.acquire(ids, stream=True, expect_layout=req.expect_layout)
+        try:
+            info = convert.info_to_pb(handle.info)
+            if handle.info.nbytes > req.max_bytes:
+                return pb.GetResponse(info=info, too_large=True)
+            return pb.GetResponse(info=info, data=self._join(handle))
+        finally:
+            if handle.lease is not None:
+                self.engine.release(handle.lease.lease_id)
+
+    def _join(self, handle: ReadHandle) -> bytes:
+        return b"".join(v for _, views in self.engine.iter_chunks(handle, 1 << 30) for v in views)
+
+    @_typed
     def Reserve(self, req: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
         lease = self.engine.reserve(_spec(req.header), tier=req.tier or "host")
         return pb.ReserveResponse(
@@ -174,6 +202,13 @@ class Servicer:
     def Acquire(self, req: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireResponse:
         ids = list(req.seq_ids) or req.seq_id
         h = self.engine.acquire(ids, need=req.tier or "host", expect_layout=req.expect_layout)
+        if h.info.nbytes <= req.inline_max:
+            # Small: one round trip, bytes in the reply, no lease left behind.
+            try:
+                return pb.AcquireResponse(info=convert.info_to_pb(h.info), data=self._join(h), inlined=True)
+            finally:
+                if h.lease is not None:
+                    self.engine.release(h.lease.lease_id)
         return pb.AcquireResponse(
             lease_id=h.lease.lease_id if h.lease is not None else "",
             info=convert.info_to_pb(h.info),
@@ -237,6 +272,8 @@ def handlers(engine: Engine, hostname: str, boot_id: str) -> grpc.GenericRpcHand
             "Restore": grpc.unary_stream_rpc_method_handler(
                 s.Restore, request_deserializer=pb.RestoreRequest.FromString, response_serializer=_identity
             ),
+            "ParkSmall": unary(s.ParkSmall, pb.ParkSmallRequest),
+            "Get": unary(s.Get, pb.GetRequest),
             "Reserve": unary(s.Reserve, pb.ReserveRequest),
             "Commit": unary(s.Commit, pb.CommitRequest),
             "Acquire": unary(s.Acquire, pb.AcquireRequest),

@@ -123,6 +123,36 @@ class ParkRequest(_message.Message):
     commit: ParkCommit
     def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., chunk: _Optional[_Union[DataChunk, _Mapping]] = ..., commit: _Optional[_Union[ParkCommit, _Mapping]] = ...) -> None: ...
 
+class ParkSmallRequest(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: ParkHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class GetRequest(_message.Message):
+    __slots__ = ("seq_id", "seq_ids", "expect_layout", "max_bytes")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    MAX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    seq_ids: _containers.RepeatedScalarFieldContainer[str]
+    expect_layout: str
+    max_bytes: int
+    def __init__(self, seq_id: _Optional[str] = ..., seq_ids: _Optional[_Iterable[str]] = ..., expect_layout: _Optional[str] = ..., max_bytes: _Optional[int] = ...) -> None: ...
+
+class GetResponse(_message.Message):
+    __slots__ = ("info", "data", "too_large")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOO_LARGE_FIELD_NUMBER: _ClassVar[int]
+    info: SeqInfo
+    data: bytes
+    too_large: bool
+    def __init__(self, info: _Optional[_Union[SeqInfo, _Mapping]] = ..., data: _Optional[bytes] = ..., too_large: _Optional[bool] = ...) -> None: ...
+
 class RestoreRequest(_message.Message):
     __slots__ = ("seq_id", "seq_ids", "expect_layout")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
@@ -180,28 +210,34 @@ class CommitRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("seq_id", "tier", "seq_ids", "expect_layout")
+    __slots__ = ("seq_id", "tier", "seq_ids", "expect_layout", "inline_max")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPECT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    INLINE_MAX_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     tier: str
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     expect_layout: str
-    def __init__(self, seq_id: _Optional[str] = ..., tier: _Optional[str] = ..., seq_ids: _Optional[_Iterable[str]] = ..., expect_layout: _Optional[str] = ...) -> None: ...
+    inline_max: int
+    def __init__(self, seq_id: _Optional[str] = ..., tier: _Optional[str] = ..., seq_ids: _Optional[_Iterable[str]] = ..., expect_layout: _Optional[str] = ..., inline_max: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "info", "segments", "expires_in_s")
+    __slots__ = ("lease_id", "info", "segments", "expires_in_s", "data", "inlined")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    INLINED_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     info: SeqInfo
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     expires_in_s: float
-    def __init__(self, lease_id: _Optional[str] = ..., info: _Optional[_Union[SeqInfo, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+    data: bytes
+    inlined: bool
+    def __init__(self, lease_id: _Optional[str] = ..., info: _Optional[_Union[SeqInfo, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., data: _Optional[bytes] = ..., inlined: _Optional[bool] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)

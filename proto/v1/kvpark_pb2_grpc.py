@@ -49,6 +49,16 @@ class KVParkStub:
                 request_serializer=kvpark_dot_v1_dot_kvpark__pb2.RestoreRequest.SerializeToString,
                 response_deserializer=kvpark_dot_v1_dot_kvpark__pb2.RestoreResponse.FromString,
                 _registered_method=True)
+        self.ParkSmall = channel.unary_unary(
+                '/kvpark.v1.KVPark/ParkSmall',
+                request_serializer=kvpark_dot_v1_dot_kvpark__pb2.ParkSmallRequest.SerializeToString,
+                response_deserializer=kvpark_dot_v1_dot_kvpark__pb2.SeqInfo.FromString,
+                _registered_method=True)
+        self.Get = channel.unary_unary(
+                '/kvpark.v1.KVPark/Get',
+                request_serializer=kvpark_dot_v1_dot_kvpark__pb2.GetRequest.SerializeToString,
+                response_deserializer=kvpark_dot_v1_dot_kvpark__pb2.GetResponse.FromString,
+                _registered_method=True)
         self.Reserve = channel.unary_unary(
                 '/kvpark.v1.KVPark/Reserve',
                 request_serializer=kvpark_dot_v1_dot_kvpark__pb2.ReserveRequest.SerializeToString,
@@ -122,6 +132,19 @@ class KVParkServicer:
     def Restore(self, request, context):
         """Inline restore: one header, then DataChunks in offset order.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ParkSmall(self, request, context):
+        """Small sequences in one round trip each (one RPC instead of a stream or two calls).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Get(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -210,6 +233,16 @@ def add_KVParkServicer_to_server(servicer, server):
                     servicer.Restore,
                     request_deserializer=kvpark_dot_v1_dot_kvpark__pb2.RestoreRequest.FromString,
                     response_serializer=kvpark_dot_v1_dot_kvpark__pb2.RestoreResponse.SerializeToString,
+            ),
+            'ParkSmall': grpc.unary_unary_rpc_method_handler(
+                    servicer.ParkSmall,
+                    request_deserializer=kvpark_dot_v1_dot_kvpark__pb2.ParkSmallRequest.FromString,
+                    response_serializer=kvpark_dot_v1_dot_kvpark__pb2.SeqInfo.SerializeToString,
+            ),
+            'Get': grpc.unary_unary_rpc_method_handler(
+                    servicer.Get,
+                    request_deserializer=kvpark_dot_v1_dot_kvpark__pb2.GetRequest.FromString,
+                    response_serializer=kvpark_dot_v1_dot_kvpark__pb2.GetResponse.SerializeToString,
             ),
             'Reserve': grpc.unary_unary_rpc_method_handler(
                     servicer.Reserve,
@@ -343,6 +376,60 @@ class KVPark:
             '/kvpark.v1.KVPark/Restore',
             kvpark_dot_v1_dot_kvpark__pb2.RestoreRequest.SerializeToString,
             kvpark_dot_v1_dot_kvpark__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ParkSmall(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpark.v1.KVPark/ParkSmall',
+            kvpark_dot_v1_dot_kvpark__pb2.ParkSmallRequest.SerializeToString,
+            kvpark_dot_v1_dot_kvpark__pb2.SeqInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Get(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpark.v1.KVPark/Get',
+            kvpark_dot_v1_dot_kvpark__pb2.GetRequest.SerializeToString,
+            kvpark_dot_v1_dot_kvpark__pb2.GetResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -77,18 +77,19 @@ def test_non_contiguous_inputs(daemon: Callable[..., Daemon], transport: str) ->
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_restore_into_in_place(daemon: Callable[..., Daemon], transport: str) -> None:
+@pytest.mark.parametrize("cols", [1000, 60_000])  # one-round-trip small path, and the streamed/leased path
+def test_restore_into_in_place(daemon: Callable[..., Daemon], transport: str, cols: int) -> None:
     d = daemon()
-    src = [sample(torch.bfloat16, (33, 1000), 1), sample(torch.int32, (5,), 2)]
+    src = [sample(torch.bfloat16, (33, cols), 1), sample(torch.int32, (5,), 2)]
     with Client(d.address, transport=transport) as c:
         c.park("into", src)
-        dst = [torch.zeros(33, 1000, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.int32)]
+        dst = [torch.zeros(33, cols, dtype=torch.bfloat16), torch.zeros(5, dtype=torch.int32)]
         ptrs = [t.data_ptr() for t in dst]
         out = c.restore("into", into=dst)
         assert out[0] is dst[0] and [t.data_ptr() for t in dst] == ptrs
         assert all(same_bits(a, b) for a, b in zip(src, dst))
         # A non-contiguous destination is filled too (through one staging copy).
-        nc = torch.zeros(1000, 33, dtype=torch.bfloat16).t()
+        nc = torch.zeros(cols, 33, dtype=torch.bfloat16).t()
         c.restore("into", into=[nc, torch.zeros(5, dtype=torch.int32)])
         assert same_bits(nc, src[0])
 
