@@ -240,9 +240,31 @@ class Client:
         header.attrs.update(attrs or {})
         flats: list[torch.Tensor] = []
         for bid, bts in (new_blocks or {}).items():
-            header.blocks.append(_header(bid, bts))
+            bh = _header(bid, bts)
+            bh.shared = True
+            header.blocks.append(bh)
             flats.extend(byte_view(t) for t in bts)
         flats.extend(byte_view(t) for t in tensors)
+        return self._park_any(header, flats)
+
+    def park_batch(self, items: Mapping[str, Sequence[torch.Tensor]], *, priority: int = 0,
+                   attrs: Mapping[str, str] | None = None) -> int:
+        """Park many independent sequences in one commit (O(1) RPCs); ids already parked
+        are skipped (content-addressed stores). Returns how many bytes were new."""
+        if not items:
+            return 0
+        header = pb.ParkHeader(seq_id="", priority=int(priority))
+        flats: list[torch.Tensor] = []
+        for sid, ts in items.items():
+            if isinstance(ts, torch.Tensor) or not isinstance(ts, (list, tuple)):
+                raise InvalidArgument(f"{sid!r}: tensors must be a list or tuple of torch tensors")
+            bh = _header(sid, ts)
+            bh.attrs.update(attrs or {})
+            header.blocks.append(bh)
+            flats.extend(byte_view(t) for t in ts)
+        return int(self._park_any(header, flats).nbytes)
+
+    def _park_any(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
         total = sum(f.numel() for f in flats)
         if total <= (self.chunk_size if self.transport == "inline" else SMALL_POOL_BYTES):
             return self._park_small(header, flats)

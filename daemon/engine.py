@@ -93,6 +93,11 @@ class ParkSpec:
     blocks: tuple["ParkSpec", ...] = ()  # shared blocks created by this park; their bytes come first
 
     @property
+    def is_batch(self) -> bool:
+        """A park with no sequence of its own: it only creates the blocks it carries."""
+        return self.seq_id == "" and bool(self.blocks)
+
+    @property
     def total(self) -> int:
         """Payload bytes the park carries: new blocks, then the sequence's own."""
         return sum(b.nbytes for b in self.blocks) + self.nbytes
@@ -322,7 +327,11 @@ class Engine:
     # ------------------------------------------------------------------ park
 
     def reserve(self, spec: ParkSpec, stream: bool = False, tier: str | None = None) -> Lease:
-        validate_seq_id(spec.seq_id)
+        if spec.is_batch:
+            if spec.tensors or spec.refs or spec.nbytes:
+                raise InvalidArgument("a batch park (empty seq_id) carries only blocks: no tensors or refs")
+        else:
+            validate_seq_id(spec.seq_id)
         validate_tensors(spec.tensors, spec.nbytes)
         if spec.ttl_s < 0:
             raise InvalidArgument(f"ttl_s must be >= 0, got {spec.ttl_s}")
@@ -338,8 +347,10 @@ class Engine:
         for b in spec.blocks:
             validate_seq_id(b.seq_id)
             validate_tensors(b.tensors, b.nbytes)
-            if b.seq_id not in refs:
-                raise InvalidArgument(f"new block {b.seq_id!r} is not among the sequence's refs")
+            if b.shared and b.seq_id not in refs:
+                raise InvalidArgument(f"new shared block {b.seq_id!r} is not among the sequence's refs")
+            if not b.shared and not spec.is_batch:
+                raise InvalidArgument(f"new block {b.seq_id!r}: only a batch park creates plain sequences")
         if len({b.seq_id for b in spec.blocks}) != len(spec.blocks):
             raise InvalidArgument("the same new block is listed twice")
         self._check_open()
@@ -452,7 +463,7 @@ class Engine:
                 m = self._manifest_for(spec)
                 m.gen = self._gen
                 seq = Seq(manifest=m, res={mem.name: alloc})
-            # New shared blocks are published first; the sequence that references them
+            # New blocks are published first; the sequence that references them
             # commits an instant later (if it fails, unreferenced blocks expire).
             for i, b in enumerate(new_blocks):
                 try:
@@ -465,6 +476,14 @@ class Engine:
                             later.res.clear()
                         self._free(mem, alloc)
                     raise
+            if spec.is_batch:
+                with self._lock:
+                    self._free(mem, alloc)  # the batch's own (empty) payload
+                    if any(policy.over_high(t.alloc.used_bytes, t.alloc.capacity, t.high)
+                           for t in self.tiers.values()):
+                        self._wake.notify_all()
+                return SeqInfo(seq_id="", nbytes=sum(b.manifest.nbytes for b in new_blocks), tier=mem.name,
+                               num_tensors=0, num_blocks=len(new_blocks))
             if self.config.policy.write == "write_through":
                 with self._disk_lock:
                     with self._lock:
@@ -510,7 +529,7 @@ class Engine:
             raise InvalidArgument(
                 f"commit after {lease.received} bytes (commit says {expect_nbytes}); header declared {spec.total}"
             )
-        old = self._seqs.get(spec.seq_id)
+        old = None if spec.is_batch else self._seqs.get(spec.seq_id)
         if old is not None and not spec.overwrite:
             raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
         if old is not None and old.shared and self._refcount.get(old.seq_id):
@@ -521,13 +540,15 @@ class Engine:
         keep: list[Allocation] = []
         for b, a in zip(spec.blocks, lease.block_allocs):
             have = self._seqs.get(b.seq_id)
-            if have is not None and not have.shared:
-                raise FailedPrecondition(f"{b.seq_id!r} is parked as a plain sequence, not a shared block")
+            if have is not None and have.shared != b.shared:
+                kind = "a shared block" if have.shared else "a plain sequence"
+                raise FailedPrecondition(f"{b.seq_id!r} is already parked as {kind}")
             if have is not None:
                 self._free(mem, a)  # same content is already stored
                 continue
             self._gen += 1
-            m = self._manifest_for(ParkSpec(b.seq_id, b.tensors, b.nbytes, priority=spec.priority, shared=True))
+            m = self._manifest_for(ParkSpec(b.seq_id, b.tensors, b.nbytes, priority=spec.priority, shared=b.shared,
+                                            attrs=b.attrs, pinned=spec.pinned, ttl_s=spec.ttl_s))
             m.gen = self._gen
             fresh.append(Seq(manifest=m, res={mem.name: a}))
             keep.append(a)

@@ -130,3 +130,25 @@ def test_info_list_drop_stat(daemon: Callable[..., Daemon]) -> None:
         assert c.drop("b") is True
         assert c.drop("b") is False
         assert [s.seq_id for s in c.list()] == ["a"]
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("size", [100, 300_000])
+def test_park_batch_creates_many_in_one_commit_and_skips_existing(daemon: Callable[..., Daemon], transport: str,
+                                                                  size: int) -> None:
+    d = daemon()
+    items = {f"blk{i}": [sample(torch.uint8, (size,), i)] for i in range(6)}
+    with Client(d.address, transport=transport) as c:
+        c.park("blk2", [torch.zeros(3, dtype=torch.uint8)])  # already there: kept as it is
+        new = c.park_batch(items, attrs={"kind": "test"})
+        assert new == 5 * size
+        assert c.present([f"blk{i}" for i in range(7)]) == [True] * 6 + [False]
+        assert c.lookup([f"blk{i}" for i in range(7)]) == 6
+        assert c.info("blk0").attrs == {"kind": "test"}
+        info, back = c.restore_many([f"blk{i}" for i in (0, 1, 3)])
+        assert info.nbytes == 3 * size
+        assert all(same_bits(b, items[f"blk{i}"][0]) for b, i in zip(back, (0, 1, 3)))
+        assert c.restore("blk2")[0].numel() == 3
+        assert c.park_batch({"blk0": items["blk0"]}) == 0
+        st = c.stat()
+        assert st.sequences == 6 and st.leases == 0
