@@ -9,7 +9,8 @@ Primitives:
 - ``KVParkConnector``: a ``KVConnectorBase_V1``; one instance per role (scheduler, worker).
 - ``KVParkMetadata``: what the scheduler tells the worker each step (plain lists; it is
   pickled between processes in multi-process mode).
-- ``STATS``: process-wide counters (lookups, hit blocks, loads, saves, failures by kind).
+- ``STATS``: process-wide counters (lookups, hit blocks, loads, saves, their microseconds,
+  failures by kind).
 - ``layout_fingerprint(vllm_config, kv_cache_config) -> str``.
 
 What is stored: every *full* KV block a request computes, all layers together, as one
@@ -307,6 +308,7 @@ class KVParkConnector(KVConnectorBase_V1):
                 continue
             staging = torch.empty((len(ids), len(self._layers), *self._block_shape()),
                                   dtype=self._layers[0].dtype, device=self._layers[0].device)
+            t0 = time.perf_counter()
             try:
                 client = self._conn.get()
                 with _deadline(client, self._load_timeout):
@@ -318,6 +320,7 @@ class KVParkConnector(KVConnectorBase_V1):
                 continue
             STATS["loads"] += 1
             STATS["loaded_blocks"] += len(ids)
+            STATS["load_us"] += int((time.perf_counter() - t0) * 1e6)
             idx = torch.as_tensor(ids, dtype=torch.long, device=staging.device)
             self._staged.append((idx, staging, set(range(len(self._layers)))))
         if getattr(forward_context, "attn_metadata", None) is None:
@@ -364,6 +367,7 @@ class KVParkConnector(KVConnectorBase_V1):
             packed = torch.stack(per_layer, dim=1)  # [n, L, *block]
             for j, key in enumerate(keys):
                 items[key] = [packed[j]]
+        t0 = time.perf_counter()
         try:
             client = self._conn.get()
             with _deadline(client, self._save_timeout):
@@ -371,7 +375,9 @@ class KVParkConnector(KVConnectorBase_V1):
         except Exception as e:  # noqa: BLE001 - a failed save only costs a future miss
             self._conn_error("save", e)
             return
+        STATS["saves"] += 1
         STATS["saved_blocks"] += len(items)
+        STATS["save_us"] += int((time.perf_counter() - t0) * 1e6)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
