@@ -17,7 +17,6 @@ Writes JSON to ``--json``.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -27,6 +26,8 @@ import torch
 from kvpark.daemon.config import load
 from kvpark.daemon.engine import Engine, ParkSpec
 from kvpark.proto.layout import TensorMeta
+
+from _common import write_json  # bench/ is on sys.path when a script here runs
 
 GiB = 1 << 30
 
@@ -135,11 +136,7 @@ def main() -> int:
     r = out["llama3_8b_32k_restore"]
     print(f"restore {r['bytes'] / GiB:.2f} GiB host->device: best {r['best_ms']:.1f} ms, median {r['median_ms']:.1f} ms"
           " (target < 120 ms on H200; ratios target >= 0.8x)")
-    import os
-
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as fh:
-        json.dump(out, fh, indent=2)
+    write_json(args.json, out)
     return 0
 
 

@@ -37,7 +37,6 @@ Usage: ``python bench/lmdb_write.py [--quick] [--reps N] [--dir DIR] [--json PAT
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
@@ -52,6 +51,8 @@ import lmdb
 import numpy as np
 
 from kvpark.tiers.disk import FORMAT_VERSION, HEADER, MAGIC, block_key, checksum
+
+from _common import write_json  # bench/ is on sys.path when a script here runs
 
 MiB = 1 << 20
 HERE = Path(__file__).resolve().parent
@@ -243,11 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                   record_build_mbps=total / build_s / 1e6, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S%z")),
         variants=variants,
     )
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    rel = os.path.relpath(path)
-    print(f"JSON written to {args.json if rel.startswith('..') else rel}")
+    write_json(args.json, result)
     return 0
 
 

@@ -39,7 +39,6 @@ Usage: ``python bench/transport.py [--quick] [--json PATH] [--reps N] [--servers
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import re
@@ -58,6 +57,8 @@ from typing import Any, Callable, Iterator, Sequence
 import grpc
 import numpy as np
 import torch
+
+from _common import write_json  # bench/ is on sys.path when a script here runs
 
 MiB = 1 << 20
 CHUNK = 1 << 20
@@ -714,11 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         targets=TARGETS,
         checks=checks,
     )
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    rel = os.path.relpath(path)
-    print(f"JSON written to {args.json if rel.startswith('..') else rel}")
+    write_json(args.json, result)
     return 1 if checks else 0
 
 

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _common import write_json  # bench/ is on sys.path when a script here runs
+
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "tests" / "vllm" / "engine.py"
 
@@ -91,8 +93,7 @@ def main() -> int:
     p = out["per_request_ms"]
     print(f"kvpark per request: restore {p['restore']:.2f} ms, park {p['park']:.2f} ms; tokens identical: "
           f"{out['same_tokens']}")
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(out, indent=2))
+    write_json(args.json, out)
     return 0
 
 

@@ -86,6 +86,22 @@ def _set_ids(req: Any, ids: list[str]) -> None:
         req.seq_ids.extend(ids)
 
 
+def _chunks(it: Iterator[bytes], nbytes: int, what: str) -> Iterator[np.ndarray]:
+    """Payload pieces of a Restore stream, checked to arrive in order and add up exactly."""
+    pos = 0
+    for raw in it:
+        chunk = decode_chunk(raw)
+        if chunk is None:
+            raise DataLoss(f"restore of {what!r}: unexpected non-chunk message")
+        offset, data = chunk
+        if offset != pos or pos + len(data) > nbytes:
+            raise DataLoss(f"restore of {what!r}: chunk at {offset} (+{len(data)}), expected {pos}")
+        pos += len(data)
+        yield np.frombuffer(data, dtype=np.uint8)
+    if pos != nbytes:
+        raise DataLoss(f"restore of {what!r}: stream ended after {pos} of {nbytes} bytes")
+
+
 class _Layerwise:
     """The iterator ``restore(..., layerwise=True)`` returns; ``close()`` ends the lease early."""
 
@@ -470,14 +486,7 @@ class Client:
             while ti < len(lens) and lens[ti] == 0:
                 yield ti, out.finish_one(ti)
                 ti += 1
-            for raw in it:
-                chunk = decode_chunk(raw)
-                if chunk is None:
-                    raise DataLoss(f"restore of {what!r}: unexpected non-chunk message")
-                offset, data = chunk
-                if offset != pos or pos + len(data) > info.nbytes:
-                    raise DataLoss(f"restore of {what!r}: chunk at {offset} (+{len(data)}), expected {pos}")
-                src = np.frombuffer(data, dtype=np.uint8)
+            for src in _chunks(it, info.nbytes, what):
                 done = 0
                 while done < len(src):
                     within = pos - (ends[ti] - lens[ti])
@@ -488,8 +497,6 @@ class Client:
                     while ti < len(lens) and pos >= ends[ti]:  # tensor complete (and any empty ones after it)
                         yield ti, out.finish_one(ti)
                         ti += 1
-            if pos != info.nbytes or ti != len(lens):
-                raise DataLoss(f"restore of {what!r}: stream ended after {pos} of {info.nbytes} bytes")
         except grpc.RpcError as e:
             raise _translate(e) from None
 
@@ -498,17 +505,9 @@ class Client:
         assert out.flat is not None
         dst = out.flat.numpy()
         pos = 0
-        for raw in it:
-            chunk = decode_chunk(raw)
-            if chunk is None:
-                raise DataLoss(f"restore of {what!r}: unexpected non-chunk message")
-            offset, data = chunk
-            if offset != pos or pos + len(data) > info.nbytes:
-                raise DataLoss(f"restore of {what!r}: chunk at {offset} (+{len(data)}), expected {pos}")
-            dst[pos : pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
-            pos += len(data)
-        if pos != info.nbytes:
-            raise DataLoss(f"restore of {what!r}: stream ended after {pos} of {info.nbytes} bytes")
+        for src in _chunks(it, info.nbytes, what):
+            dst[pos : pos + len(src)] = src
+            pos += len(src)
         out.finish_flat()
         return
         yield

@@ -6,6 +6,7 @@ Primitives:
 - ``Proc``: a ``kvpark serve`` subprocess; ``Proc.start(tmp_path, *args)`` waits for the
   "listening on" line and parses the address.
 - ``wait_until(pred, timeout)``: poll a condition with a deadline (no fixed sleeps).
+- ``run_threads(targets) -> errors``: run callables concurrently, collect what they raised.
 """
 
 from __future__ import annotations
@@ -62,6 +63,24 @@ def daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     yield start
     for d in started:
         d.stop(0.5)
+
+
+def run_threads(targets: list[Callable[[], None]], timeout: float = 300.0) -> list[BaseException]:
+    """Run each target in its own thread; return what they raised (empty when all passed)."""
+    errors: list[BaseException] = []
+
+    def guard(fn: Callable[[], None]) -> None:
+        try:
+            fn()
+        except BaseException as e:  # surfaced to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=guard, args=(fn,)) for fn in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    return errors
 
 
 def wait_until(pred: Callable[[], bool], timeout: float = 10.0, interval: float = 0.02) -> bool:

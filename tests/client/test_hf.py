@@ -1,7 +1,6 @@
 """HF adapter: a tiny random Llama parks its cache mid-generation, the daemon restarts, and
 generation resumes with exactly the tokens of an uninterrupted run."""
 
-from pathlib import Path
 from typing import Any, Callable
 
 import pytest

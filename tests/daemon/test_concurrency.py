@@ -1,5 +1,6 @@
 """Concurrent parks, restores and drops from several threads; accounting exact afterwards."""
 
+import functools
 import random
 import threading
 from typing import Callable
@@ -10,39 +11,31 @@ import torch
 from kvpark.client import Client, NotFound
 from kvpark.daemon.server import Daemon
 
-from ..conftest import wait_until
+from ..conftest import run_threads, wait_until
 
 
 @pytest.mark.parametrize("transport", ["inline", "shm"])
 def test_threads_park_restore_drop(daemon: Callable[..., Daemon], transport: str) -> None:
     d = daemon(**{"tiers.host.capacity": "24MiB"})
-    errors: list[BaseException] = []
     kept: dict[str, torch.Tensor] = {}
     lock = threading.Lock()
 
     def worker(w: int) -> None:
         rng = random.Random(w)
-        try:
-            with Client(d.address, transport=transport) as c:
-                for i in range(25):
-                    sid = f"w{w}-{i}"
-                    t = torch.randint(0, 255, (rng.choice([100, 70_000, 1 << 20, 1_500_000]),), dtype=torch.uint8)
-                    c.park(sid, [t, t[:7].clone()])
-                    back = c.restore(sid)
-                    assert torch.equal(back[0], t) and torch.equal(back[1], t[:7])
-                    if rng.random() < 0.4:
-                        assert c.drop(sid)
-                    else:
-                        with lock:
-                            kept[sid] = t
-        except BaseException as e:  # surfaced below
-            errors.append(e)
+        with Client(d.address, transport=transport) as c:
+            for i in range(25):
+                sid = f"w{w}-{i}"
+                t = torch.randint(0, 255, (rng.choice([100, 70_000, 1 << 20, 1_500_000]),), dtype=torch.uint8)
+                c.park(sid, [t, t[:7].clone()])
+                back = c.restore(sid)
+                assert torch.equal(back[0], t) and torch.equal(back[1], t[:7])
+                if rng.random() < 0.4:
+                    assert c.drop(sid)
+                else:
+                    with lock:
+                        kept[sid] = t
 
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
+    errors = run_threads([functools.partial(worker, w) for w in range(6)])
     assert not errors, errors[0]
     with Client(d.address, transport=transport) as c:
         assert {s.seq_id for s in c.list()} == set(kept)

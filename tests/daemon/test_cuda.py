@@ -3,8 +3,8 @@
 Skipped without CUDA; run by bench/gpu_check.sh on a GPU machine.
 """
 
+import functools
 import logging
-import threading
 from pathlib import Path
 from typing import Callable
 
@@ -14,7 +14,7 @@ import torch
 from kvpark.client import Client
 from kvpark.daemon.server import Daemon
 
-from ..conftest import Proc, wait_until
+from ..conftest import Proc, run_threads, wait_until
 
 pytestmark = pytest.mark.cuda
 MiB = 1 << 20
@@ -49,23 +49,15 @@ def test_device_tier_round_trip_and_pressure(daemon: Callable[..., Daemon], tran
 
 def test_concurrent_d2h_and_h2d(daemon: Callable[..., Daemon]) -> None:
     d = daemon(**GPU)
-    errors: list[BaseException] = []
 
     def worker(w: int) -> None:
-        try:
-            with Client(d.address, transport="inline") as c:
-                for i in range(20):
-                    sid = f"w{w}-{i}"
-                    c.park(sid, [gblob(w * 100 + i)])
-                    assert torch.equal(c.restore(sid, device="cuda:0")[0], gblob(w * 100 + i))
-        except BaseException as e:
-            errors.append(e)
+        with Client(d.address, transport="inline") as c:
+            for i in range(20):
+                sid = f"w{w}-{i}"
+                c.park(sid, [gblob(w * 100 + i)])
+                assert torch.equal(c.restore(sid, device="cuda:0")[0], gblob(w * 100 + i))
 
-    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
+    errors = run_threads([functools.partial(worker, w) for w in range(4)])
     assert not errors, errors[0]
 
 

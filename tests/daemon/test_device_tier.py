@@ -1,7 +1,7 @@
 """Three tiers together, with device = "cpu" as the stand-in for a GPU pool."""
 
+import functools
 import random
-import threading
 import time
 from typing import Callable
 
@@ -11,7 +11,7 @@ import torch
 from kvpark.client import Client, DeadlineExceeded, InvalidArgument, NotFound
 from kvpark.daemon.server import Daemon
 
-from ..conftest import wait_until
+from ..conftest import run_threads, wait_until
 
 MiB = 1 << 20
 DEV = {"tiers.device.enabled": "true", "tiers.device.device": "cpu", "tiers.device.capacity": "8MiB"}
@@ -129,34 +129,23 @@ def test_restores_racing_demotions_never_see_half_copied_blocks(daemon: Callable
         for sid, t in truth.items():
             c.park(sid, [t])
     stop = time.monotonic() + 4.0
-    errors: list[BaseException] = []
 
     def reader(w: int, transport: str) -> None:
         rng = random.Random(w)
-        try:
-            with Client(d.address, transport=transport) as c:
-                while time.monotonic() < stop:
-                    sid = rng.choice(list(truth))
-                    assert torch.equal(c.restore(sid)[0], truth[sid]), sid
-        except BaseException as e:
-            errors.append(e)
+        with Client(d.address, transport=transport) as c:
+            while time.monotonic() < stop:
+                sid = rng.choice(list(truth))
+                assert torch.equal(c.restore(sid)[0], truth[sid]), sid
 
     def churn() -> None:
-        try:
-            with Client(d.address, transport="inline") as c:
-                i = 0
-                while time.monotonic() < stop:
-                    c.park(f"churn{i % 12}", [blob(100 + i)], overwrite=True)
-                    i += 1
-        except BaseException as e:
-            errors.append(e)
+        with Client(d.address, transport="inline") as c:
+            i = 0
+            while time.monotonic() < stop:
+                c.park(f"churn{i % 12}", [blob(100 + i)], overwrite=True)
+                i += 1
 
-    threads = [threading.Thread(target=reader, args=(w, "inline" if w % 2 else "shm")) for w in range(4)]
-    threads.append(threading.Thread(target=churn))
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    readers = [functools.partial(reader, w, "inline" if w % 2 else "shm") for w in range(4)]
+    errors = run_threads([*readers, churn], timeout=60)
     assert not errors, errors[0]
     with Client(d.address) as c:
         assert wait_until(lambda: c.stat().leases == 0)
