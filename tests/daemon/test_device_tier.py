@@ -49,10 +49,12 @@ def test_pressure_demotes_down_the_chain_bit_exact(daemon: Callable[..., Daemon]
         tiers = {s.seq_id: s.tier for s in c.list()}
         assert tiers["s00"] == "disk" and tiers["s39"] == "device"
         assert "host" in tiers.values()
-        # Step 3: bytes are exact at every level (no promotion, so tiers stay put).
+        # Step 3: bytes are exact at every level. Without promotion nothing moves up
+        # (background demotion may still move things down meanwhile).
         for i in range(40):
             assert torch.equal(c.restore(f"s{i:02d}")[0], blob(i)), i
-        assert {s.seq_id: s.tier for s in c.list()} == tiers
+        rank = {"device": 0, "host": 1, "disk": 2}
+        assert all(rank[s.tier] >= rank[tiers[s.seq_id]] for s in c.list())
 
 
 def test_restore_promotes_to_device_and_prefetch_moves_up(daemon: Callable[..., Daemon]) -> None:
