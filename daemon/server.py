@@ -5,7 +5,7 @@ Primitives:
   ``address`` is then the resolved address; ``stop(grace)`` stops taking calls, lets
   in-flight ones finish for ``grace`` seconds, flushes per policy and closes the tiers.
   Usable as a context manager (tests run real daemons this way).
-- ``GRPC_OPTIONS``: channel options shared with the client (message sizes, windows).
+- ``grpc_options()``: the server's channel options (the shared ``kvpark.proto.GRPC_OPTIONS``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ from .servicer import SERVICE, handlers
 
 log = logging.getLogger("kvpark")
 
-GRPC_OPTIONS = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+def grpc_options() -> list[tuple[str, int]]:
+    """The shared channel options (read at start, so a bench can vary them), no port reuse."""
+    return [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
 
 
 def _boot_id() -> str:
@@ -52,7 +54,7 @@ class Daemon:
         try:
             server = grpc.server(
                 ThreadPoolExecutor(max_workers=self.config.server.max_workers, thread_name_prefix="kvpark-rpc"),
-                options=GRPC_OPTIONS,
+                options=grpc_options(),
             )
             server.add_generic_rpc_handlers((handlers(engine, socket.gethostname(), _boot_id()),))
             self._health = health.HealthServicer()
@@ -104,4 +106,4 @@ class Daemon:
         self.stop()
 
 
-__all__ = ["Daemon", "GRPC_OPTIONS"]
+__all__ = ["Daemon", "grpc_options"]
