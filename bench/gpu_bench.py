@@ -24,7 +24,8 @@ import time
 import torch
 
 from kvpark.daemon.config import load
-from kvpark.daemon.engine import Engine, ParkSpec
+from kvpark.daemon.engine import Engine
+from kvpark.daemon.model import ParkSpec
 from kvpark.proto.layout import TensorMeta
 
 from _common import write_json  # bench/ is on sys.path when a script here runs

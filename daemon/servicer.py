@@ -24,7 +24,8 @@ from kvpark.proto.errors import ERROR_KEY, Internal, InvalidArgument, KVParkErro
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import decode_chunk, encode_chunk
 
-from .engine import Engine, ParkSpec, ReadHandle
+from .engine import Engine
+from .model import ParkSpec, ReadHandle
 
 log = logging.getLogger("kvpark.servicer")
 SERVICE = "kvpark.v1.KVPark"
