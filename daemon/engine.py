@@ -79,9 +79,7 @@ MAX_PARTS = 1 << 16  # ids in one restore/lookup call
 class Engine:
     def __init__(self, config: Config) -> None:
         self.config = config
-        host = config.tiers.host
-        pol = config.policy
-        self.slot_size = host.slot_size
+        self.slot_size = config.tiers.host.slot_size
         self._lock = threading.Lock()
         self._disk_lock = threading.Lock()
         self._commit_lock = threading.Lock()
@@ -98,6 +96,20 @@ class Engine:
         self._prefetches: dict[tuple[str, str], concurrent.futures.Future[None]] = {}
         self._prefetcher = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpark-prefetch")
 
+        # The disk store first: it is what most often refuses to open (a lock held by
+        # another daemon, permissions), and it holds no memory to give back.
+        self.disk = DiskStore(config.tiers.disk.path, config.disk_capacity, writemap=config.tiers.disk.writemap)
+        try:
+            self._open_memory(config)
+        except BaseException:
+            self.disk.close()
+            self._prefetcher.shutdown()
+            raise
+        self.copy = copier.CopyEngine(config.copy.max_inflight_bytes)
+        self._load_index()
+
+    def _open_memory(self, config: Config) -> None:
+        host, pol = config.tiers.host, config.policy
         self.tiers: dict[str, MemTier] = {}
         if config.device_enabled:
             dev = config.tiers.device
@@ -122,9 +134,6 @@ class Engine:
         self.tiers["host"] = MemTier("host", self.arena.tensor, host.slot_size,
                                      host.high_watermark or pol.high_watermark, host.low_watermark or pol.low_watermark,
                                      view=self.arena.view)
-        self.copy = copier.CopyEngine(config.copy.max_inflight_bytes)
-        self.disk = DiskStore(config.tiers.disk.path, config.disk_capacity, writemap=config.tiers.disk.writemap)
-        self._load_index()
 
     @property
     def host(self) -> MemTier:

@@ -15,7 +15,8 @@ mix. Every read verifies header, length, fingerprint and checksum and raises
 ``DataLoss`` on any mismatch.
 
 Primitives:
-- ``DiskStore(path, capacity, writemap)``; ``close()``; ``sync()``.
+- ``DiskStore(path, capacity, writemap)``; ``close()``; ``sync()``. One daemon per directory:
+  a second one is refused (a ``flock`` on ``kvpark.lock``).
 - ``load_manifests() -> list[Manifest]`` (records that fail to parse are reported, not fatal).
 - ``write(manifest, blocks, replace=None, sync=False)``: ``blocks`` are memoryviews.
 - ``delete(manifest)``.
@@ -24,6 +25,7 @@ Primitives:
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
@@ -109,6 +111,25 @@ def block_key(seq_id: str, gen: int, index: int) -> bytes:
     return seq_id.encode() + b"\x00" + _KEY_TAIL.pack(gen, index)
 
 
+def _lock_dir(path: str) -> int:
+    """Hold an exclusive lock on the data directory for this process's lifetime.
+
+    LMDB itself lets several processes share an environment, but each kvpark daemon keeps
+    its own index of what is stored: a second daemon on the same directory would corrupt
+    the first one's view. The lock is released by ``close`` or when the process dies.
+    """
+    fd = os.open(os.path.join(path, "kvpark.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+        os.close(fd)
+        raise OSError(f"disk tier {path} is in use by another kvpark daemon (pid {holder})") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
 class ReadTxn:
     """A read transaction; views it returns are valid until the ``with`` block ends."""
 
@@ -139,10 +160,11 @@ class ReadTxn:
 
 
 class DiskStore:
-    def __init__(self, path: str, capacity: int, writemap: bool = True) -> None:
+    def __init__(self, path: str, capacity: int, writemap: bool = False) -> None:
         os.makedirs(path, exist_ok=True)
         self.path = path
         self.capacity = capacity
+        self._lock_fd = _lock_dir(path)
         data_file = os.path.join(path, "data.mdb")
         existing = os.path.getsize(data_file) if os.path.exists(data_file) else 0
         # Headroom over the payload capacity for LMDB pages, headers and manifests,
@@ -174,6 +196,7 @@ class DiskStore:
     def close(self) -> None:
         self.env.sync(True)
         self.env.close()
+        os.close(self._lock_fd)  # releases the directory lock
 
     def sync(self) -> None:
         self.env.sync(True)

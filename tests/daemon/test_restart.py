@@ -130,3 +130,18 @@ def test_unix_socket_and_sigint(proc: Callable[..., Proc], tmp_path: Path) -> No
     finally:
         if p.popen.poll() is None:
             p.kill()
+
+
+def test_a_second_daemon_on_the_same_data_dir_is_refused(proc: Callable[..., Proc], tmp_path: Path) -> None:
+    p = proc()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK")}
+    r = subprocess.run([sys.executable, "-m", "kvpark.daemon.cli", "serve", "--listen", "127.0.0.1:0",
+                        "--data-dir", str(tmp_path / "disk"), "--set", "tiers.host.capacity=16MiB",
+                        "--set", f"tiers.host.shm_dir={tmp_path / 'shm2'}"],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 1
+    assert "in use by another kvpark daemon" in r.stderr and str(p.popen.pid) in r.stderr
+    assert not list((tmp_path / "shm2").glob("*.arena")), "nothing left behind by the refused daemon"
+    with Client(p.address) as c:  # the first one is unaffected
+        c.park("ok", [torch.ones(2)])
+    assert p.terminate() == 0
