@@ -136,6 +136,7 @@ class Client:
         self._channel = grpc.insecure_channel(self.address, options=GRPC_OPTIONS)
         self._arena: SharedArena | None = None
         self._pool: torch.Tensor | None = None  # the daemon's device pool, via CUDA IPC
+        self._pinned = False
         ch = self._channel
         u = lambda name, resp: ch.unary_unary(_SVC + name, request_serializer=_ser,  # noqa: E731
                                                response_deserializer=resp.FromString)
@@ -213,10 +214,14 @@ class Client:
             self._arena = SharedArena.open(a.path, a.size)
         except OSError as e:
             return f"cannot map arena {a.path}: {e}"
+        # On a GPU machine, page-lock the mapping once so D2H/H2D go straight in and out.
+        self._pinned = copier.pin_host(self._arena.tensor) > 0
         return None
 
     def close(self) -> None:
         if self._arena is not None:
+            if self._pinned:
+                copier.unpin_host(self._arena.tensor)
             self._arena.close()
             self._arena = None
         self._pool = None
