@@ -433,6 +433,7 @@ class Client:
                       into: Sequence[torch.Tensor] | None, into_flat: torch.Tensor | None
                       ) -> Iterator[SeqInfo | tuple[int, torch.Tensor]]:
         """shm / cuda_ipc: copy straight out of the leased slots, one event per tensor."""
+        copies: copier.LayerCopier | None = None
         try:
             info = convert.info_from_pb(r.info)
             out = Outputs(info.tensors, device, into, into_flat=into_flat)
@@ -454,9 +455,15 @@ class Client:
                 for i, mark in enumerate(marks):
                     copies.wait(mark)
                     yield i, out.finish_one(i)
-            copier.synchronize(pool.device)  # done reading before the lease ends
         finally:
-            self._abort_quietly(r.lease_id)
+            # Every queued copy has read its slots before the lease ends, also when a
+            # layer-wise consumer stops early.
+            try:
+                if copies is not None:
+                    copies.synchronize()
+                copier.synchronize(pool.device)
+            finally:
+                self._abort_quietly(r.lease_id)
 
     def _restore_inline(self, ids: list[str], device: Any, into: Sequence[torch.Tensor] | None,
                         expect_layout: str, into_flat: torch.Tensor | None = None

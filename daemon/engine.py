@@ -45,6 +45,7 @@ import torch
 from kvpark.proto import VERSION
 from kvpark.proto.errors import (
     AlreadyExists,
+    DataLoss,
     DeadlineExceeded,
     FailedPrecondition,
     LayoutMismatch,
@@ -248,6 +249,8 @@ class Engine:
                 raise InvalidArgument(f"new block {b.seq_id!r}: only a batch park creates plain sequences")
         if len({b.seq_id for b in spec.blocks}) != len(spec.blocks):
             raise InvalidArgument("the same new block is listed twice")
+        if spec.seq_id and (spec.seq_id in refs or any(b.seq_id == spec.seq_id for b in spec.blocks)):
+            raise InvalidArgument(f"sequence {spec.seq_id!r} cannot reference itself as a block")
         self._check_open()
         tier = self._tier_arg(tier or self.park_tier)
         order = [tier] if tier == "host" or not stream else [tier, "host"]
@@ -265,7 +268,9 @@ class Engine:
                         raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
                     got = self._alloc_all(mem, [b.nbytes for b in spec.blocks] + [spec.nbytes])
                     if got is not None:
-                        ttl = None if stream else time.monotonic() + self.config.leases.ttl_s
+                        # Write leases always expire: a stream that stalls without closing
+                        # gets an idle deadline, pushed back by every chunk it sends.
+                        ttl = time.monotonic() + self.config.leases.ttl_s
                         lease = Lease(secrets.token_hex(16), "write", t, ttl, spec=spec, alloc=got[-1],
                                       block_allocs=got[:-1])
                         self._leases[lease.lease_id] = lease
@@ -295,7 +300,7 @@ class Engine:
     def write_chunk(self, lease: Lease, offset: int, data: memoryview) -> None:
         """Copy inline bytes straight into the reserved slots. Chunks must arrive in order."""
         n = len(data)
-        assert lease.spec is not None and lease.alloc is not None
+        assert lease.spec is not None
         total = lease.spec.total
         if offset != lease.received:
             raise InvalidArgument(f"chunk at offset {offset}, expected {lease.received} (chunks must be in order)")
@@ -305,20 +310,24 @@ class Engine:
             raise InvalidArgument(f"chunk [{offset}, {offset + n}) overruns the declared {total} bytes")
         mem = self.tiers[lease.tier]
         bs = self.slot_size
-        pos = 0
-        start = 0  # payload offset where the current allocation begins
-        for a in lease.write_allocs():
-            size = a.nbytes
-            while pos < n and offset + pos < start + size:
-                blk, within = divmod(offset + pos - start, bs)
-                base, ln = a.extents[blk]
-                take = min(ln - within, n - pos)
-                mem.write(base + within, data[pos : pos + take])
-                pos += take
-            start += size
-            if pos == n:
-                break
-        lease.received += n
+        with lease.lock:  # the reaper cannot free these slots while we copy into them
+            if lease.ended:
+                raise LeaseExpired(f"write lease {lease.lease_id!r} expired (the stream was idle too long)")
+            pos = 0
+            start = 0  # payload offset where the current allocation begins
+            for a in lease.write_allocs():
+                size = a.nbytes
+                while pos < n and offset + pos < start + size:
+                    blk, within = divmod(offset + pos - start, bs)
+                    base, ln = a.extents[blk]
+                    take = min(ln - within, n - pos)
+                    mem.write(base + within, data[pos : pos + take])
+                    pos += take
+                start += size
+                if pos == n:
+                    break
+            lease.received += n
+            lease.expires_at = time.monotonic() + self.config.leases.ttl_s
 
     def _manifest_for(self, spec: ParkSpec) -> Manifest:
         now = time.time()
@@ -431,31 +440,34 @@ class Engine:
             raise FailedPrecondition(f"shared block {spec.seq_id!r} is in use; it cannot be overwritten")
         if self._closed:
             raise Unavailable("daemon is shutting down")
-        fresh: list[Seq] = []
-        keep: list[Allocation] = []
+        # Validate everything first: an error below leaves every allocation with the lease,
+        # and the caller frees them all exactly once.
+        plan: list[tuple[ParkSpec, Allocation, bool]] = []
+        creating: set[str] = set()
         for b, a in zip(spec.blocks, lease.block_allocs):
             have = self._seqs.get(b.seq_id)
             if have is not None and have.shared != b.shared:
                 kind = "a shared block" if have.shared else "a plain sequence"
                 raise FailedPrecondition(f"{b.seq_id!r} is already parked as {kind}")
-            if have is not None:
-                self._free(mem, a)  # same content is already stored
+            plan.append((b, a, have is not None))
+            if have is None:
+                creating.add(b.seq_id)
+        for r in spec.refs:
+            target = self._seqs.get(r)
+            if r not in creating and (target is None or not target.shared):
+                raise NotFound(f"referenced shared block {r!r} is not parked")
+        # Commit point: nothing below raises.
+        fresh: list[Seq] = []
+        for b, a, exists in plan:
+            if exists:
+                self._free(mem, a)  # same content is already stored: content-addressed dedup
                 continue
             self._gen += 1
             m = self._manifest_for(ParkSpec(b.seq_id, b.tensors, b.nbytes, priority=spec.priority, shared=b.shared,
                                             attrs=b.attrs, pinned=spec.pinned, ttl_s=spec.ttl_s))
             m.gen = self._gen
             fresh.append(Seq(manifest=m, res={mem.name: a}))
-            keep.append(a)
-        creating = {f.seq_id for f in fresh}
-        for r in spec.refs:
-            target = self._seqs.get(r)
-            if r not in creating and (target is None or not target.shared):
-                for f in fresh:
-                    self._free(mem, f.res[mem.name])
-                lease.block_allocs = []
-                raise NotFound(f"referenced shared block {r!r} is not parked")
-        lease.block_allocs = []  # owned by the fresh block sequences now
+        lease.block_allocs = []  # owned by the fresh block sequences (or freed) now
         return fresh
 
     def _commit_block(self, block: Seq) -> None:
@@ -542,9 +554,11 @@ class Engine:
         # REQUIRES: self._lock held.
         self._leases.pop(lease.lease_id, None)
         if lease.kind == "write":
-            if lease.alloc is not None:
-                self._free(self.tiers[lease.tier], lease.alloc)
-                lease.alloc = None
+            with lease.lock:  # waits out a write_chunk copying into these slots right now
+                lease.ended = True
+                for a in lease.write_allocs():
+                    self._free(self.tiers[lease.tier], a)
+                lease.alloc, lease.block_allocs = None, []
         else:
             for seq, tier in lease.parts:
                 seq.readers[tier] -= 1
@@ -647,8 +661,8 @@ class Engine:
                 if t in seq.res:
                     seq.readers[t] = seq.readers.get(t, 0) + 1
                     lease.parts.append((seq, t))
-                    return Part(seq.manifest, seq.res[t], t)
-            return Part(seq.manifest, None, "disk")
+                    return Part(seq.manifest, seq.res[t], t, seq)
+            return Part(seq.manifest, None, "disk", seq)
 
     def _get(self, seq_id: str) -> Seq:
         # REQUIRES: self._lock held.
@@ -775,7 +789,13 @@ class Engine:
                 else:
                     m = p.manifest
                     for i, n in enumerate(m.block_lengths):
-                        yield r.read_block(m, i, n)  # type: ignore[attr-defined]
+                        try:
+                            yield r.read_block(m, i, n)  # type: ignore[attr-defined]
+                        except DataLoss:
+                            if p.seq is not None and p.seq.dropped:  # deleted under us: gone, not corrupt
+                                raise NotFound(f"sequence {m.seq_id!r} was dropped or overwritten during the "
+                                               "restore") from None
+                            raise
 
         if all(p.alloc is not None for p in handle.parts):
             yield from regroup(views(None), chunk_size)
@@ -806,7 +826,7 @@ class Engine:
             return True
         with self._lock:
             transient = any(l.expires_at is None or l.kind == "write" for l in self._leases.values()) or any(
-                s.moving or s.move_lock.locked() for s in self._seqs.values()
+                s.moving or (s.move_lock.locked() and s is not exclude) for s in self._seqs.values()
             )
             if not transient or time.monotonic() >= deadline or self._closed:
                 return False
@@ -938,6 +958,13 @@ class Engine:
 
     def drop(self, seq_id: str) -> bool:
         validate_seq_id(seq_id)
+        # Serialised with commits: a commit validates refs and the sequence it replaces
+        # under _lock but publishes later (after a write-through fsync); a drop in
+        # between would leave refcounts or references wrong.
+        with self._commit_lock:
+            return self._drop(seq_id)
+
+    def _drop(self, seq_id: str) -> bool:
         with self._lock:
             seq = self._seqs.get(seq_id)
             if seq is None:

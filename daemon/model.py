@@ -103,6 +103,8 @@ class Lease:
     alloc: Allocation | None = None  # write leases: the sequence's own bytes
     block_allocs: list[Allocation] = field(default_factory=list)  # write leases: spec.blocks, in order
     received: int = 0  # inline bytes written so far
+    ended: bool = False  # write leases: released, committed or expired; no more writes
+    lock: threading.Lock = field(default_factory=threading.Lock)  # write leases: held while copying in
 
     def write_allocs(self) -> list[Allocation]:
         """Allocations in payload order (new shared blocks, then the sequence)."""
@@ -116,6 +118,7 @@ class Part:
     manifest: Manifest
     alloc: Allocation | None
     tier: str  # "device" | "host" | "disk"
+    seq: "Seq | None" = None
 
 
 @dataclass

@@ -176,7 +176,8 @@ class Servicer:
         handle = self.engine.acquire(ids, stream=True, expect_layout=req.expect_layout)
         try:
             info = convert.info_to_pb(handle.info)
-            if handle.info.nbytes > req.max_bytes:
+            # The client's limit, never above one message's worth (the daemon builds it in memory).
+            if handle.info.nbytes > min(req.max_bytes, self.engine.config.server.chunk_size):
                 return pb.GetResponse(info=info, too_large=True)
             return pb.GetResponse(info=info, data=self._join(handle))
         finally:
@@ -203,7 +204,7 @@ class Servicer:
     def Acquire(self, req: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireResponse:
         ids = list(req.seq_ids) or req.seq_id
         h = self.engine.acquire(ids, need=req.tier or "host", expect_layout=req.expect_layout)
-        if h.info.nbytes <= req.inline_max:
+        if h.info.nbytes <= min(req.inline_max, self.engine.config.server.chunk_size):
             # Small: one round trip, bytes in the reply, no lease left behind.
             try:
                 return pb.AcquireResponse(info=convert.info_to_pb(h.info), data=self._join(h), inlined=True)

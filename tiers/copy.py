@@ -191,7 +191,9 @@ class CopyEngine:
         while True:
             with self._cv:
                 while not q:
-                    if self._closed and not self._queue:
+                    # Exit only when nothing is queued or in flight: a job the dispatcher
+                    # popped may not have reached the pending list yet.
+                    if self._closed and not self._queue and self._inflight[direction] == 0:
                         return
                     self._cv.wait(0.1)
                 ev, job = q[0]
@@ -290,3 +292,8 @@ class LayerCopier:
     def wait(self, mark: object) -> None:
         if mark is not None:
             mark.synchronize()  # type: ignore[attr-defined]
+
+    def synchronize(self) -> None:
+        """Wait for every copy queued so far."""
+        if self._stream is not None:
+            self._stream.synchronize()
