@@ -62,7 +62,7 @@ def test_arena_file_mode_and_removal(daemon: Callable[..., Daemon], tmp_path: Pa
 
 CHILD = textwrap.dedent(
     """
-    import sys, time, torch
+    import signal, sys, torch
     from kvpark.client import Client
     from kvpark.proto.v1 import kvpark_pb2 as pb
     mode, address = sys.argv[1], sys.argv[2]
@@ -82,10 +82,10 @@ CHILD = textwrap.dedent(
                 pb.TensorMeta(dtype="uint8", shape=[4 << 20], nbytes=4 << 20)])).SerializeToString()
             yield encode_chunk(0, memoryview(b"x" * (1 << 20)))
             print("ready", flush=True)
-            time.sleep(600)
+            signal.pause()  # hold the stream open until the test kills this process
         c._park(slow(), timeout=600)
     print("ready", flush=True)
-    time.sleep(600)
+    signal.pause()  # hold the lease until the test kills this process
     """
 )
 
