@@ -17,7 +17,6 @@ raises ``TransportUnavailable``. Every gRPC failure becomes a typed ``KVParkErro
 from __future__ import annotations
 
 import os
-import pickle
 import socket
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -197,8 +196,8 @@ class Client:
         if device is None:
             return f"this process cannot see the daemon's GPU ({d.device}, {d.uuid})"
         try:
-            self._pool = copier.open_ipc(pickle.loads(d.ipc_handle), d.size)
-        except (RuntimeError, pickle.UnpicklingError) as e:
+            self._pool = copier.open_ipc(d.ipc_handle, d.size)
+        except (RuntimeError, ValueError, TypeError, KeyError) as e:
             return f"cannot open the device pool's IPC handle: {e}"
         return None
 

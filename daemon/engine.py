@@ -1040,10 +1040,8 @@ class Engine:
         dev = self.tiers.get("device")
         handle = b""
         if dev is not None and dev.device.type == "cuda":
-            import pickle
-
             transports.insert(0, "cuda_ipc")
-            handle = pickle.dumps(copier.ipc_handle(dev.pool))
+            handle = copier.ipc_handle(dev.pool)
         return {
             "server_version": VERSION,
             "transports": transports,

@@ -25,8 +25,10 @@ dispatcher thread, so every state transition is exercised by the CPU tests.
 
 from __future__ import annotations
 
+import base64
 import heapq
 import itertools
+import json
 import logging
 import threading
 import time
@@ -230,15 +232,24 @@ def synchronize(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def ipc_handle(pool: torch.Tensor) -> tuple:
-    """A picklable handle another process can open with ``open_ipc`` (same GPU)."""
+def ipc_handle(pool: torch.Tensor) -> bytes:
+    """Bytes another process on the same GPU can open with ``open_ipc``.
+
+    The storage's share tuple (ints, bools and opaque handle bytes) travels as JSON, not
+    pickle, so a client never unpickles what a daemon sent it.
+    """
     if not is_cuda(pool):
         raise RuntimeError("CUDA IPC needs a CUDA tensor")
-    return pool.untyped_storage()._share_cuda_()
+    fields = pool.untyped_storage()._share_cuda_()
+    enc = [{"b64": base64.b64encode(f).decode()} if isinstance(f, bytes) else f for f in fields]
+    return json.dumps(enc).encode()
 
 
-def open_ipc(handle: tuple, nbytes: int) -> torch.Tensor:
-    storage = torch.UntypedStorage._new_shared_cuda(*handle)
+def open_ipc(handle: bytes, nbytes: int) -> torch.Tensor:
+    fields = [base64.b64decode(f["b64"]) if isinstance(f, dict) else f for f in json.loads(handle)]
+    if not all(isinstance(f, (int, bool, bytes)) for f in fields):
+        raise RuntimeError("malformed CUDA IPC handle")
+    storage = torch.UntypedStorage._new_shared_cuda(*fields)
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
 
 
