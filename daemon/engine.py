@@ -730,7 +730,9 @@ class Engine:
     def _copy(self, seq: Seq, src: str, dst: str, dst_alloc: Allocation, restore: bool) -> None:
         """Copy ``seq``'s bytes from memory tier ``src`` into ``dst_alloc`` and wait for it."""
         with self._lock:
-            src_alloc = seq.res[src]
+            src_alloc = seq.res.get(src)
+            if src_alloc is None:  # dropped (its copies freed) since the caller looked
+                raise NotFound(f"sequence {seq.seq_id!r} was dropped during a move")
             seq.moving += 1  # the source copy cannot be freed under the copy
         try:
             s_mem, d_mem = self.tiers[src], self.tiers[dst]
