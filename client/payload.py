@@ -4,7 +4,8 @@ Primitives:
 - ``byte_view(t) -> torch.Tensor``: a flat ``uint8`` view of ``t``'s bytes (made
   contiguous first if needed; stays on ``t``'s device).
 - ``Outputs(metas, device, into)``: destination tensors for a restore, checked against
-  ``into``; ``.flats`` are their byte views; ``.finish()`` returns the user's tensors.
+  ``into`` (or one flat ``into_flat``); ``.flats`` are their byte views;
+  ``.finish_one(i)`` hands tensor ``i`` over once its bytes have landed.
 - ``pieces(src_lengths, dst_lengths)``: walk two partitions of the same byte range and
   yield ``(src_index, src_offset, dst_index, dst_offset, length)`` for each overlap.
 """
@@ -105,11 +106,3 @@ class Outputs:
                 t.copy_(tgt)
             return t
         return tgt if tgt.device == self.device else tgt.to(self.device)
-
-    def finish(self) -> list[torch.Tensor]:
-        if self.into is not None:
-            for t, tgt in zip(self.into, self.targets):
-                if t is not tgt:
-                    t.copy_(tgt)
-            return self.into
-        return [t if t.device == self.device else t.to(self.device) for t in self.targets]

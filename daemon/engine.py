@@ -714,7 +714,7 @@ class Engine:
             else:
                 with self.disk.read_txn() as r:
                     for i, (off, n) in enumerate(a.extents):
-                        mem.read_into(off, r.read_block(seq.manifest, i, n))
+                        mem.write(off, r.read_block(seq.manifest, i, n))
                 with self._lock:
                     seq.promotions += 1
         except BaseException:

@@ -4,7 +4,7 @@ Primitives:
 - ``MemTier(name, pool, slot_size, high, low)``; ``alloc`` is its ``SlotAllocator``.
 - ``views(allocation) -> list[memoryview]``: CPU-readable block views (zero-copy for CPU
   pools; a device pool is copied to host first, for the rare disk write from device).
-- ``write(offset, data)``: put bytes at a pool offset (inline parks land here).
+- ``write(offset, data)``: put CPU bytes at a pool offset (inline parks, disk promotions).
 - ``tensor(offset, n)``: a device-agnostic slice for the copy engine.
 """
 
@@ -58,7 +58,3 @@ class MemTier:
             self._view[offset : offset + n] = data
         else:
             self.pool[offset : offset + n].copy_(torch.from_numpy(np.frombuffer(data, dtype=np.uint8)))
-
-    def read_into(self, offset: int, data: memoryview) -> None:
-        """Fill ``[offset, offset+len(data))`` from a CPU view (disk -> memory)."""
-        self.write(offset, data)
