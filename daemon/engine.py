@@ -5,7 +5,7 @@ Speaks dataclasses only (protobuf stops at the servicer). *What* to demote comes
 (``kvpark.tiers.copy``); this module decides where things live and applies it.
 
 Primitives:
-- ``Engine(config)``; ``start()``; ``close(flush=...)``; ``flush()``.
+- ``Engine(config, disk_factory=DiskStore)``; ``start()``; ``close(flush=...)``; ``flush()``.
 - Park, two-phase: ``reserve(ParkSpec, stream=False, tier=None) -> Lease`` (slots under a
   write lease), ``write_chunk(lease, offset, data)`` for inline bytes,
   ``commit(lease_id) -> SeqInfo`` (publish), ``release(lease_id)`` (abort).
@@ -38,7 +38,7 @@ import logging
 import secrets
 import threading
 import time
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -77,8 +77,11 @@ ROOM_WAIT_S = 10.0
 MAX_PARTS = 1 << 16  # ids in one restore/lookup call
 
 
+DiskFactory = Callable[..., DiskStore]  # (path, capacity, *, writemap) -> DiskStore
+
+
 class Engine:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, disk_factory: DiskFactory = DiskStore) -> None:
         self.config = config
         self.slot_size = config.tiers.host.slot_size
         self._lock = threading.Lock()
@@ -99,7 +102,7 @@ class Engine:
 
         # The disk store first: it is what most often refuses to open (a lock held by
         # another daemon, permissions), and it holds no memory to give back.
-        self.disk = DiskStore(config.tiers.disk.path, config.disk_capacity, writemap=config.tiers.disk.writemap)
+        self.disk = disk_factory(config.tiers.disk.path, config.disk_capacity, writemap=config.tiers.disk.writemap)
         try:
             self._open_memory(config)
         except BaseException:

@@ -1,7 +1,7 @@
 """Server lifecycle: bind, serve, health, reflection, graceful drain.
 
 Primitives:
-- ``Daemon(config)``: ``start()`` binds (port 0 picks a free port) and begins serving;
+- ``Daemon(config, disk_factory=DiskStore)``: ``start()`` binds (port 0 picks a free port) and begins serving;
   ``address`` is then the resolved address; ``stop(grace)`` stops taking calls, lets
   in-flight ones finish for ``grace`` seconds, flushes per policy and closes the tiers.
   Usable as a context manager (tests run real daemons this way).
@@ -21,9 +21,10 @@ from grpc_reflection.v1alpha import reflection
 
 
 from kvpark.proto import GRPC_OPTIONS as CHANNEL_OPTIONS
+from kvpark.tiers.disk import DiskStore
 
 from .config import Config
-from .engine import Engine
+from .engine import DiskFactory, Engine
 from .servicer import SERVICE, handlers
 
 log = logging.getLogger("kvpark")
@@ -42,15 +43,16 @@ def _boot_id() -> str:
 
 
 class Daemon:
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, *, disk_factory: DiskFactory = DiskStore) -> None:
         self.config = config
+        self._disk_factory = disk_factory
         self.engine: Engine | None = None
         self._server: grpc.Server | None = None
         self._health: health.HealthServicer | None = None
         self.address = ""
 
     def start(self) -> "Daemon":
-        engine = Engine(self.config)
+        engine = Engine(self.config, disk_factory=self._disk_factory)
         try:
             server = grpc.server(
                 ThreadPoolExecutor(max_workers=self.config.server.max_workers, thread_name_prefix="kvpark-rpc"),

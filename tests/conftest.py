@@ -2,7 +2,8 @@
 
 Primitives:
 - ``make_config(tmp_path, **overrides) -> Config``: small tiers in temp dirs.
-- ``daemon`` fixture factory: ``start(**overrides) -> Daemon`` (stopped at teardown).
+- ``daemon`` fixture factory: ``start(disk_factory=DiskStore, **overrides) -> Daemon``
+  (stopped at teardown); ``disk_factory`` injects a ``DiskStore`` subclass (faults, slow I/O).
 - ``Proc``: a ``kvpark serve`` subprocess; ``Proc.start(tmp_path, *args)`` waits for the
   "listening on" line and parses the address.
 - ``wait_until(pred, timeout)``: poll a condition with a deadline (no fixed sleeps).
@@ -26,7 +27,9 @@ import pytest
 import torch
 
 from kvpark.daemon.config import Config, load
+from kvpark.daemon.engine import DiskFactory
 from kvpark.daemon.server import Daemon
+from kvpark.tiers.disk import DiskStore
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
@@ -55,8 +58,8 @@ def make_config(tmp_path: Path, **overrides: Any) -> Config:
 def daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     started: list[Daemon] = []
 
-    def start(**overrides: Any) -> Daemon:
-        d = Daemon(make_config(tmp_path, **overrides)).start()
+    def start(*, disk_factory: DiskFactory = DiskStore, **overrides: Any) -> Daemon:
+        d = Daemon(make_config(tmp_path, **overrides), disk_factory=disk_factory).start()
         started.append(d)
         return d
 

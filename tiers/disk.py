@@ -15,7 +15,9 @@ mix. Every read verifies header, length, fingerprint and checksum and raises
 ``DataLoss`` on any mismatch.
 
 Primitives:
-- ``DiskStore(path, capacity, writemap)``; ``close()``; ``sync()``. One daemon per directory:
+- ``DiskStore(path, capacity, writemap)``; ``close()``; ``sync()``. The engine takes a
+  ``disk_factory`` with this signature, so tests inject a subclass that records syncs,
+  slows writes down or raises faults (the fault-injection seam). One daemon per directory:
   a second one is refused (a ``flock`` on ``kvpark.lock``).
 - ``load_manifests() -> list[Manifest]`` (records that fail to parse are reported, not fatal).
 - ``write(manifest, blocks, replace=None, sync=False)``: ``blocks`` are memoryviews.
@@ -199,6 +201,8 @@ class DiskStore:
         os.close(self._lock_fd)  # releases the directory lock
 
     def sync(self) -> None:
+        # Every durability point goes through here (writes and deletes with sync=True
+        # too), so an injected store that overrides it sees each fsync.
         self.env.sync(True)
 
     def load_manifests(self) -> tuple[list[Manifest], list[str]]:
@@ -233,7 +237,7 @@ class DiskStore:
         except lmdb.MapFullError:
             raise ResourceExhausted(f"disk tier full at {self.path} (LMDB map)") from None
         if sync:
-            self.env.sync(True)
+            self.sync()
 
     def _delete_blocks(self, txn: lmdb.Transaction, m: Manifest) -> None:
         for i in range(len(m.block_lengths)):
@@ -246,7 +250,7 @@ class DiskStore:
             if cur is not None and Manifest.decode(cur).gen == m.gen:
                 txn.delete(m.seq_id.encode(), db=self._manifests)
         if sync:
-            self.env.sync(True)
+            self.sync()
 
     def touch(self, m: Manifest) -> None:
         """Rewrite only the manifest (priority/last_access); blocks are untouched."""
