@@ -23,7 +23,13 @@ kernel layout, so bytes are never read under another layout.
 
 Extra config keys: ``address`` (default ``$KVPARK_ADDRESS`` or 127.0.0.1:50551),
 ``lookup_timeout_s`` (0.5), ``load_timeout_s`` (10), ``save_timeout_s`` (10),
-``transport`` ("auto").
+``transport`` ("auto"), ``cpu_amx_init`` (true).
+
+On vLLM's CPU platform the worker-role connector asks the kernel for AMX tile permission
+when it starts (``kvpark.client.amx``): vLLM's CPU attention otherwise dies with SIGILL on
+an AMX CPU when a fresh engine's first forward attends over loaded KV. ``STATS`` records
+the outcome as ``amx.<result>``; ``cpu_amx_init = false`` turns it off (for reproducing
+the vLLM bug only).
 
 Failure semantics: any kvpark failure (daemon down, timeout, DATA_LOSS, layout mismatch)
 becomes a cache miss: one log line per kind, a counter in ``STATS``, and the engine
@@ -55,6 +61,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpark.proto.errors import DeadlineExceeded, Unavailable
 from kvpark.proto.layout import dtype_name
 
+from .amx import request_amx_permission
 from .client import Client
 
 log = logging.getLogger("kvpark.vllm")
@@ -70,6 +77,22 @@ def _miss(kind: str, err: BaseException) -> None:
         _logged.add(kind)
         log.warning("kvpark %s failed (%s: %s); treated as a cache miss [%d so far]", kind, type(err).__name__,
                     err, n)
+
+
+def _on_cpu_platform() -> bool:
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:  # noqa: BLE001 - an unknown platform is not the CPU one
+        return False
+
+
+def _flag(value: Any) -> bool:
+    """A boolean extra-config value; JSON configs may carry it as a string."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("0", "false", "no", "off", "")
+    return bool(value)
 
 
 def layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
@@ -150,6 +173,9 @@ class KVParkConnector(KVConnectorBase_V1):
         except ValueError as e:
             _miss("setup", e)
             self.fingerprint = ""
+        if role == KVConnectorRole.WORKER and _on_cpu_platform() and _flag(extra.get("cpu_amx_init", True)):
+            # Before the engine's first forward, which may attend over KV we load.
+            STATS[f"amx.{request_amx_permission()}"] += 1
         if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
             # A kvpark failure must be a miss the engine recomputes, never a failed request.
             log.info("kvpark: setting kv_load_failure_policy=recompute")

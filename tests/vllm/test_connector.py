@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch
 pytest.importorskip("vllm")
 
 from kvpark.client import Client  # noqa: E402
+from kvpark.client.amx import cpu_has_amx  # noqa: E402
 from kvpark.tiers.disk import HEADER, Manifest, block_key  # noqa: E402
 
 from ..conftest import Proc  # noqa: E402
@@ -37,13 +39,22 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(out)
 
 
-def engine(model: str, **spec: Any) -> dict:
+def run_engine(model: str, **spec: Any) -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    r = subprocess.run([sys.executable, str(ENGINE), "run", "--model", model, "--spec", json.dumps(spec)],
-                       capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run([sys.executable, str(ENGINE), "run", "--model", model, "--spec", json.dumps(spec)],
+                          capture_output=True, text=True, env=env, timeout=600)
+
+
+def engine(model: str, **spec: Any) -> dict:
+    r = run_engine(model, **spec)
     line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT ")), None)
-    assert r.returncode == 0 and line, r.stderr[-4000:]
+    assert r.returncode == 0 and line, f"engine exited {r.returncode}:\n{r.stderr[-4000:]}"
     return json.loads(line[len("RESULT "):])
+
+
+def cpu_model_name() -> str:
+    with open("/proc/cpuinfo") as fh:
+        return next((l.split(":", 1)[1].strip() for l in fh if l.startswith("model name")), "unknown CPU")
 
 
 @pytest.fixture(scope="session")
@@ -143,3 +154,38 @@ def test_preempted_requests_get_their_kv_back(model: str, proc: Callable[..., Pr
                    kv_bytes=20 * 16384, prefix_caching=False)
     assert tight["rounds"][0]["tokens"] == calm["tokens"]
     assert tight["stats"]["loaded_blocks"] > 0, tight["stats"]
+
+
+# Regression: vLLM's CPU attention dies with SIGILL on AMX CPUs when a fresh engine's first
+# forward attends over KV loaded by the connector (AMX permission is only requested on the
+# from-scratch prefill path). The connector requests it at start; these two tests show the
+# fix where it matters and which case ran here.
+
+
+def test_fresh_engine_whose_first_forward_uses_loaded_kv(model: str, baseline: dict,
+                                                         proc: Callable[..., Proc]) -> None:
+    has_amx = cpu_has_amx()
+    d = proc()
+    engine(model, prompts=[PROMPT], address=d.address, rounds=1)  # saves
+    # Step: a new engine process whose very first forward starts from 96 loaded tokens.
+    out = engine(model, prompts=[PROMPT], address=d.address, rounds=1)
+    r = out["rounds"][0]
+    assert r["cached"] == [96] and out["stats"]["loaded_blocks"] == 3
+    assert r["tokens"] == baseline["tokens"][:1]
+    expected = "amx.granted" if has_amx else "amx.no-amx"
+    assert out["stats"].get(expected) == 1, (
+        f"{cpu_model_name()} (AMX: {has_amx}): expected {expected} in {out['stats']}")
+
+
+def test_without_amx_permission_the_first_loaded_forward_dies_on_amx(model: str,
+                                                                      proc: Callable[..., Proc]) -> None:
+    if not cpu_has_amx():
+        pytest.skip(f"no AMX on this CPU ({cpu_model_name()}): the vLLM crash cannot happen here; the fixed "
+                    "run ran as the no-AMX case")
+    d = proc()
+    engine(model, prompts=[PROMPT], address=d.address, rounds=1)
+    # Step: the same fresh-engine load with the connector's AMX request turned off.
+    r = run_engine(model, prompts=[PROMPT], address=d.address, rounds=1, extra={"cpu_amx_init": False})
+    assert r.returncode == -signal.SIGILL, (
+        f"expected vLLM 0.32's SIGILL without the AMX request, got exit {r.returncode}; if vLLM fixed it, "
+        "the connector's request (kvpark.client.amx) can be retired.\n" + r.stderr[-2000:])
