@@ -47,6 +47,7 @@ def main() -> int:
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "vllm_ttft.json"))
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvpark-ttft-"))
+    (tmp / "shm").mkdir()
     model = str(tmp / "model")
     subprocess.run([sys.executable, str(ENGINE), "make-model", model], check=True, capture_output=True)
     daemon = subprocess.Popen(

@@ -17,6 +17,8 @@ import sys
 import threading
 from dataclasses import asdict
 
+from kvpark.proto.errors import StartupError
+
 from .config import ConfigError, load, reference
 
 log = logging.getLogger("kvpark")
@@ -44,16 +46,18 @@ def _serve(args: argparse.Namespace) -> int:
             print(f"kvpark: --set expects KEY=VALUE, got {item!r}", file=sys.stderr)
             return 2
         overrides[key.strip()] = value.strip()
+    # Logging first, so what resolving the config decides (an auto-sized arena) is seen.
+    logging.basicConfig(
+        level=getattr(logging, (args.log_level or "info").upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
     try:
         cfg = load(args.config, overrides=overrides)
     except ConfigError as e:
         print(f"kvpark: config error: {e}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=getattr(logging, cfg.server.log_level.upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    logging.getLogger().setLevel(getattr(logging, cfg.server.log_level.upper()))
     from .server import Daemon  # after logging is set up
 
     stop = threading.Event()
@@ -66,6 +70,9 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         daemon = Daemon(cfg).start()
+    except StartupError as e:
+        print(f"kvpark: cannot start: {e}", file=sys.stderr)
+        return 2
     except OSError as e:
         log.error("cannot start: %s", e)
         return 1

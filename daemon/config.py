@@ -17,6 +17,7 @@ dotted keys: ``{"tiers.disk.path": "/data"}``.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 import tomllib
@@ -25,6 +26,9 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kvpark.tiers.policy import POLICIES
+from kvpark.tiers.shm import free_bytes
+
+log = logging.getLogger("kvpark.config")
 
 _UNITS = {
     "": 1, "b": 1,
@@ -87,11 +91,13 @@ class DeviceTierConfig:
 @dataclass(frozen=True)
 class HostTierConfig:
     capacity: int | str = _f(
-        "auto", "host arena size; auto = 1/8 of RAM, between 256MiB and 4GiB", size=True, auto=True
+        "auto", "host arena size; auto = 1/8 of RAM, between 256MiB and 4GiB, cut down to what shm_dir can "
+        "hold (floor 32MiB)", size=True, auto=True
     )
     slot_size: int = _f(1 << 20, "arena slot size (power of two, 64KiB..64MiB); tails pack in slot/64 granules",
                         size=True)
-    shm_dir: str = _f("/dev/shm", "directory of the shared-memory arena file (mode 0600, removed on stop)")
+    shm_dir: str = _f("/dev/shm", "existing directory (a tmpfs) of the shared-memory arena file (mode 0600, "
+                      'memory reserved at start, removed on stop); "" = private memory, no shm transport')
     prefault: bool = _f(True, "touch every arena page at start so no page fault lands in the hot path")
     high_watermark: float = _f(0.0, "usage fraction that starts demotion to disk; 0 = policy.high_watermark")
     low_watermark: float = _f(0.0, "usage fraction demotion brings it down to; 0 = policy.low_watermark")
@@ -258,11 +264,31 @@ def _ram_bytes() -> int:
         return 8 << 30
 
 
+AUTO_HOST_FLOOR = 32 << 20  # below this an auto-sized arena is not worth having: refuse instead
+
+
+def _auto_host_capacity(shm_dir: str) -> int:
+    """1/8 of RAM between 256 MiB and 4 GiB, cut down to what ``shm_dir`` can hold.
+
+    A container's default /dev/shm is 64 MiB: the arena is sized to fit (leaving a tenth
+    of the free space to others), never above it, and logged. Too little room for the
+    floor is left to the arena's own check, which refuses with the fixes.
+    """
+    cap = min(max(_ram_bytes() // 8, 256 << 20), 4 << 30)
+    if shm_dir and os.path.isdir(shm_dir):
+        room = free_bytes(shm_dir) * 9 // 10
+        if room < cap:
+            fitted = max(room, AUTO_HOST_FLOOR)
+            log.warning("tiers.host.capacity auto: %d MiB (1/8 of RAM) does not fit in %s (%d MiB free); "
+                        "using %d MiB", cap >> 20, shm_dir, free_bytes(shm_dir) >> 20, fitted >> 20)
+            cap = fitted
+    return cap
+
+
 def _resolve(cfg: Config) -> Config:
     host = cfg.tiers.host
     if host.capacity == "auto":
-        cap = min(max(_ram_bytes() // 8, 256 << 20), 4 << 30)
-        host = dataclasses.replace(host, capacity=cap)
+        host = dataclasses.replace(host, capacity=_auto_host_capacity(host.shm_dir))
     slot = host.slot_size
     if slot & (slot - 1) or not (64 << 10) <= slot <= (64 << 20):
         raise ConfigError(f"tiers.host.slot_size: must be a power of two between 64KiB and 64MiB, got {slot}")

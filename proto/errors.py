@@ -104,6 +104,12 @@ class TransportUnavailable(FailedPrecondition):
     """A forced transport (``transport="shm"`` etc.) cannot work with this daemon."""
 
 
+class StartupError(Exception):
+    """A configuration that cannot work on this machine (a missing ``shm_dir``, too
+    little shared memory for the arena, ...). Never sent over gRPC: the daemon refuses
+    to start, printing this one-line message, with exit code 2."""
+
+
 _ALL: tuple[type[KVParkError], ...] = (
     InvalidArgument,
     NotFound,

@@ -42,6 +42,7 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
 
 
 def make_config(tmp_path: Path, **overrides: Any) -> Config:
+    (tmp_path / "shm").mkdir(exist_ok=True)  # the daemon never creates shm_dir itself
     base = {
         "server.listen": "127.0.0.1:0",
         "server.grace_s": 1.0,
@@ -106,6 +107,7 @@ class Proc:
 
     @classmethod
     def start(cls, tmp_path: Path, *args: str, timeout: float = 60.0, data_dir: Path | None = None) -> "Proc":
+        (tmp_path / "shm").mkdir(exist_ok=True)
         cmd = [
             sys.executable, "-m", "kvpark.daemon.cli", "serve",
             "--listen", "127.0.0.1:0",

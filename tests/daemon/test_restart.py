@@ -134,6 +134,7 @@ def test_unix_socket_and_sigint(proc: Callable[..., Proc], tmp_path: Path) -> No
 
 def test_a_second_daemon_on_the_same_data_dir_is_refused(proc: Callable[..., Proc], tmp_path: Path) -> None:
     p = proc()
+    (tmp_path / "shm2").mkdir()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK")}
     r = subprocess.run([sys.executable, "-m", "kvpark.daemon.cli", "serve", "--listen", "127.0.0.1:0",
                         "--data-dir", str(tmp_path / "disk"), "--set", "tiers.host.capacity=16MiB",
