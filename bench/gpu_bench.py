@@ -61,12 +61,11 @@ def raw_limits(device: torch.device, nbytes: int, reps: int) -> dict[str, float]
 
 def park_into(engine: Engine, seq_id: str, nbytes: int, tier: str) -> None:
     spec = ParkSpec(seq_id, (TensorMeta("uint8", (nbytes,), nbytes),), nbytes, overwrite=True)
-    lease = engine.reserve(spec, stream=True, tier=tier)
-    mem = engine.tiers[tier]
-    assert lease.alloc is not None
-    for off, n in lease.alloc.segments():
+    r = engine.reserve(spec, stream=True, tier=tier)
+    mem = engine.tiers[r.tier]
+    for off, n in r.segments:
         mem.pool[off : off + n].fill_(7)
-    engine.commit(lease.lease_id)
+    engine.commit(r.lease_id)
 
 
 def main() -> int:
@@ -100,10 +99,11 @@ def main() -> int:
             demote, promote = [], []
             for _ in range(args.reps):
                 park_into(engine, "x", seq_bytes, "device")
-                demote.append(t(lambda: engine._demote("x", "device")))
-                seq = engine._seqs["x"]
+                demote.append(t(lambda: engine.mover.demote("x", "device")))
+                with engine.catalog.lock:
+                    seq = engine.catalog.get("x")
                 assert seq.tier == "host", seq.tier
-                promote.append(t(lambda: engine._promote(seq, "device", make_room=True)))
+                promote.append(t(lambda: engine.mover.promote(seq, "device", make_room=True)))
                 assert seq.tier == "device"
             out["kvpark"] = {"demote_gbps": seq_bytes / min(demote) / 1e9,
                              "promote_gbps": seq_bytes / min(promote) / 1e9,
@@ -116,8 +116,9 @@ def main() -> int:
             times = []
             for _ in range(args.reps):
                 park_into(engine, "llama", llama, "host")
-                seq = engine._seqs["llama"]
-                times.append(t(lambda: engine._promote(seq, "device", make_room=True)))
+                with engine.catalog.lock:
+                    seq = engine.catalog.get("llama")
+                times.append(t(lambda: engine.mover.promote(seq, "device", make_room=True)))
                 assert seq.tier == "device"
                 engine.drop("llama")
             out["llama3_8b_32k_restore"] = {"bytes": llama, "best_ms": min(times) * 1e3,

@@ -157,23 +157,6 @@ class Config:
     def disk_capacity(self) -> int:
         return int(self.tiers.disk.capacity)
 
-    @property
-    def device_enabled(self) -> bool:
-        """Resolved ``tiers.device.enabled``: "auto" means "when CUDA is available"."""
-        e = self.tiers.device.enabled
-        if e == "auto":
-            import torch
-
-            return torch.cuda.is_available() and torch.device(self.tiers.device.device).type == "cuda"
-        return e == "true"
-
-    @property
-    def restore_to(self) -> str:
-        r = self.policy.restore_to
-        if r == "auto":
-            return "device" if self.device_enabled else "host"
-        return r
-
 
 def _is_section(tp: Any) -> bool:
     return dataclasses.is_dataclass(tp)

@@ -1,25 +1,37 @@
-"""The engine's records: what a park asks for, what a parked sequence is, leases, reads.
+"""The engine's records: what a park asks for, what a parked sequence is, leases, results.
 
 Primitives:
-- ``ParkSpec``: a park request (tensors, priority, pin, TTL, refs, new blocks, attrs).
-- ``Seq``: a parked sequence: its manifest, ready memory copies per tier, disk presence,
-  readers, and the flags the engine's invariants rest on.
-- ``Lease``: a write reservation or a read lease (possibly over several sequences).
+- ``Tier`` / ``MemTierName`` / ``LeaseKind``: the names the engine speaks, typed;
+  ``MEM_TIERS``: memory tiers, fastest first.
+- ``ParkSpec``: a park request (tensors, priority, pin, TTL, refs, new blocks, attrs);
+  ``ParkSpec.validate()`` checks everything that needs no index.
+- ``Seq``: a parked sequence in memory: its typed disk record (``Manifest``), ready
+  memory copies per tier, disk presence, readers, and the flags the invariants rest on.
+- ``Lease``: a write reservation or a read lease (possibly over several sequences);
+  live engine state, never handed to the servicer.
 - ``Part`` / ``ReadHandle``: what a restore reads, in payload order.
-- ``MEM_TIERS``: memory tiers, fastest first.
+- Frozen results for the servicer: ``Reservation`` (a write lease's id and slot
+  segments), ``Grant`` (a read lease's id, the info and segments), ``Capabilities``
+  (what ``Hello`` reports).
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Literal
 
-from kvpark.proto.layout import TensorMeta
+from kvpark.proto.errors import InvalidArgument
+from kvpark.proto.layout import TensorMeta, validate_seq_id, validate_tensors
 from kvpark.proto.types import SeqInfo
 from kvpark.tiers.arena import Allocation
 from kvpark.tiers.disk import Manifest
 
-MEM_TIERS = ("device", "host")
+Tier = Literal["device", "host", "disk"]
+MemTierName = Literal["device", "host"]
+LeaseKind = Literal["write", "read"]
+MEM_TIERS: tuple[MemTierName, ...] = ("device", "host")
+MAX_PARTS = 1 << 16  # ids in one restore/lookup call, new blocks in one park
 
 
 @dataclass(frozen=True)
@@ -46,6 +58,37 @@ class ParkSpec:
         """Payload bytes the park carries: new blocks, then the sequence's own."""
         return sum(b.nbytes for b in self.blocks) + self.nbytes
 
+    def validate(self) -> None:
+        """Raise ``InvalidArgument`` unless the request is well formed on its own."""
+        if self.is_batch:
+            if self.tensors or self.refs or self.nbytes:
+                raise InvalidArgument("a batch park (empty seq_id) carries only blocks: no tensors or refs")
+        else:
+            validate_seq_id(self.seq_id)
+        validate_tensors(self.tensors, self.nbytes)
+        if self.ttl_s < 0:
+            raise InvalidArgument(f"ttl_s must be >= 0, got {self.ttl_s}")
+        for r in self.refs:
+            validate_seq_id(r)
+        if self.shared and self.refs:
+            raise InvalidArgument("a shared block cannot itself reference other blocks")
+        if len(self.attrs) > 64 or any(len(k) + len(v) > 4096 for k, v in self.attrs.items()):
+            raise InvalidArgument("attrs: at most 64 entries of at most 4096 bytes each")
+        if len(self.blocks) > MAX_PARTS:
+            raise InvalidArgument(f"{len(self.blocks)} new blocks; at most {MAX_PARTS} per park")
+        refs = set(self.refs)
+        for b in self.blocks:
+            validate_seq_id(b.seq_id)
+            validate_tensors(b.tensors, b.nbytes)
+            if b.shared and b.seq_id not in refs:
+                raise InvalidArgument(f"new shared block {b.seq_id!r} is not among the sequence's refs")
+            if not b.shared and not self.is_batch:
+                raise InvalidArgument(f"new block {b.seq_id!r}: only a batch park creates plain sequences")
+        if len({b.seq_id for b in self.blocks}) != len(self.blocks):
+            raise InvalidArgument("the same new block is listed twice")
+        if self.seq_id and (self.seq_id in refs or any(b.seq_id == self.seq_id for b in self.blocks)):
+            raise InvalidArgument(f"sequence {self.seq_id!r} cannot reference itself as a block")
+
 
 @dataclass(eq=False)
 class Seq:
@@ -64,7 +107,11 @@ class Seq:
         return self.manifest.seq_id
 
     @property
-    def tier(self) -> str:
+    def gen(self) -> int:
+        return self.manifest.gen
+
+    @property
+    def tier(self) -> Tier:
         for t in MEM_TIERS:
             if t in self.res:
                 return t
@@ -72,30 +119,29 @@ class Seq:
 
     @property
     def pinned(self) -> bool:
-        return bool(self.manifest.extra.get("pinned", False))
+        return self.manifest.pinned
 
     @property
     def expires_at(self) -> float | None:
-        v = self.manifest.extra.get("expires_at")
-        return float(v) if v else None
+        return self.manifest.expires_at
 
     @property
     def refs(self) -> tuple[str, ...]:
-        return tuple(self.manifest.extra.get("refs", ()))
+        return self.manifest.refs
 
     @property
     def shared(self) -> bool:
-        return bool(self.manifest.extra.get("shared", False))
+        return self.manifest.shared
 
     @property
     def attrs(self) -> dict[str, str]:
-        return dict(self.manifest.extra.get("attrs", {}))
+        return dict(self.manifest.attrs)
 
 
 @dataclass(eq=False)
 class Lease:
     lease_id: str
-    kind: str  # "write" | "read"
+    kind: LeaseKind
     tier: str  # memory tier of a write lease
     expires_at: float | None  # None: held by a live stream, released by it
     parts: list[tuple[Seq, str]] = field(default_factory=list)  # read leases: (sequence, tier) pairs
@@ -129,9 +175,50 @@ class ReadHandle:
     parts: list[Part]
     lease: Lease | None  # holds every memory part
 
+    @property
+    def lease_id(self) -> str:
+        return self.lease.lease_id if self.lease is not None else ""
+
     def segments(self) -> list[tuple[int, int]]:
         out: list[tuple[int, int]] = []
         for p in self.parts:
             assert p.alloc is not None
             out.extend(p.alloc.segments())
         return out
+
+
+@dataclass(frozen=True)
+class Reservation:
+    """A write lease as the servicer sees it: where the client writes, and for how long."""
+
+    lease_id: str
+    tier: MemTierName
+    segments: tuple[tuple[int, int], ...]  # (offset, length) in payload order
+    expires_in_s: float
+
+
+@dataclass(frozen=True)
+class Grant:
+    """A read lease as the servicer sees it: what is leased and where it lies."""
+
+    lease_id: str  # "" when nothing is memory-resident (nothing to release)
+    info: SeqInfo
+    segments: tuple[tuple[int, int], ...]
+    expires_in_s: float
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What ``Hello`` reports: transports, the arena and the device pool."""
+
+    server_version: str
+    transports: tuple[str, ...]
+    chunk_size: int
+    arena_path: str
+    arena_size: int
+    slot_size: int
+    lease_ttl_s: float
+    device: str = ""
+    device_size: int = 0
+    ipc_handle: bytes = b""
+    device_uuid: str = ""

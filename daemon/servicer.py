@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -36,20 +36,26 @@ def _abort(context: grpc.ServicerContext, err: KVParkError) -> None:
     context.abort(err.code, err.message or type(err).__name__)
 
 
+def _guard(context: grpc.ServicerContext, name: str, e: BaseException) -> None:
+    """Turn any failure into a typed status; the daemon must survive its own bugs."""
+    if isinstance(e, KVParkError):
+        _abort(context, e)
+    elif isinstance(e, DecodeError):
+        _abort(context, InvalidArgument(f"malformed message: {e}"))
+    elif isinstance(e, grpc.RpcError) or context.code() is not None or not isinstance(e, Exception):
+        raise e
+    else:
+        log.exception("internal error in %s", name, exc_info=e)
+        _abort(context, Internal(f"internal error in {name}: {type(e).__name__}: {e}"))
+
+
 def _typed(fn: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(fn)
     def wrapper(self: "Servicer", request: Any, context: grpc.ServicerContext) -> Any:
         try:
             return fn(self, request, context)
-        except KVParkError as e:
-            _abort(context, e)
-        except DecodeError as e:
-            _abort(context, InvalidArgument(f"malformed message: {e}"))
-        except Exception as e:  # noqa: BLE001 - the daemon must survive its own bugs
-            if isinstance(e, grpc.RpcError) or context.code() is not None:
-                raise
-            log.exception("internal error in %s", fn.__name__)
-            _abort(context, Internal(f"internal error in {fn.__name__}: {type(e).__name__}: {e}"))
+        except BaseException as e:  # noqa: BLE001 - sorted by _guard
+            _guard(context, fn.__name__, e)
 
     return wrapper
 
@@ -59,15 +65,8 @@ def _typed_stream(fn: Callable[..., Iterator[bytes]]) -> Callable[..., Iterator[
     def wrapper(self: "Servicer", request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
         try:
             yield from fn(self, request, context)
-        except KVParkError as e:
-            _abort(context, e)
-        except DecodeError as e:
-            _abort(context, InvalidArgument(f"malformed message: {e}"))
-        except Exception as e:  # noqa: BLE001
-            if isinstance(e, grpc.RpcError) or context.code() is not None:
-                raise
-            log.exception("internal error in %s", fn.__name__)
-            _abort(context, Internal(f"internal error in {fn.__name__}: {type(e).__name__}: {e}"))
+        except BaseException as e:  # noqa: BLE001 - sorted by _guard
+            _guard(context, fn.__name__, e)
 
     return wrapper
 
@@ -90,7 +89,7 @@ def _spec(h: pb.ParkHeader) -> ParkSpec:
     )
 
 
-def _segments(segs: list[tuple[int, int]]) -> list[pb.Segment]:
+def _segments(segs: Sequence[tuple[int, int]]) -> list[pb.Segment]:
     return [pb.Segment(offset=o, length=n) for o, n in segs]
 
 
@@ -104,22 +103,21 @@ class Servicer:
     def Hello(self, req: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloResponse:
         h = self.engine.hello()
         return pb.HelloResponse(
-            server_version=h["server_version"],
-            transports=h["transports"],
-            chunk_size=h["chunk_size"],
+            server_version=h.server_version,
+            transports=list(h.transports),
+            chunk_size=h.chunk_size,
             max_seq_id_len=256,
             arena=pb.ArenaInfo(
-                path=h["arena_path"], size=h["arena_size"], slot_size=h["slot_size"],
+                path=h.arena_path, size=h.arena_size, slot_size=h.slot_size,
                 hostname=self.hostname, boot_id=self.boot_id,
             ),
-            lease_ttl_s=h["lease_ttl_s"],
-            device=pb.DeviceInfo(device=h["device"], size=h["device_size"], ipc_handle=h["ipc_handle"],
-                                 uuid=h["device_uuid"]),
+            lease_ttl_s=h.lease_ttl_s,
+            device=pb.DeviceInfo(device=h.device, size=h.device_size, ipc_handle=h.ipc_handle, uuid=h.device_uuid),
         )
 
     @_typed
     def Park(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> pb.SeqInfo:
-        lease = None
+        lease: str | None = None
         try:
             first = next(requests, None)
             if first is None:
@@ -127,7 +125,7 @@ class Servicer:
             head = None if decode_chunk(first) is not None else pb.ParkRequest.FromString(first)
             if head is None or head.WhichOneof("kind") != "header":
                 raise InvalidArgument("park stream must start with a header message")
-            lease = self.engine.reserve(_spec(head.header), stream=True)
+            lease = self.engine.reserve(_spec(head.header), stream=True).lease_id
             for raw in requests:
                 chunk = decode_chunk(raw)
                 if chunk is not None:
@@ -137,12 +135,12 @@ class Servicer:
                 kind = msg.WhichOneof("kind")
                 if kind != "commit":
                     raise InvalidArgument(f"unexpected {kind or 'empty'} message inside a park stream")
-                lease_id, lease = lease.lease_id, None
+                lease_id, lease = lease, None
                 return convert.info_to_pb(self.engine.commit(lease_id, expect_nbytes=msg.commit.nbytes))
             raise InvalidArgument("park stream ended before its commit message; nothing was stored")
         finally:
             if lease is not None:
-                self.engine.release(lease.lease_id)
+                self.engine.release(lease)
 
     @_typed_stream
     def Restore(self, req: pb.RestoreRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
@@ -155,20 +153,21 @@ class Servicer:
                     return
                 yield encode_chunk(offset, *views)
         finally:
-            if handle.lease is not None:
-                self.engine.release(handle.lease.lease_id)
+            if handle.lease_id:
+                self.engine.release(handle.lease_id)
 
     @_typed
     def ParkSmall(self, req: pb.ParkSmallRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
-        lease = self.engine.reserve(_spec(req.header), stream=True)
+        lease_id = self.engine.reserve(_spec(req.header), stream=True).lease_id
+        committing = False
         try:
             if req.data:
-                self.engine.write_chunk(lease, 0, memoryview(req.data))
-            lease_id, lease = lease.lease_id, None
+                self.engine.write_chunk(lease_id, 0, memoryview(req.data))
+            committing = True  # commit frees the slots itself when it fails
             return convert.info_to_pb(self.engine.commit(lease_id, expect_nbytes=len(req.data)))
         finally:
-            if lease is not None:
-                self.engine.release(lease.lease_id)
+            if not committing:
+                self.engine.release(lease_id)
 
     @_typed
     def Get(self, req: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetResponse:
@@ -181,20 +180,16 @@ class Servicer:
                 return pb.GetResponse(info=info, too_large=True)
             return pb.GetResponse(info=info, data=self._join(handle))
         finally:
-            if handle.lease is not None:
-                self.engine.release(handle.lease.lease_id)
+            if handle.lease_id:
+                self.engine.release(handle.lease_id)
 
     def _join(self, handle: ReadHandle) -> bytes:
         return b"".join(v for _, views in self.engine.iter_chunks(handle, 1 << 30) for v in views)
 
     @_typed
     def Reserve(self, req: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
-        lease = self.engine.reserve(_spec(req.header), tier=req.tier or "host")
-        return pb.ReserveResponse(
-            lease_id=lease.lease_id,
-            segments=_segments([seg for a in lease.write_allocs() for seg in a.segments()]),
-            expires_in_s=self.engine.config.leases.ttl_s,
-        )
+        r = self.engine.reserve(_spec(req.header), tier=req.tier or "host")
+        return pb.ReserveResponse(lease_id=r.lease_id, segments=_segments(r.segments), expires_in_s=r.expires_in_s)
 
     @_typed
     def Commit(self, req: pb.CommitRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
@@ -209,14 +204,11 @@ class Servicer:
             try:
                 return pb.AcquireResponse(info=convert.info_to_pb(h.info), data=self._join(h), inlined=True)
             finally:
-                if h.lease is not None:
-                    self.engine.release(h.lease.lease_id)
-        return pb.AcquireResponse(
-            lease_id=h.lease.lease_id if h.lease is not None else "",
-            info=convert.info_to_pb(h.info),
-            segments=_segments(h.segments()),
-            expires_in_s=self.engine.config.leases.ttl_s,
-        )
+                if h.lease_id:
+                    self.engine.release(h.lease_id)
+        g = self.engine.grant(h)
+        return pb.AcquireResponse(lease_id=g.lease_id, info=convert.info_to_pb(g.info), segments=_segments(g.segments),
+                                  expires_in_s=g.expires_in_s)
 
     @_typed
     def Release(self, req: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:

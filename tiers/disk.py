@@ -15,14 +15,26 @@ mix. Every read verifies header, length, fingerprint and checksum and raises
 ``DataLoss`` on any mismatch.
 
 Primitives:
+- ``Manifest``: a sequence's typed disk record (tensors, sizes, generation, priority,
+  timestamps, pin/TTL/refs/shared/attrs; the last five travel in the JSON ``extra`` map).
 - ``DiskStore(path, capacity, writemap)``; ``close()``; ``sync()``. The engine takes a
   ``disk_factory`` with this signature, so tests inject a subclass that records syncs,
   slows writes down or raises faults (the fault-injection seam). One daemon per directory:
   a second one is refused (a ``flock`` on ``kvpark.lock``).
+- The store owns its accounting: ``capacity``, ``used`` (payload bytes of the
+  generations it holds) and ``holds(manifest)``. A write that would pass ``capacity``
+  raises ``ResourceExhausted`` before touching LMDB.
 - ``load_manifests() -> list[Manifest]`` (records that fail to parse are reported, not fatal).
-- ``write(manifest, blocks, replace=None, sync=False)``: ``blocks`` are memoryviews.
-- ``delete(manifest)``.
+- ``write(manifest, blocks, replace=None, sync=False) -> bool``: ``blocks`` are memoryviews.
+- ``write_many([Write, ...], sync=False) -> list[bool]``: several sequences in one
+  transaction and at most one fsync (a batch park). A write whose generation is older
+  than the manifest already stored under its id is skipped (False): generations order
+  commits, drops and demotions without a lock around the I/O.
+- ``delete(manifest)``: its generation's blocks, and its manifest if still current.
 - ``read_txn()``: a read transaction whose ``read_block`` returns zero-copy verified views.
+
+Thread safety: LMDB serialises write transactions itself; the accounting has its own
+small lock, never held across I/O.
 """
 
 from __future__ import annotations
@@ -32,6 +44,7 @@ import json
 import logging
 import os
 import struct
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Iterator, Sequence
@@ -65,12 +78,30 @@ class Manifest:
     priority: int = 0
     created_at: float = 0.0
     last_access: float = 0.0
-    extra: dict = field(default_factory=dict)
+    pinned: bool = False
+    expires_at: float | None = None  # wall-clock TTL deadline
+    refs: tuple[str, ...] = ()  # shared blocks this sequence's payload starts with
+    shared: bool = False  # a reference-counted shared block
+    attrs: dict[str, str] = field(default_factory=dict)
 
     @property
     def block_lengths(self) -> list[int]:
         full, tail = divmod(self.nbytes, self.block_size)
         return [self.block_size] * full + ([tail] if tail else [])
+
+    def _extra(self) -> dict:
+        extra: dict = {}
+        if self.refs:
+            extra["refs"] = list(self.refs)
+        if self.shared:
+            extra["shared"] = True
+        if self.attrs:
+            extra["attrs"] = dict(self.attrs)
+        if self.pinned:
+            extra["pinned"] = True
+        if self.expires_at:
+            extra["expires_at"] = self.expires_at
+        return extra
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -85,7 +116,7 @@ class Manifest:
                 "priority": self.priority,
                 "created_at": self.created_at,
                 "last_access": self.last_access,
-                "extra": self.extra,
+                "extra": self._extra(),
             },
             separators=(",", ":"),
         ).encode()
@@ -95,6 +126,7 @@ class Manifest:
         d = json.loads(raw)
         if d.get("v") != FORMAT_VERSION:
             raise ValueError(f"manifest format version {d.get('v')} (this build reads {FORMAT_VERSION})")
+        extra = dict(d.get("extra", {}))
         return Manifest(
             seq_id=d["seq_id"],
             gen=int(d["gen"]),
@@ -105,8 +137,21 @@ class Manifest:
             priority=int(d.get("priority", 0)),
             created_at=float(d.get("created_at", 0.0)),
             last_access=float(d.get("last_access", 0.0)),
-            extra=dict(d.get("extra", {})),
+            pinned=bool(extra.get("pinned", False)),
+            expires_at=float(extra["expires_at"]) if extra.get("expires_at") else None,
+            refs=tuple(extra.get("refs", ())),
+            shared=bool(extra.get("shared", False)),
+            attrs={str(k): str(v) for k, v in dict(extra.get("attrs", {})).items()},
         )
+
+
+@dataclass(frozen=True)
+class Write:
+    """One sequence for ``write_many``: its manifest, block views, and the generation it replaces."""
+
+    manifest: Manifest
+    blocks: Sequence[memoryview]
+    replace: Manifest | None = None
 
 
 def block_key(seq_id: str, gen: int, index: int) -> bytes:
@@ -166,6 +211,9 @@ class DiskStore:
         os.makedirs(path, exist_ok=True)
         self.path = path
         self.capacity = capacity
+        self._acct = threading.Lock()
+        self._held: dict[tuple[str, int], int] = {}  # (seq_id, gen) -> payload bytes stored
+        self._used = 0  # sum of _held
         self._lock_fd = _lock_dir(path)
         data_file = os.path.join(path, "data.mdb")
         existing = os.path.getsize(data_file) if os.path.exists(data_file) else 0
@@ -213,7 +261,29 @@ class DiskStore:
                     good.append(Manifest.decode(raw))
                 except (ValueError, KeyError, TypeError) as e:
                     bad.append(f"{bytes(key).decode(errors='replace')}: {e}")
+        with self._acct:
+            for m in good:
+                self._hold((m.seq_id, m.gen), m.nbytes)
         return good, bad
+
+    @property
+    def used(self) -> int:
+        """Payload bytes of every generation the store holds (written, not yet deleted)."""
+        with self._acct:
+            return self._used
+
+    def _hold(self, key: tuple[str, int], n: int) -> None:
+        # REQUIRES: self._acct held.
+        self._used += n - self._held.get(key, 0)
+        self._held[key] = n
+
+    def _forget(self, key: tuple[str, int]) -> None:
+        # REQUIRES: self._acct held.
+        self._used -= self._held.pop(key, 0)
+
+    def holds(self, m: Manifest) -> bool:
+        with self._acct:
+            return (m.seq_id, m.gen) in self._held
 
     def write(
         self,
@@ -221,23 +291,72 @@ class DiskStore:
         blocks: Sequence[memoryview],
         replace: Manifest | None = None,
         sync: bool = False,
-    ) -> None:
-        lengths = m.block_lengths
-        if len(blocks) != len(lengths):
-            raise ValueError(f"{len(blocks)} block views for {len(lengths)} blocks")
+    ) -> bool:
+        return self.write_many([Write(m, blocks, replace)], sync=sync)[0]
+
+    def write_many(self, writes: Sequence[Write], sync: bool = False) -> list[bool]:
+        """Write every sequence in one transaction; at most one fsync. False: a newer generation won."""
+        for w in writes:
+            if len(w.blocks) != len(w.manifest.block_lengths):
+                raise ValueError(f"{len(w.blocks)} block views for {len(w.manifest.block_lengths)} blocks")
+        fresh = self._reserve(writes)
+        done = [False] * len(writes)
         try:
             with self.env.begin(write=True) as txn:
-                for i, view in enumerate(blocks):
-                    assert len(view) == lengths[i]
-                    head = HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0, m.fingerprint, len(view), checksum(view))
-                    txn.put(block_key(m.seq_id, m.gen, i), b"".join((head, view)), db=self._blocks)
-                if replace is not None and replace.gen != m.gen:
-                    self._delete_blocks(txn, replace)
-                txn.put(m.seq_id.encode(), m.encode(), db=self._manifests)
+                for k, w in enumerate(writes):
+                    done[k] = self._put(txn, w)
         except lmdb.MapFullError:
+            self._unreserve(fresh)
             raise ResourceExhausted(f"disk tier full at {self.path} (LMDB map)") from None
-        if sync:
+        except BaseException:
+            self._unreserve(fresh)
+            raise
+        with self._acct:
+            for k, w in enumerate(writes):
+                key = (w.manifest.seq_id, w.manifest.gen)
+                if not done[k]:
+                    if key in fresh:
+                        self._forget(key)
+                elif w.replace is not None and w.replace.gen != w.manifest.gen:
+                    self._forget((w.replace.seq_id, w.replace.gen))
+        if sync and any(done):
             self.sync()
+        return done
+
+    def _reserve(self, writes: Sequence[Write]) -> set[tuple[str, int]]:
+        """Charge the new generations against ``capacity`` up front (all or nothing)."""
+        with self._acct:
+            fresh = {(w.manifest.seq_id, w.manifest.gen): w.manifest.nbytes for w in writes}
+            fresh = {k: n for k, n in fresh.items() if k not in self._held}
+            freed = sum(self._held.get((w.replace.seq_id, w.replace.gen), 0) for w in writes
+                        if w.replace is not None and w.replace.gen != w.manifest.gen)
+            used = self._used
+            need = sum(fresh.values())
+            if used - freed + need > self.capacity:
+                raise ResourceExhausted(f"disk tier full: {used} of {self.capacity} bytes used, the write needs "
+                                        f"{need}")
+            for k, n in fresh.items():
+                self._hold(k, n)
+            return set(fresh)
+
+    def _unreserve(self, keys: set[tuple[str, int]]) -> None:
+        with self._acct:
+            for k in keys:
+                self._forget(k)
+
+    def _put(self, txn: lmdb.Transaction, w: Write) -> bool:
+        m = w.manifest
+        cur = txn.get(m.seq_id.encode(), db=self._manifests)
+        if cur is not None and Manifest.decode(cur).gen > m.gen:
+            return False  # a later commit of this id is already on disk: this one is stale
+        for i, view in enumerate(w.blocks):
+            assert len(view) == m.block_lengths[i]
+            head = HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0, m.fingerprint, len(view), checksum(view))
+            txn.put(block_key(m.seq_id, m.gen, i), b"".join((head, view)), db=self._blocks)
+        if w.replace is not None and w.replace.gen != m.gen:
+            self._delete_blocks(txn, w.replace)
+        txn.put(m.seq_id.encode(), m.encode(), db=self._manifests)
+        return True
 
     def _delete_blocks(self, txn: lmdb.Transaction, m: Manifest) -> None:
         for i in range(len(m.block_lengths)):
@@ -249,13 +368,10 @@ class DiskStore:
             cur = txn.get(m.seq_id.encode(), db=self._manifests)
             if cur is not None and Manifest.decode(cur).gen == m.gen:
                 txn.delete(m.seq_id.encode(), db=self._manifests)
+        with self._acct:
+            self._forget((m.seq_id, m.gen))
         if sync:
             self.sync()
-
-    def touch(self, m: Manifest) -> None:
-        """Rewrite only the manifest (priority/last_access); blocks are untouched."""
-        with self.env.begin(write=True) as txn:
-            txn.put(m.seq_id.encode(), m.encode(), db=self._manifests)
 
     @contextmanager
     def read_txn(self) -> Iterator[ReadTxn]:

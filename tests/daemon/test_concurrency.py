@@ -44,16 +44,12 @@ def test_threads_park_restore_drop(daemon: Callable[..., Daemon], transport: str
         assert wait_until(lambda: c.stat().leases == 0)
         engine = d.engine
         assert engine is not None
-        # Exact accounting: host charge equals what the resident sequences hold.
-        with engine._lock:
-            for name, mem in engine.tiers.items():
-                charged = sum(s.res[name].charged for s in engine._seqs.values() if name in s.res)
-                assert mem.alloc.used_bytes == charged, name
-            on_disk = sum(s.manifest.nbytes for s in engine._seqs.values() if s.on_disk)
-            assert engine._disk_used == on_disk
+        # Exact accounting: every tier charges what the resident sequences hold.
+        engine.check_invariants()
         for sid in kept:
             assert c.drop(sid)
         st = c.stat()
         assert st.tiers["host"].used_bytes == 0 and st.tiers["disk"].used_bytes == 0 and st.sequences == 0
         with pytest.raises(NotFound):
             c.info(next(iter(kept)))
+    engine.check_invariants()

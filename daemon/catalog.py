@@ -1,0 +1,251 @@
+"""The index: parked sequences, shared blocks and their reference counts.
+
+Everything here happens under one lock, ``Catalog.lock`` (the *index lock*), which is
+never held across disk I/O. It guards the sequence table, reference counts, every
+``Seq``'s memory copies, readers and flags, and the memory tiers' slot allocators (the
+lease table shares it; see ``leases.py``).
+
+Primitives:
+- ``Catalog(tiers)``; ``load(manifests)`` rebuilds the index from disk manifests.
+- ``lock``; ``changed`` (a condition: notified whenever memory may have become
+  available: a free, a reader leaving, a copy ending); ``wake`` (the maintenance
+  thread's condition).
+- Lookups (REQUIRES: lock): ``find``, ``get`` (``NotFound``), ``present``, ``sequences``,
+  ``refcount``.
+- ``next_gen()``: generations order every commit, drop and disk write of an id.
+- ``pin_refs`` / ``unpin_refs``: a commit takes its references when it validates, so
+  the blocks it names cannot be retired while it writes to disk without a lock.
+- ``publish_blocks``, ``publish``: make committed sequences visible.
+- ``retire(seq)``: unlink a sequence (drop, overwrite, expiry); memory is freed now or
+  by the last reader or copy (``release_dropped``); shared blocks left unreferenced
+  retire with it and are returned by ``take_orphans()`` for their disk copies.
+- ``free(tier, alloc)``; ``evictable(tier)``; ``over_high()``.
+- ``info``, ``info_of``, ``infos``, ``tier_stats``: read-only views.
+- ``check(disk_used)``: the invariants, as assertions.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Iterable
+
+from kvpark.proto.errors import NotFound
+from kvpark.proto.types import SeqInfo, TierStat
+from kvpark.tiers import policy
+from kvpark.tiers.arena import Allocation
+from kvpark.tiers.disk import Manifest
+from kvpark.tiers.memory import MemTier
+
+from .model import MEM_TIERS, Seq
+
+_RANK = {"device": 0, "host": 1, "disk": 2}
+
+
+class Catalog:
+    def __init__(self, tiers: dict[str, MemTier]) -> None:
+        self.tiers = tiers
+        self.lock = threading.Lock()
+        self.changed = threading.Condition(self.lock)
+        self.wake = threading.Condition(self.lock)
+        self._seqs: dict[str, Seq] = {}
+        self._refcount: dict[str, int] = {}  # shared block id -> sequences using it (and commits pinning it)
+        self._orphans: list[Seq] = []  # retired shared blocks whose disk copies still need deleting
+        self._gen = 0
+
+    def load(self, manifests: Iterable[Manifest]) -> int:
+        """Index sequences found on disk; returns their payload bytes."""
+        total = 0
+        with self.lock:
+            for m in manifests:
+                seq = Seq(manifest=m, on_disk=True)
+                self._seqs[m.seq_id] = seq
+                total += m.nbytes
+                self._gen = max(self._gen, m.gen)
+                for r in seq.refs:
+                    self._refcount[r] = self._refcount.get(r, 0) + 1
+        return total
+
+    # ------------------------------------------------------------------ lookups (REQUIRES: lock)
+
+    def find(self, seq_id: str) -> Seq | None:
+        return self._seqs.get(seq_id)
+
+    def get(self, seq_id: str) -> Seq:
+        seq = self._seqs.get(seq_id)
+        if seq is None:
+            raise NotFound(f"no parked sequence {seq_id!r}")
+        return seq
+
+    def present(self, seq_ids: list[str]) -> list[bool]:
+        return [sid in self._seqs for sid in seq_ids]
+
+    def sequences(self) -> list[Seq]:
+        return list(self._seqs.values())
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    def refcount(self, seq_id: str) -> int:
+        return self._refcount.get(seq_id, 0)
+
+    def next_gen(self) -> int:
+        self._gen += 1
+        return self._gen
+
+    # ------------------------------------------------------------------ changes (REQUIRES: lock)
+
+    def pin_refs(self, refs: Iterable[str]) -> None:
+        for r in refs:
+            self._refcount[r] = self._refcount.get(r, 0) + 1
+
+    def unpin_refs(self, refs: Iterable[str]) -> None:
+        # A block left unreferenced by a failed commit stays until the reaper expires it,
+        # exactly as if the commit had never pinned it.
+        for r in refs:
+            left = self._refcount.get(r, 0) - 1
+            if left > 0:
+                self._refcount[r] = left
+            else:
+                self._refcount.pop(r, None)
+
+    def publish_blocks(self, blocks: list[Seq]) -> None:
+        """Publish new blocks; one a concurrent park created first is retired (dedup)."""
+        for b in blocks:
+            if b.seq_id in self._seqs:
+                self.retire(b)
+                self._orphans.append(b)
+            else:
+                self._seqs[b.seq_id] = b
+        self.notify()
+
+    def publish(self, seq: Seq, old: Seq | None) -> None:
+        # References were pinned when the commit validated; the old version's go now,
+        # so a block shared by the old and the new version never drops to zero.
+        if old is not None:
+            self.retire(old)
+        self._seqs[seq.seq_id] = seq
+        self.notify()
+
+    def retire(self, seq: Seq) -> None:
+        """Unlink ``seq``; memory is freed now, or by the last reader/copy."""
+        seq.dropped = True
+        if self._seqs.get(seq.seq_id) is seq:
+            del self._seqs[seq.seq_id]
+        self.release_dropped(seq)
+        for r in seq.refs:
+            left = self._refcount.get(r, 0) - 1
+            if left > 0:
+                self._refcount[r] = left
+                continue
+            self._refcount.pop(r, None)
+            block = self._seqs.get(r)
+            if block is not None and block.shared:
+                self.retire(block)  # its last user is gone
+                self._orphans.append(block)
+
+    def take_orphans(self) -> list[Seq]:
+        todo, self._orphans = self._orphans, []
+        return todo
+
+    def release_dropped(self, seq: Seq) -> None:
+        if not seq.dropped or seq.moving:
+            return
+        for name in list(seq.res):
+            if not seq.readers.get(name):
+                self.free(name, seq.res.pop(name))
+
+    def free(self, tier: str, alloc: Allocation) -> None:
+        self.tiers[tier].alloc.free(alloc)
+        self.changed.notify_all()
+
+    def notify(self) -> None:
+        """Something that may make room happened; wake waiters and, past a high mark, demotion."""
+        self.changed.notify_all()
+        if self.over_high():
+            self.wake.notify_all()
+
+    def over_high(self) -> bool:
+        return any(policy.over_high(t.alloc.used_bytes, t.alloc.capacity, t.high) for t in self.tiers.values())
+
+    def evictable(self, tier: str, exclude: Seq | None = None) -> list[policy.SeqMeta]:
+        # Pinned sequences leave a tier only when a faster copy remains (they are never
+        # demoted below the tier they are in); leased or moving copies stay.
+        return [
+            policy.SeqMeta(s.seq_id, s.res[tier].charged, s.manifest.last_access, s.manifest.priority,
+                           s.access_count, s.manifest.created_at, s.promotions)
+            for s in self._seqs.values()
+            if tier in s.res and not s.readers.get(tier) and not s.moving and s is not exclude
+            and (not s.pinned or s.tier != tier)
+        ]
+
+    def busy(self, exclude: Seq | None = None) -> bool:
+        """A copy or promotion is in flight: room may appear without anyone demoting."""
+        return any(s.moving or (s.move_lock.locked() and s is not exclude) for s in self._seqs.values())
+
+    # ------------------------------------------------------------------ views (REQUIRES: lock)
+
+    def info(self, seq: Seq) -> SeqInfo:
+        comps = [self._seqs[r] for r in seq.refs if r in self._seqs] + [seq]
+        return self.info_of([seq], comps)
+
+    def info_of(self, tops: list[Seq], comps: list[Seq]) -> SeqInfo:
+        """One payload made of ``comps``; a composite's tier is the slowest of its parts'."""
+        top = tops[0]
+        m = top.manifest
+        tensors = tuple(t for c in comps for t in c.manifest.tensors)
+        return SeqInfo(
+            seq_id=",".join(t.seq_id for t in tops),
+            nbytes=sum(c.manifest.nbytes for c in comps),
+            tier=max((c.tier for c in comps), key=_RANK.__getitem__),
+            num_tensors=len(tensors),
+            tensors=tensors,
+            priority=m.priority,
+            created_at=m.created_at,
+            last_access=m.last_access,
+            num_blocks=sum(len(c.manifest.block_lengths) for c in comps),
+            attrs=top.attrs,
+            refs=top.refs,
+            shared=top.shared,
+            refcount=self._refcount.get(top.seq_id, 0),
+        )
+
+    def infos(self) -> list[SeqInfo]:
+        return [self.info(s) for s in sorted(self._seqs.values(), key=lambda s: s.seq_id)]
+
+    def tier_stats(self, disk_capacity: int, disk_used: int) -> dict[str, TierStat]:
+        out: dict[str, TierStat] = {}
+        for name, mem in self.tiers.items():
+            held = [s.res[name] for s in self._seqs.values() if name in s.res]
+            out[name] = TierStat(mem.alloc.capacity, mem.alloc.used_bytes, sum(len(a.extents) for a in held),
+                                 len(held))
+        disk = [s for s in self._seqs.values() if s.on_disk]
+        out["disk"] = TierStat(disk_capacity, disk_used, sum(len(s.manifest.block_lengths) for s in disk), len(disk))
+        return out
+
+    def check(self, disk_used: int, write_leases: list[list[tuple[str, Allocation]]], readers: dict[tuple[int, str], int]) -> None:
+        """Assert the index's invariants against the tiers' own accounting.
+
+        REQUIRES: lock, and a quiet engine (no park, copy or disk write in flight).
+        ``write_leases`` are the slots reserved by open write leases, ``readers`` the
+        read-lease count per ``(id(seq), tier)``.
+        """
+        for name, mem in self.tiers.items():
+            allocs = [s.res[name] for s in self._seqs.values() if name in s.res]
+            allocs += [a for held in write_leases for t, a in held if t == name]
+            charged = sum(a.charged for a in allocs)
+            assert mem.alloc.used_bytes == charged, f"{name}: allocator says {mem.alloc.used_bytes}, owners {charged}"
+        on_disk = sum(s.manifest.nbytes for s in self._seqs.values() if s.on_disk)
+        assert disk_used == on_disk, f"disk: store holds {disk_used} bytes, the index {on_disk}"
+        refs: dict[str, int] = {}
+        for s in self._seqs.values():
+            assert not s.dropped and s.moving == 0, f"{s.seq_id}: dropped={s.dropped} moving={s.moving}"
+            assert s.res or s.on_disk, f"{s.seq_id}: no copy anywhere"
+            assert set(s.res) <= set(MEM_TIERS)
+            for t, n in s.readers.items():
+                assert n == readers.get((id(s), t), 0), f"{s.seq_id}: {n} readers on {t}"
+            for r in s.refs:
+                refs[r] = refs.get(r, 0) + 1
+        assert refs == self._refcount, f"refcounts {self._refcount} != references {refs}"
+        for r in refs:
+            block = self._seqs.get(r)
+            assert block is not None and block.shared, f"reference to missing shared block {r!r}"

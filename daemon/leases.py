@@ -1,0 +1,150 @@
+"""The lease table: write reservations and read leases, their deadlines and their end.
+
+A write lease holds the slots a park reserved until it commits or aborts; a read lease
+holds readers on the memory copies a restore serves. Leases held by a live stream carry
+no deadline (the stream releases them); every other lease expires after
+``leases.ttl_s``, so a crashed client frees what it held. Write leases always expire:
+a stalled stream gets an idle deadline that every chunk pushes back.
+
+The table lives under the catalog's index lock (it changes readers and frees slots).
+Ending a write lease first waits out a chunk being copied into its slots (``Lease.lock``),
+*without* the index lock, then frees the slots under it.
+
+Primitives:
+- ``LeaseTable(catalog, LeaseConfig)``.
+- ``issue_write(spec, tier, allocs) -> Lease`` and ``add(lease)`` (REQUIRES: index lock);
+  ``new_read(stream) -> Lease``.
+- ``get_write(lease_id) -> Lease``; ``take_write(lease_id) -> Lease`` (REQUIRES: index
+  lock): remove a write lease for its commit.
+- ``extend(lease)``: push a write lease's idle deadline back.
+- ``end(lease)``, ``release(lease_id) -> bool``: free what a lease holds.
+- ``reap()``: end every expired lease. ``close()``: end them all.
+- ``transient()``: whether an open lease may still free room; ``count``; ``held()``.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+
+from kvpark.proto.errors import LeaseExpired
+from kvpark.tiers.arena import Allocation
+
+from .catalog import Catalog
+from .config import LeaseConfig
+from .model import Lease, ParkSpec
+
+log = logging.getLogger("kvpark.leases")
+
+
+class LeaseTable:
+    def __init__(self, catalog: Catalog, config: LeaseConfig) -> None:
+        self.catalog = catalog
+        self.ttl_s = config.ttl_s
+        self._leases: dict[str, Lease] = {}
+
+    @property
+    def count(self) -> int:
+        return len(self._leases)
+
+    def issue_write(self, spec: ParkSpec, tier: str, allocs: list[Allocation]) -> Lease:
+        # REQUIRES: index lock. ``allocs``: the new blocks' slots, then the sequence's.
+        lease = Lease(secrets.token_hex(16), "write", tier, time.monotonic() + self.ttl_s, spec=spec,
+                      alloc=allocs[-1], block_allocs=allocs[:-1])
+        self._leases[lease.lease_id] = lease
+        return lease
+
+    def new_read(self, stream: bool) -> Lease:
+        """A read lease to fill with parts; ``add`` makes it visible once it holds any."""
+        return Lease(secrets.token_hex(16), "read", "", None if stream else time.monotonic() + self.ttl_s)
+
+    def add(self, lease: Lease) -> None:
+        # REQUIRES: index lock.
+        self._leases[lease.lease_id] = lease
+
+    def get_write(self, lease_id: str) -> Lease:
+        """An open write lease (a dict read: no lock needed for one lookup per chunk)."""
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.kind != "write":
+            raise LeaseExpired(f"write lease {lease_id!r} expired (the stream was idle too long)")
+        return lease
+
+    def take_write(self, lease_id: str) -> Lease:
+        # REQUIRES: index lock.
+        lease = self._leases.get(lease_id)
+        if lease is None or lease.kind != "write":
+            raise LeaseExpired(f"write lease {lease_id!r} is gone (expired, aborted or never issued)")
+        del self._leases[lease_id]
+        return lease
+
+    def extend(self, lease: Lease) -> None:
+        lease.expires_at = time.monotonic() + self.ttl_s
+
+    def release(self, lease_id: str) -> bool:
+        """End a read lease or abort an uncommitted write lease. False if already gone."""
+        with self.catalog.lock:
+            lease = self._leases.get(lease_id)
+        if lease is None:
+            return False
+        return self.end(lease)
+
+    def end(self, lease: Lease) -> bool:
+        """Free what ``lease`` holds. False if someone else ended it first."""
+        if lease.kind == "write":
+            with lease.lock:  # waits out a chunk being copied into these slots right now
+                if lease.ended:
+                    return False
+                lease.ended = True
+            with self.catalog.lock:
+                self._leases.pop(lease.lease_id, None)
+                for a in lease.write_allocs():
+                    self.catalog.free(lease.tier, a)
+                lease.alloc, lease.block_allocs = None, []
+            return True
+        with self.catalog.lock:
+            if self._leases.pop(lease.lease_id, None) is None and not lease.parts:
+                return False
+            self.end_read(lease)
+        return True
+
+    def end_read(self, lease: Lease) -> None:
+        # REQUIRES: index lock.
+        self._leases.pop(lease.lease_id, None)
+        for seq, tier in lease.parts:
+            seq.readers[tier] -= 1
+            assert seq.readers[tier] >= 0
+            self.catalog.release_dropped(seq)
+        lease.parts = []
+        self.catalog.notify()  # a copy without readers may be demoted now
+
+    def reap(self) -> None:
+        now = time.monotonic()
+        with self.catalog.lock:
+            expired = [l for l in self._leases.values() if l.expires_at is not None and l.expires_at < now]
+        for lease in expired:
+            if self.end(lease):
+                log.warning("%s lease %s expired; freeing what it held", lease.kind, lease.lease_id[:8])
+
+    def close(self) -> None:
+        with self.catalog.lock:
+            todo = list(self._leases.values())
+        for lease in todo:
+            self.end(lease)
+
+    def transient(self) -> bool:
+        """An open lease will end by itself (a stream's, or a write reservation)."""
+        # REQUIRES: index lock.
+        return any(l.expires_at is None or l.kind == "write" for l in self._leases.values())
+
+    def held(self) -> tuple[list[list[tuple[str, Allocation]]], dict[tuple[int, str], int]]:
+        """What open leases hold: write slots per lease, and readers per ``(id(seq), tier)``."""
+        # REQUIRES: index lock.
+        writes: list[list[tuple[str, Allocation]]] = []
+        readers: dict[tuple[int, str], int] = {}
+        for l in self._leases.values():
+            if l.kind == "write":
+                writes.append([(l.tier, a) for a in l.write_allocs()])
+            for seq, tier in l.parts:
+                readers[(id(seq), tier)] = readers.get((id(seq), tier), 0) + 1
+        return writes, readers

@@ -1,0 +1,395 @@
+"""The mover: promote, demote, make room, prefetch; the policies decide, the copy engine copies.
+
+*What* leaves a tier comes from ``kvpark.tiers.policy``; memory-to-memory bytes move
+through the copy engine (``kvpark.tiers.copy``), whose completion path attaches the new
+copy to its sequence: a reader never sees a half-copied slot, and a background demotion
+leaves its device-to-host copy in flight while it moves on to the next victim. Disk
+bytes move through the disk store, never under the index lock.
+
+Locks: ``Seq.move_lock`` serialises the moves of one sequence (a promotion holds it
+while it copies; demotion only ever *tries* it, so two promotions making room for each
+other cannot deadlock). Metadata changes happen under the index lock
+(``Catalog.lock``), which is never held across I/O. Lock order: ``move_lock`` -> index lock.
+
+Primitives:
+- ``Mover(catalog, leases, disk, copy, PolicyConfig, slot_size)``.
+- ``promote(seq, to, make_room, lease=None) -> bool``: bring a copy into memory tier
+  ``to`` (disk blocks are verified on the way; a disk sequence bound for the device is
+  staged through host). With ``lease``, the copy is leased in the same step that finds
+  it ready, so a demotion cannot take it away in between; True when leased.
+- ``demote(seq_id, tier, jobs=None) -> bool``: move one copy down a tier.
+- ``await_room(tier, need, exclude, deadline) -> bool``: demote, or wait on the catalog's
+  ``changed`` condition for in-flight work to free room.
+- ``relieve() -> int``: one background pass: every tier past its high mark down to its low mark.
+- ``write_to_disk(seq) -> bool``; ``flush() -> int``.
+- ``prefetch(seq, tier, wait, timeout) -> str``; ``quiet()`` (no demotion starts, moves
+  in flight land: for invariant checks); ``close()``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+from kvpark.proto.errors import DeadlineExceeded, KVParkError, NotFound, ResourceExhausted
+from kvpark.tiers import policy
+from kvpark.tiers.arena import Allocation
+from kvpark.tiers.copy import CopyEngine, CopyJob, runs
+from kvpark.tiers.disk import DiskStore
+
+from .catalog import Catalog
+from .config import PolicyConfig
+from .leases import LeaseTable
+from .model import MEM_TIERS, Lease, Seq
+
+log = logging.getLogger("kvpark.mover")
+
+# How long a park or promotion waits for in-flight work (copies, reads, other
+# reservations) to free room before it gives up with RESOURCE_EXHAUSTED.
+ROOM_WAIT_S = 10.0
+
+
+class Mover:
+    def __init__(self, catalog: Catalog, leases: LeaseTable, disk: DiskStore, copy: CopyEngine,
+                 config: PolicyConfig, slot_size: int) -> None:
+        self.catalog = catalog
+        self.tiers = catalog.tiers
+        self.leases = leases
+        self.disk = disk
+        self.copy = copy
+        self.eviction = config.eviction
+        self.slot_size = slot_size
+        self.closed = False
+        self._paused = 0  # quiet() holders: no demotion starts
+        self._prefetches: dict[tuple[str, str], concurrent.futures.Future[None]] = {}
+        self._prefetcher = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpark-prefetch")
+
+    def close(self) -> None:
+        """Stop taking moves; in-flight prefetches are cancelled or finish."""
+        with self.catalog.lock:
+            self.closed = True
+            self.catalog.changed.notify_all()
+        self._prefetcher.shutdown(wait=True, cancel_futures=True)
+
+    @contextmanager
+    def quiet(self, timeout: float = 10.0) -> Iterator[None]:
+        """Hold off new demotions and wait (up to ``timeout``) for moves in flight to land."""
+        with self.catalog.lock:
+            self._paused += 1
+            deadline = time.monotonic() + timeout
+            while self.catalog.busy() and time.monotonic() < deadline:
+                self.catalog.changed.wait(deadline - time.monotonic())
+        try:
+            yield
+        finally:
+            with self.catalog.lock:
+                self._paused -= 1
+
+    # ------------------------------------------------------------------ promotion
+
+    def promote(self, seq: Seq, to: str, make_room: bool, lease: Lease | None = None) -> bool:
+        if seq.manifest.block_size != self.slot_size:
+            return False  # parked under another slot size; served from disk as it is
+        try:
+            with seq.move_lock:
+                if to == "device" and "host" not in seq.res and "device" not in seq.res:
+                    self._promote_locked(seq, "host", make_room=False)  # stage via pinned host memory
+                self._promote_locked(seq, to, make_room)
+                if lease is None:
+                    return False
+                with self.catalog.lock:  # still under move_lock: no demotion can start on it
+                    if to not in seq.res or seq.dropped:
+                        return False
+                    seq.readers[to] = seq.readers.get(to, 0) + 1
+                    lease.parts.append((seq, to))
+                    return True
+        finally:
+            with self.catalog.lock:
+                self.catalog.notify()  # a demotion waiting for this sequence may take it now
+
+    def _promote_locked(self, seq: Seq, to: str, make_room: bool) -> None:
+        # REQUIRES: seq.move_lock held.
+        mem = self.tiers[to]
+        a = self._alloc_in(to, seq, make_room)
+        if a is None:
+            return
+        src = next((t for t in MEM_TIERS if t in seq.res and t != to), None)
+        if src is not None:
+            try:
+                job = self._copy(seq, src, to, a, restore=True)
+            except BaseException:
+                with self.catalog.lock:
+                    self.catalog.free(to, a)
+                raise
+            job.wait()  # the completion path attached the copy (or freed the slots on failure)
+            return
+        try:
+            with self.disk.read_txn() as r:
+                for i, (off, n) in enumerate(a.extents):
+                    mem.write(off, r.read_block(seq.manifest, i, n))
+        except BaseException:
+            with self.catalog.lock:
+                self.catalog.free(to, a)
+            raise
+        with self.catalog.lock:
+            seq.promotions += 1
+            if seq.dropped:
+                self.catalog.free(to, a)
+                return
+            seq.res[to] = a
+
+    def _alloc_in(self, tier: str, seq: Seq, make_room: bool) -> Allocation | None:
+        mem = self.tiers[tier]
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while True:
+            with self.catalog.lock:
+                if tier in seq.res or seq.dropped:
+                    return None
+                a = mem.alloc.alloc(seq.manifest.nbytes)
+            if a is not None or not make_room or not self.await_room(tier, seq.manifest.nbytes, seq, deadline):
+                return a
+
+    def _copy(self, seq: Seq, src: str, dst: str, dst_alloc: Allocation, restore: bool,
+              then: Callable[[bool], None] | None = None) -> CopyJob:
+        """Submit a copy of ``seq``'s bytes from ``src`` into ``dst_alloc``.
+
+        Once submitted, the completion path owns ``dst_alloc``: it attaches it as the
+        sequence's ``dst`` copy, or frees it (failed copy, or the sequence was dropped
+        meanwhile), then calls ``then(attached)``.
+        """
+        with self.catalog.lock:
+            src_alloc = seq.res.get(src)
+            if src_alloc is None:  # dropped (its copies freed) since the caller looked
+                raise NotFound(f"sequence {seq.seq_id!r} was dropped during a move")
+            seq.moving += 1  # the source copy cannot be freed under the copy
+
+        def done(job: CopyJob) -> None:
+            with self.catalog.lock:
+                seq.moving -= 1
+                attached = job.error is None and not seq.dropped and dst not in seq.res
+                if attached:
+                    seq.res[dst] = dst_alloc
+                else:
+                    self.catalog.free(dst, dst_alloc)
+                self.catalog.release_dropped(seq)
+                self.catalog.notify()
+            if then is not None:
+                then(attached)
+
+        s_mem, d_mem = self.tiers[src], self.tiers[dst]
+        pieces = [(d_mem.tensor(d, n), s_mem.tensor(s, n)) for s, d, n in runs(src_alloc.extents, dst_alloc.extents)]
+        try:
+            return self.copy.submit(pieces, restore=restore, on_done=done)
+        except BaseException:
+            with self.catalog.lock:
+                seq.moving -= 1
+                self.catalog.release_dropped(seq)
+            raise
+
+    def prefetch(self, seq: Seq, tier: str, wait: bool = False, timeout: float | None = None) -> str:
+        with self.catalog.lock:
+            if tier in seq.res:
+                return seq.tier
+            key = (seq.seq_id, tier)
+            fut = self._prefetches.get(key)
+            if fut is None or fut.done():
+                fut = self._prefetcher.submit(self.promote, seq, tier, True)
+                self._prefetches[key] = fut
+                fut.add_done_callback(lambda f, k=key: self._prefetch_done(k, f))
+        if wait:
+            try:
+                fut.result(timeout=timeout)
+            except concurrent.futures.TimeoutError:
+                raise DeadlineExceeded(f"prefetch of {seq.seq_id!r} to {tier} did not finish within {timeout}s") \
+                    from None
+            with self.catalog.lock:
+                if seq.dropped:
+                    raise NotFound(f"no parked sequence {seq.seq_id!r}")
+                if tier not in seq.res:
+                    raise ResourceExhausted(f"no room in the {tier} tier for {seq.seq_id!r} (leased or pinned data)")
+        with self.catalog.lock:
+            return seq.tier
+
+    def _prefetch_done(self, key: tuple[str, str], fut: concurrent.futures.Future[None]) -> None:
+        with self.catalog.lock:
+            if self._prefetches.get(key) is fut:
+                del self._prefetches[key]
+        if not fut.cancelled() and fut.exception() is not None:
+            log.warning("prefetch of %r to %s failed: %s", key[0], key[1], fut.exception())
+
+    # ------------------------------------------------------------------ demotion
+
+    def await_room(self, tier: str, need: int, exclude: Seq | None, deadline: float) -> bool:
+        """Demote (or wait for in-flight work to free space) so ``need`` bytes may fit in ``tier``.
+
+        False when waiting cannot help: nothing is demotable and nothing in flight
+        (a copy, a read, a reservation) will free space before ``deadline``.
+        """
+        if self.make_room(tier, need, exclude):
+            return True
+        with self.catalog.lock:
+            if self.tiers[tier].alloc.fits(need):
+                return True
+            left = deadline - time.monotonic()
+            if left <= 0 or self.closed or not (self.leases.transient() or self.catalog.busy(exclude)):
+                return False
+            # Frees, readers leaving and copies ending all notify ``changed``.
+            self.catalog.changed.wait(left)
+        return True
+
+    def make_room(self, tier: str, need: int, exclude: Seq | None = None) -> bool:
+        """Demote in policy order until ``need`` bytes fit in ``tier``. True if it fits now.
+
+        The byte target alone is not enough: packed tails fragment slots, so the loop
+        checks the allocator itself after every victim.
+        """
+        mem = self.tiers[tier]
+        with self.catalog.lock:
+            if mem.alloc.fits(need):
+                return True
+            order = policy.demotion_order(self.eviction, self.catalog.evictable(tier, exclude))
+        for sid in order:
+            self.demote(sid, tier)
+            with self.catalog.lock:
+                if mem.alloc.fits(need):
+                    return True
+        return False
+
+    def demote(self, seq_id: str, tier: str, jobs: list[CopyJob] | None = None) -> bool:
+        """Move ``seq_id``'s copy out of ``tier`` to the next tier down. True if freed (or in flight).
+
+        With ``jobs``, a device-to-host copy is left in flight and appended to it; its
+        completion frees the device copy.
+        """
+        with self.catalog.lock:
+            seq = self.catalog.find(seq_id)
+            if seq is None or tier not in seq.res or self._paused:
+                return False
+        if not seq.move_lock.acquire(blocking=False):
+            return False  # a promotion or another demotion owns it right now
+        handed_off = False
+        try:
+            if tier == "device" and "host" not in seq.res and not seq.on_disk:
+                a = self._alloc_in("host", seq, make_room=True)
+                if a is not None:
+                    def finished(attached: bool) -> None:  # on the copy engine's completion path
+                        try:
+                            if attached:
+                                self._drop_copy(seq, tier)
+                        finally:
+                            seq.move_lock.release()
+                            with self.catalog.lock:
+                                self.catalog.notify()
+
+                    try:
+                        job = self._copy(seq, "device", "host", a, restore=False, then=finished)
+                    except BaseException:
+                        with self.catalog.lock:
+                            self.catalog.free("host", a)
+                        raise
+                    handed_off = True
+                    if jobs is not None:
+                        jobs.append(job)
+                        return True
+                    job.wait()
+                    with self.catalog.lock:
+                        return tier not in seq.res
+            if not any(t in seq.res for t in MEM_TIERS if t != tier):
+                self.write_to_disk(seq)  # host demotion, or device when host had no room
+        except KVParkError as e:
+            log.warning("demotion of %r from %s failed: %s", seq_id, tier, e)
+            return False
+        finally:
+            if not handed_off:
+                seq.move_lock.release()
+        return self._drop_copy(seq, tier)
+
+    def _drop_copy(self, seq: Seq, tier: str) -> bool:
+        """Free ``seq``'s copy in ``tier`` if another copy remains and nobody reads it."""
+        with self.catalog.lock:
+            elsewhere = seq.on_disk or any(t in seq.res for t in MEM_TIERS if t != tier)
+            if elsewhere and tier in seq.res and not seq.readers.get(tier) and not seq.moving:
+                self.catalog.free(tier, seq.res.pop(tier))
+                return True
+        return False
+
+    def relieve(self) -> int:
+        """One background pass: demote every tier past its high mark to its low mark."""
+        moved = 0
+        for name in MEM_TIERS:  # device first: its demotions may push host over
+            mem = self.tiers.get(name)
+            if mem is None:
+                continue
+            with self.catalog.lock:
+                plan = []
+                if policy.over_high(mem.alloc.used_bytes, mem.alloc.capacity, mem.high):
+                    plan = policy.plan_demotion(
+                        self.eviction, self.catalog.evictable(name), mem.alloc.used_bytes,
+                        mem.alloc.capacity, policy.background_target(mem.alloc.capacity, mem.low),
+                    )
+            jobs: list[CopyJob] = []
+            try:
+                for sid in plan:
+                    if self.closed:
+                        break
+                    moved += self.demote(sid, name, jobs)
+            finally:
+                for job in jobs:  # device copies in flight land before host is relieved
+                    try:
+                        job.wait()
+                    except Exception as e:  # noqa: BLE001 - the copy's slots were freed by its completion
+                        log.warning("demotion copy from %s failed: %s", name, e)
+        return moved
+
+    def write_to_disk(self, seq: Seq) -> bool:
+        """Make sure ``seq`` has a disk copy; its memory copies are kept."""
+        with self.catalog.lock:
+            if seq.dropped or seq.on_disk or not seq.res:
+                return seq.on_disk
+            src = "host" if "host" in seq.res else "device"
+            alloc = seq.res[src]
+            seq.moving += 1  # pins the memory copy while we read it
+        written = False
+        try:
+            written = self.disk.write(seq.manifest, self.tiers[src].views(alloc))
+        finally:
+            with self.catalog.lock:
+                seq.moving -= 1
+                stale = seq.dropped  # dropped or overwritten while we wrote
+                if written and not stale:
+                    seq.on_disk = True
+                self.catalog.release_dropped(seq)
+                self.catalog.notify()
+        if written and stale:
+            self.disk.delete(seq.manifest)  # remove what we wrote
+        return written and not stale
+
+    def delete_from_disk(self, seq: Seq) -> None:
+        with self.catalog.lock:
+            if not seq.on_disk:
+                return
+            seq.on_disk = False
+        self.disk.delete(seq.manifest)
+
+    def flush(self) -> int:
+        """Write every memory-only sequence to disk (keeping its memory copies)."""
+        with self.catalog.lock:
+            todo = [s for s in self.catalog.sequences() if s.res and not s.on_disk]
+        total = len(todo)
+        done, last = 0, time.monotonic()
+        for s in todo:
+            try:
+                if self.write_to_disk(s):
+                    done += 1
+            except KVParkError as e:
+                log.error("flush: sequence %r not written: %s", s.seq_id, e)
+            if time.monotonic() - last > 1.0:
+                log.info("flush: %d/%d sequences on disk", done, total)
+                last = time.monotonic()
+        self.disk.sync()
+        if total:
+            log.info("flush: %d/%d memory-only sequence(s) written to disk", done, total)
+        return done
