@@ -39,6 +39,7 @@ def test_spill_to_disk_then_restore_with_promotion(daemon: Callable[..., Daemon]
         # Step 5: every sequence is still bit-exact, wherever it lives.
         for i in range(40):
             assert torch.equal(c.restore(f"s{i:02d}")[0], blob(i)), i
+    d.engine.check_invariants()
 
 
 def test_no_promotion_when_disabled(daemon: Callable[..., Daemon]) -> None:
@@ -49,6 +50,7 @@ def test_no_promotion_when_disabled(daemon: Callable[..., Daemon]) -> None:
         assert c.info("s0").tier == "disk"
         assert torch.equal(c.restore("s0")[0], blob(0))
         assert c.info("s0").tier == "disk"
+    d.engine.check_invariants()
 
 
 def test_restore_touch_makes_a_sequence_recent(daemon: Callable[..., Daemon]) -> None:
@@ -61,6 +63,7 @@ def test_restore_touch_makes_a_sequence_recent(daemon: Callable[..., Daemon]) ->
             c.park(f"s{i}", [blob(i)])
         assert c.info("s0").tier == "host"
         assert c.info("s1").tier == "disk"
+    d.engine.check_invariants()
 
 
 def test_priority_is_demoted_last(daemon: Callable[..., Daemon]) -> None:
@@ -70,6 +73,7 @@ def test_priority_is_demoted_last(daemon: Callable[..., Daemon]) -> None:
         for i in range(30):
             c.park(f"s{i}", [blob(i)])
         assert c.info("vip").tier == "host"
+    d.engine.check_invariants()
 
 
 def test_write_through_acknowledges_after_disk(daemon: Callable[..., Daemon]) -> None:
@@ -84,6 +88,7 @@ def test_write_through_acknowledges_after_disk(daemon: Callable[..., Daemon]) ->
         assert c.drop("wt")
         st = c.stat()
         assert st.tiers["disk"].used_bytes == 0 and st.tiers["host"].used_bytes == 0
+    d.engine.check_invariants()
 
 
 def test_background_demotion_from_high_to_low_watermark(daemon: Callable[..., Daemon]) -> None:
@@ -97,3 +102,4 @@ def test_background_demotion_from_high_to_low_watermark(daemon: Callable[..., Da
         assert st.tiers["host"].used_bytes >= 12 * MiB  # stopped at the low mark, not below
         assert st.tiers["disk"].sequences == 15 - st.tiers["host"].sequences
         assert c.info("s00").tier == "disk" and c.info("s14").tier == "host"
+    d.engine.check_invariants()

@@ -1,5 +1,6 @@
-"""Regression tests named after the bugs a review of the engine found."""
+"""Regression tests, each named after the bug it guards."""
 
+import logging
 import threading
 from typing import Callable, Iterator
 
@@ -44,6 +45,7 @@ def test_aborted_park_frees_the_slots_of_its_new_blocks(daemon: Callable[..., Da
         assert c.stat().tiers["host"].used_bytes == MiB
         c._abort_quietly(r.lease_id)
         assert c.stat().tiers["host"].used_bytes == 0 and c.stat().leases == 0
+    d.engine.check_invariants()
 
 
 def test_failed_commit_after_a_deduplicated_block_frees_each_slot_once(daemon: Callable[..., Daemon]) -> None:
@@ -68,6 +70,7 @@ def test_a_sequence_cannot_reference_itself(daemon: Callable[..., Daemon]) -> No
             c.park("X", [torch.ones(100, dtype=torch.uint8)], refs=["X"],
                    new_blocks={"X": [torch.ones(3000, dtype=torch.uint8)]})
         assert c.list() == [] and c.stat().tiers["host"].used_bytes == 0
+    d.engine.check_invariants()
 
 
 def test_restore_from_disk_racing_a_drop_is_not_found_not_data_loss(daemon: Callable[..., Daemon]) -> None:
@@ -84,9 +87,11 @@ def test_restore_from_disk_racing_a_drop_is_not_found_not_data_loss(daemon: Call
     assert e.drop("gone")
     with pytest.raises(NotFound, match="during the restore"):
         list(e.iter_chunks(handle, MiB))
+    e.check_invariants()
 
 
-def test_stalled_inline_park_stream_expires(daemon: Callable[..., Daemon]) -> None:
+def test_stalled_inline_park_stream_expires(daemon: Callable[..., Daemon], caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="kvpark.leases")
     d = daemon(**{"leases.ttl_s": 0.3})
     sent, release = threading.Event(), threading.Event()
 
@@ -104,6 +109,10 @@ def test_stalled_inline_park_stream_expires(daemon: Callable[..., Daemon]) -> No
     fut = call.future(messages(), timeout=60)
     try:
         assert sent.wait(10)
+        # Wait for the reservation to have existed and expired: "no leases" alone also
+        # holds before the server has reserved anything.
+        assert wait_until(lambda: any("write lease" in r.getMessage() and "expired" in r.getMessage()
+                                      for r in caplog.records))
         with Client(d.address) as c:
             assert wait_until(lambda: c.stat().leases == 0 and c.stat().tiers["host"].used_bytes == 0)
         release.set()
@@ -113,6 +122,7 @@ def test_stalled_inline_park_stream_expires(daemon: Callable[..., Daemon]) -> No
     finally:
         release.set()
         ch.close()
+    d.engine.check_invariants()
 
 
 def test_pinned_full_host_tier_refuses_to_stage_a_disk_sequence(daemon: Callable[..., Daemon]) -> None:
@@ -133,6 +143,7 @@ def test_pinned_full_host_tier_refuses_to_stage_a_disk_sequence(daemon: Callable
             e.acquire("cold", need="host")
         # The client falls back to streaming it from disk.
         assert torch.equal(c.restore("cold")[0], torch.ones(MiB, dtype=torch.uint8))
+    e.check_invariants()
 
 
 def test_get_never_builds_more_than_one_message(daemon: Callable[..., Daemon]) -> None:
@@ -144,3 +155,4 @@ def test_get_never_builds_more_than_one_message(daemon: Callable[..., Daemon]) -
         a = c._call(c._acquire, pb.AcquireRequest(seq_id="big", inline_max=1 << 40))
         assert not a.inlined and a.lease_id
         c._abort_quietly(a.lease_id)
+    d.engine.check_invariants()
