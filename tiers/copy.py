@@ -8,9 +8,10 @@ Moves bytes between memory tiers (device pool <-> host arena) asynchronously:
   completion thread per stream synchronises in FIFO order. At most
   ``max_inflight_bytes`` are in flight per direction, because concurrent H2D and D2H
   slow each other down on real PCIe.
-- ``submit(pieces, restore=...) -> CopyJob``; ``CopyJob.done()`` (poll),
-  ``CopyJob.wait(timeout)``; the completion callback runs on the completion thread
-  and is where the engine marks a copy ready.
+- ``submit(pieces, restore=..., on_done=...) -> CopyJob``; ``CopyJob.done()`` (poll),
+  ``CopyJob.wait(timeout)``. ``on_done`` runs on the completion path (the completion
+  thread on CUDA, the dispatcher thread without it) before waiters wake; the daemon's
+  mover attaches the new copy to its sequence there.
 - ``runs(src_extents, dst_extents)``: coalesce two partitions of one payload into the
   fewest ``(src_offset, dst_offset, length)`` runs, so a contiguous slot run moves in
   one ``copy_`` instead of one Python-level copy per block.
@@ -109,7 +110,6 @@ class CopyEngine:
         self._order = itertools.count()
         self._inflight = {True: 0, False: 0}  # restore direction -> bytes
         self._closed = False
-        self.stats = {"restore_bytes": 0, "demote_bytes": 0, "jobs": 0}
         if self.cuda:
             self._streams = {True: torch.cuda.Stream(), False: torch.cuda.Stream()}
             self._events: list[torch.cuda.Event] = []
@@ -154,8 +154,6 @@ class CopyEngine:
     def _release(self, job: CopyJob) -> None:
         with self._cv:
             self._inflight[job.restore] -= job.nbytes
-            self.stats["restore_bytes" if job.restore else "demote_bytes"] += job.nbytes
-            self.stats["jobs"] += 1
             self._cv.notify_all()
 
     def _dispatch(self) -> None:

@@ -16,7 +16,7 @@ Primitives:
       each LRU; the split adapts to where "ghost hits" (promotions back up from a
       lower tier) came from, so the list that was evicted too eagerly keeps more room.
   Every policy orders by ``priority`` first: a higher priority is demoted last.
-- ``over_high(used, capacity, high)``; ``background_target(capacity, low)``; ``room_target``.
+- ``over_high(used, capacity, high)``; ``background_target(capacity, low)``.
 - ``demotion_order(policy, candidates) -> list[str]``: all of them, coldest first.
 - ``plan_demotion(policy, candidates, used, capacity, target) -> list[str]``: victims in
   order whose removal brings ``used`` to ``target`` or below (all of them if not enough).
@@ -107,10 +107,6 @@ def over_high(used: int, capacity: int, high: float) -> bool:
 
 def background_target(capacity: int, low: float) -> int:
     return int(low * capacity)
-
-
-def room_target(capacity: int, need: int) -> int:
-    return capacity - need
 
 
 def demotion_order(policy: str, candidates: Iterable[SeqMeta]) -> list[str]:

@@ -28,7 +28,7 @@ def test_copies_complete_and_report() -> None:
                          on_done=lambda j: seen.append(j.nbytes))
         assert job.wait(10) and job.done()
         assert torch.equal(dst, torch.cat([src[500:], src[:500]]))
-        assert seen == [1000] and eng.stats["restore_bytes"] == 1000
+        assert seen == [1000]
     finally:
         eng.close()
 

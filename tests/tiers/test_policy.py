@@ -85,7 +85,6 @@ def test_watermarks() -> None:
     assert not policy.over_high(90, 100, 0.9)
     assert policy.over_high(91, 100, 0.9)
     assert policy.background_target(100, 0.8) == 80
-    assert policy.room_target(100, 30) == 70
 
 
 def test_unknown_policy_is_a_clear_error() -> None:
