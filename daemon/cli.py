@@ -1,35 +1,25 @@
-"""The ``kvpark`` command line.
+"""The daemon's commands of the ``kvpark`` command line (``kvpark stat``, a client, lives in
+``kvpark.client.cli``, which is also the ``kvpark`` entry point and hands these over).
 
 Commands:
 - ``kvpark serve [--config FILE] [--listen ADDR] [--data-dir DIR] [--log-level LEVEL] [--set KEY=VALUE]``
   runs the daemon until SIGTERM/SIGINT, then drains gracefully and exits 0.
-- ``kvpark stat [--address ADDR] [--json]`` prints the tiers and parked sequences.
 - ``kvpark config`` prints every config key with its default and description.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import signal
 import sys
 import threading
-from dataclasses import asdict
 
 from kvpark.proto.errors import StartupError
 
 from .config import ConfigError, load, reference
 
 log = logging.getLogger("kvpark")
-
-
-def _human(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024  # type: ignore[assignment]
-    return str(n)
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -82,43 +72,6 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _stat(args: argparse.Namespace) -> int:
-    from kvpark.client import Client, KVParkError
-
-    try:
-        with Client(args.address, timeout=10.0) as c:
-            st = c.stat()
-            seqs = c.list()
-    except KVParkError as e:
-        print(f"kvpark: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    if args.json:
-        out = {
-            "tiers": {k: asdict(v) for k, v in st.tiers.items()},
-            "sequences": [
-                {"seq_id": s.seq_id, "nbytes": s.nbytes, "tier": s.tier, "num_tensors": s.num_tensors,
-                 "priority": s.priority, "last_access": s.last_access}
-                for s in seqs
-            ],
-            "leases": st.leases,
-        }
-        print(json.dumps(out, indent=2))
-        return 0
-    print(f"{'tier':<8}{'used':>12}{'capacity':>12}{'use%':>7}{'blocks':>9}{'seqs':>7}")
-    for name, t in st.tiers.items():
-        pct = 100.0 * t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
-        print(f"{name:<8}{_human(t.used_bytes):>12}{_human(t.capacity_bytes):>12}{pct:>6.1f}%{t.blocks:>9}"
-              f"{t.sequences:>7}")
-    print()
-    print(f"{len(seqs)} sequence(s), {st.leases} lease(s)")
-    if seqs:
-        width = max(6, min(48, max(len(s.seq_id) for s in seqs)))
-        print(f"{'seq_id':<{width}}  {'tier':<5}{'size':>12}{'tensors':>9}{'prio':>6}")
-        for s in seqs:
-            print(f"{s.seq_id[:width]:<{width}}  {s.tier:<5}{_human(s.nbytes):>12}{s.num_tensors:>9}{s.priority:>6}")
-    return 0
-
-
 def _config(_args: argparse.Namespace) -> int:
     for key, default, help_ in reference():
         print(f"{key} = {default!r}\n    {help_}")
@@ -136,10 +89,6 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key, e.g. "
                    "tiers.host.capacity=1GiB (repeatable)")
     s.set_defaults(fn=_serve)
-    st = sub.add_parser("stat", help="print tiers and parked sequences")
-    st.add_argument("--address", help="daemon address (default: $KVPARK_ADDRESS, else 127.0.0.1:50551)")
-    st.add_argument("--json", action="store_true", help="machine-readable output")
-    st.set_defaults(fn=_stat)
     c = sub.add_parser("config", help="list every config key with its default")
     c.set_defaults(fn=_config)
     args = p.parse_args(argv)

@@ -98,7 +98,7 @@ def test_cli_stat_and_bad_config(proc: Callable[..., Proc], tmp_path: Path) -> N
     p = proc()
     with Client(p.address) as c:
         c.park("one", [torch.zeros(1000)])
-    cli = [sys.executable, "-m", "kvpark.daemon.cli"]
+    cli = [sys.executable, "-m", "kvpark.client.cli"]  # the `kvpark` entry point
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK")}
     out = subprocess.run([*cli, "stat", "--address", p.address], capture_output=True, text=True, env=env, timeout=60)
     assert out.returncode == 0, out.stderr
