@@ -38,7 +38,7 @@ from kvpark.proto.layout import TensorMeta, validate_seq_id
 from kvpark.proto.types import SeqInfo, Stat
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import decode_chunk, encode_chunk, regroup
-from kvpark.tiers import copy as copier
+from kvpark.tiers import cuda
 from kvpark.tiers.shm import SharedArena
 
 from .payload import Outputs, byte_view, pieces
@@ -192,11 +192,11 @@ class Client:
         d = self.server.device
         if "cuda_ipc" not in offered or not d.ipc_handle:
             return "the daemon has no CUDA device tier"
-        device = copier.local_device_for(d.uuid)
+        device = cuda.local_device_for(d.uuid)
         if device is None:
             return f"this process cannot see the daemon's GPU ({d.device}, {d.uuid})"
         try:
-            self._pool = copier.open_ipc(d.ipc_handle, d.size)
+            self._pool = cuda.open_ipc(d.ipc_handle, d.size)
         except (RuntimeError, ValueError, TypeError, KeyError) as e:
             return f"cannot open the device pool's IPC handle: {e}"
         return None
@@ -214,13 +214,13 @@ class Client:
         except OSError as e:
             return f"cannot map arena {a.path}: {e}"
         # On a GPU machine, page-lock the mapping once so D2H/H2D go straight in and out.
-        self._pinned = copier.pin_host(self._arena.tensor) > 0
+        self._pinned = cuda.pin_host(self._arena.tensor) > 0
         return None
 
     def close(self) -> None:
         if self._arena is not None:
             if self._pinned:
-                copier.unpin_host(self._arena.tensor)
+                cuda.unpin_host(self._arena.tensor)
             self._arena.close()
             self._arena = None
         self._pool = None
@@ -314,7 +314,7 @@ class Client:
                 pool[base : base + n].copy_(flats[si][so : so + n])
             # Explicit synchronisation: the daemon reads the slots only after Commit,
             # and every copy into them has completed by then.
-            copier.synchronize(pool.device)
+            cuda.synchronize(pool.device)
         except BaseException:
             self._abort_quietly(r.lease_id)
             raise
@@ -432,7 +432,7 @@ class Client:
                       into: Sequence[torch.Tensor] | None, into_flat: torch.Tensor | None
                       ) -> Iterator[SeqInfo | tuple[int, torch.Tensor]]:
         """shm / cuda_ipc: copy straight out of the leased slots, one event per tensor."""
-        copies: copier.LayerCopier | None = None
+        copies: cuda.LayerCopier | None = None
         try:
             info = convert.info_from_pb(r.info)
             out = Outputs(info.tensors, device, into, into_flat=into_flat)
@@ -440,7 +440,7 @@ class Client:
             by_tensor: list[list[tuple[int, int, int, int]]] = [[] for _ in out.flats]
             for di, do, si, so, n in pieces([f.numel() for f in out.flats], [n for _, n in segs]):
                 by_tensor[di].append((do, segs[si][0] + so, n, 0))
-            copies = copier.LayerCopier(pool.device, out.device)
+            copies = cuda.LayerCopier(pool.device, out.device)
             marks = []
             for di, plan in enumerate(by_tensor):
                 for do, base, n, _ in plan:
@@ -460,7 +460,7 @@ class Client:
             try:
                 if copies is not None:
                     copies.synchronize()
-                copier.synchronize(pool.device)
+                cuda.synchronize(pool.device)
             finally:
                 self._abort_quietly(r.lease_id)
 

@@ -60,6 +60,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvpark.proto.errors import DeadlineExceeded, Unavailable
 from kvpark.proto.layout import dtype_name
+from kvpark.tiers import cuda
 
 from .amx import request_amx_permission
 from .client import Client
@@ -101,7 +102,7 @@ def layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
     if len(groups) != 1:
         raise ValueError(f"kvpark supports one KV cache group; this model has {len(groups)}")
     spec = groups[0].kv_cache_spec
-    if torch.cuda.is_available():
+    if cuda.cuda_available():
         platform = "cuda"
     else:
         platform = f"cpu-{torch.backends.cpu.get_cpu_capability()}"

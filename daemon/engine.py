@@ -60,7 +60,8 @@ from kvpark.proto.errors import (
 from kvpark.proto.layout import fingerprint, validate_seq_id
 from kvpark.proto.types import SeqInfo, Stat
 from kvpark.proto.wire import regroup
-from kvpark.tiers import copy as copier
+from kvpark.tiers import cuda
+from kvpark.tiers.copy import CopyEngine
 from kvpark.tiers.arena import Allocation
 from kvpark.tiers.disk import DiskStore, Manifest, Write
 from kvpark.tiers.memory import MemTier
@@ -100,7 +101,7 @@ class Engine:
             "device" if "device" in self.tiers else "host")
         self.catalog = Catalog(self.tiers)
         self.leases = LeaseTable(self.catalog, config.leases)
-        self.copy = copier.CopyEngine(config.copy.max_inflight_bytes)
+        self.copy = CopyEngine(config.copy.max_inflight_bytes)
         self.mover = Mover(self.catalog, self.leases, self.disk, self.copy, config.policy, self.slot_size)
         self._load_index()
 
@@ -109,8 +110,8 @@ class Engine:
         self.tiers: dict[str, MemTier] = {}
         dev = config.tiers.device
         device = torch.device(dev.device)
-        if dev.enabled == "true" or (dev.enabled == "auto" and device.type == "cuda" and copier.cuda_available()):
-            if device.type == "cuda" and not copier.cuda_available():
+        if dev.enabled == "true" or (dev.enabled == "auto" and device.type == "cuda" and cuda.cuda_available()):
+            if device.type == "cuda" and not cuda.cuda_available():
                 raise RuntimeError(f"tiers.device.device is {dev.device} but CUDA is not available")
             cap = (dev.capacity // host.slot_size) * host.slot_size
             pool = torch.empty(cap, dtype=torch.uint8, device=device)
@@ -125,8 +126,8 @@ class Engine:
         self.arena = SharedArena.create(host.shm_dir, cap, prefault=host.prefault)
         log.info("host arena: %d MiB in %d slots of %d KiB, %s (%.2fs to map)", cap >> 20, cap // host.slot_size,
                  host.slot_size >> 10, self.arena.path or "private memory", self.arena.prefault_s)
-        if copier.cuda_available():
-            log.info("host arena page-locked in %.2fs", copier.pin_host(self.arena.tensor))
+        if cuda.cuda_available():
+            log.info("host arena page-locked in %.2fs", cuda.pin_host(self.arena.tensor))
         self.tiers["host"] = MemTier("host", self.arena.tensor, host.slot_size,
                                      host.high_watermark or pol.high_watermark, host.low_watermark or pol.low_watermark,
                                      view=self.arena.view)
@@ -164,8 +165,8 @@ class Engine:
         self.leases.close()
         self.copy.close()
         self.disk.close()
-        if copier.cuda_available():
-            copier.unpin_host(self.arena.tensor)
+        if cuda.cuda_available():
+            cuda.unpin_host(self.arena.tensor)
         self.tiers.clear()
         self.arena.close(unlink=True)
 
@@ -660,7 +661,7 @@ class Engine:
         handle = b""
         if dev is not None and dev.device.type == "cuda":
             transports.insert(0, "cuda_ipc")
-            handle = copier.ipc_handle(dev.pool)
+            handle = cuda.ipc_handle(dev.pool)
         return Capabilities(
             server_version=VERSION,
             transports=tuple(transports),
@@ -672,7 +673,7 @@ class Engine:
             device=str(dev.device) if dev is not None else "",
             device_size=dev.alloc.capacity if dev is not None else 0,
             ipc_handle=handle,
-            device_uuid=copier.device_uuid(dev.device) if dev is not None else "",
+            device_uuid=cuda.device_uuid(dev.device) if dev is not None else "",
         )
 
     def check_invariants(self) -> None:

@@ -70,7 +70,7 @@ def test_a_failed_copy_is_raised_to_the_waiter_and_the_engine_survives() -> None
 
 @pytest.mark.cuda
 def test_cuda_streams_round_trip_under_concurrency() -> None:
-    from kvpark.tiers.copy import pin_host, unpin_host
+    from kvpark.tiers.cuda import pin_host, unpin_host
 
     eng = CopyEngine(max_inflight_bytes=64 << 20)
     host = torch.empty(256 << 20, dtype=torch.uint8)
