@@ -30,7 +30,7 @@ from kvpark.proto.layout import dtype_name
 from kvpark.proto.types import SeqInfo
 
 from .client import Client
-from .paged import _tokens
+from .keys import TokenIds, block_keys as chained_keys, tokens as token_ids
 
 ADAPTER = "hf-dynamic-v1"
 
@@ -72,14 +72,8 @@ def _fingerprint(layers: list[Any], kinds: list[dict]) -> str:
     return f"{ADAPTER}:{dtype_name(first.dtype)}:L{len(layers)}:{digest}"
 
 
-def block_keys(fingerprint: str, tokens: Sequence[int] | torch.Tensor, block_size: int) -> list[str]:
-    arr = _tokens(tokens)
-    parent = xxhash.xxh3_128_digest(fingerprint.encode())
-    keys = []
-    for j in range(len(arr) // block_size):
-        parent = xxhash.xxh3_128_digest(parent + arr[j * block_size : (j + 1) * block_size].tobytes())
-        keys.append("kvblk-" + parent.hex())
-    return keys
+def block_keys(fingerprint: str, tokens: TokenIds, block_size: int) -> list[str]:
+    return chained_keys(fingerprint, tokens, block_size)
 
 
 def park_cache(client: Client, seq_id: str, cache: Any, *, tokens: Sequence[int] | torch.Tensor | None = None,
@@ -100,7 +94,7 @@ def park_cache(client: Client, seq_id: str, cache: Any, *, tokens: Sequence[int]
         raise InvalidArgument(f"tokens= (prefix sharing) needs batch size 1, got {k0.shape[0]}")
     if any(l.keys.shape != k0.shape for l in layers):
         raise InvalidArgument("tokens= (prefix sharing) needs every layer to have the same shape")
-    arr = _tokens(tokens)
+    arr = token_ids(tokens)
     if len(arr) != seq_len:
         raise InvalidArgument(f"tokens has {len(arr)} ids; the cache holds {seq_len} positions")
     # [L, 2, H, S, D], then whole token blocks [n, L, 2, H, bs, D] and the remainder.

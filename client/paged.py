@@ -30,15 +30,14 @@ import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
-import numpy as np
 import torch
-import xxhash
 
 from kvpark.proto.errors import InvalidArgument, LayoutMismatch, NotFound
 from kvpark.proto.layout import dtype_name
 from kvpark.proto.types import SeqInfo
 
 from .client import Client
+from .keys import TokenIds, block_keys as chained_keys, tokens as token_ids
 
 ADAPTER = "paged-fa-v1"
 
@@ -80,25 +79,9 @@ def layout_of(kv_caches: Sequence[torch.Tensor]) -> PagedLayout:
     return PagedLayout(len(kv_caches), nb, bs, h, d, first.dtype, first.device)
 
 
-def _tokens(tokens: Sequence[int] | torch.Tensor | np.ndarray) -> np.ndarray:
-    arr = tokens.detach().cpu().numpy() if isinstance(tokens, torch.Tensor) else np.asarray(tokens)
-    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
-        raise InvalidArgument("tokens must be a 1-D sequence of token ids")
-    return arr.astype("<i8", copy=False)
-
-
-def block_keys(layout: PagedLayout, tokens: Sequence[int] | torch.Tensor | np.ndarray,
-               n_blocks: int | None = None) -> list[str]:
+def block_keys(layout: PagedLayout, tokens: TokenIds, n_blocks: int | None = None) -> list[str]:
     """Chained content keys of the full token blocks of ``tokens`` (stable everywhere)."""
-    arr = _tokens(tokens)
-    bs = layout.block_size
-    n = len(arr) // bs if n_blocks is None else min(n_blocks, len(arr) // bs)
-    parent = xxhash.xxh3_128_digest(layout.fingerprint.encode())
-    keys = []
-    for j in range(n):  # hashing is inherently sequential (each key chains its parent)
-        parent = xxhash.xxh3_128_digest(parent + arr[j * bs : (j + 1) * bs].tobytes())
-        keys.append("kvblk-" + parent.hex())
-    return keys
+    return chained_keys(layout.fingerprint, tokens, layout.block_size, n_blocks)
 
 
 def _ids(block_ids: Sequence[int] | torch.Tensor, layout: PagedLayout, n: int) -> torch.Tensor:
@@ -134,7 +117,7 @@ def park_blocks(client: Client, seq_id: str, kv_caches: Sequence[torch.Tensor],
     attrs = {"layout": lay.fingerprint, "num_tokens": str(num_tokens), "num_blocks": str(nb)}
     if tokens is None:
         return client.park(seq_id, [data], attrs=attrs, **park_kw)  # type: ignore[arg-type]
-    arr = _tokens(tokens)
+    arr = token_ids(tokens)
     if len(arr) < num_tokens:
         raise InvalidArgument(f"tokens has {len(arr)} ids for num_tokens={num_tokens}")
     keys = block_keys(lay, arr[:num_tokens])

@@ -51,7 +51,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import xxhash
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -62,6 +61,7 @@ from kvpark.proto.errors import DeadlineExceeded, Unavailable
 from kvpark.proto.layout import dtype_name
 from kvpark.tiers import cuda
 
+from . import keys
 from .amx import request_amx_permission
 from .client import Client
 
@@ -202,11 +202,7 @@ class KVParkConnector(KVConnectorBase_V1):
         chain = self._chain.setdefault(rid, [])
         bs = self.block_size
         if len(chain) < n:
-            arr = np.asarray(tokens[len(chain) * bs : n * bs], dtype="<i8")
-            parent = bytes.fromhex(chain[-1][6:]) if chain else xxhash.xxh3_128_digest(self.fingerprint.encode())
-            for j in range(n - len(chain)):
-                parent = xxhash.xxh3_128_digest(parent + arr[j * bs : (j + 1) * bs].tobytes())
-                chain.append("kvblk-" + parent.hex())
+            keys.extend(chain, self.fingerprint, np.asarray(tokens[len(chain) * bs : n * bs], dtype="<i8"), bs)
         return chain[:n]
 
     # ------------------------------------------------------------------ scheduler side
