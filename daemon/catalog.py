@@ -13,9 +13,12 @@ Primitives:
 - Lookups (REQUIRES: lock): ``find``, ``get`` (``NotFound``), ``present``, ``sequences``,
   ``refcount``.
 - ``next_gen()``: generations order every commit, drop and disk write of an id.
-- ``pin_refs`` / ``unpin_refs``: a commit takes its references when it validates, so
-  the blocks it names cannot be retired while it writes to disk without a lock.
-- ``publish_blocks``, ``publish``: make committed sequences visible.
+- ``plan_commit(lease, expect_nbytes, block_size)``: validate a commit against the index
+  (dedup of new blocks included); ``pin_refs`` / ``unpin_refs``: a commit takes its
+  references when it validates, so the blocks it names cannot be retired while it
+  writes to disk without a lock.
+- ``publish_blocks``, ``publish_commit``, ``publish``: make committed sequences visible.
+- ``expired(wall, grace_s)``: ids past their TTL, and shared blocks nobody took up.
 - ``retire(seq)``: unlink a sequence (drop, overwrite, expiry); memory is freed now or
   by the last reader or copy (``release_dropped``); shared blocks left unreferenced
   retire with it and are returned by ``take_orphans()`` for their disk copies.
@@ -29,14 +32,14 @@ from __future__ import annotations
 import threading
 from typing import Iterable
 
-from kvpark.proto.errors import NotFound
+from kvpark.proto.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from kvpark.proto.types import SeqInfo, TierStat
 from kvpark.tiers import policy
 from kvpark.tiers.arena import Allocation
 from kvpark.tiers.disk import Manifest
 from kvpark.tiers.memory import MemTier
 
-from .model import MEM_TIERS, Seq
+from .model import MEM_TIERS, Lease, ParkSpec, Seq
 
 _RANK = {"device": 0, "host": 1, "disk": 2}
 
@@ -126,6 +129,76 @@ class Catalog:
         self._seqs[seq.seq_id] = seq
         self.notify()
 
+    def publish_commit(self, seq: Seq, spec: ParkSpec, replace: Manifest | None) -> list[Seq]:
+        """Publish ``seq`` over whatever version of its id is current now. REQUIRES: index lock.
+
+        A drop between validation and now is ordered before this commit; a newer
+        generation already published wins over this one (this one is replaced at once).
+        Returns the version retired, whose disk copy the caller deletes.
+        """
+        for r in spec.refs:
+            target = self.find(r)
+            if target is None or not target.shared:
+                raise FailedPrecondition(f"referenced shared block {r!r} is no longer a shared block")
+        cur = self.find(spec.seq_id)
+        if cur is not None and cur.gen > seq.gen:
+            self.retire(seq)  # a later commit of the same id already published
+            return [seq]
+        if cur is not None and not spec.overwrite:
+            raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
+        if cur is not None and cur.shared and self.refcount(cur.seq_id):
+            raise FailedPrecondition(f"shared block {spec.seq_id!r} is in use; it cannot be overwritten")
+        if cur is not None and replace is not None and cur.gen == replace.gen and seq.on_disk:
+            cur.on_disk = False  # its blocks went in the same transaction as ours
+        self.publish(seq, cur)
+        return [cur] if cur is not None else []
+
+    def plan_commit(self, lease: Lease, expect_nbytes: int | None, block_size: int) -> tuple[list[Seq], Seq | None]:
+        """Validate a commit; returns the blocks to create and the version it replaces.
+
+        REQUIRES: index lock. Blocks that exist by now (another park created the same
+        content) are dropped from the list and their reserved slots freed:
+        content-addressed dedup.
+        """
+        spec, tier = lease.spec, lease.tier
+        assert spec is not None
+        if expect_nbytes is not None and (lease.received != spec.total or expect_nbytes != spec.total):
+            raise InvalidArgument(
+                f"commit after {lease.received} bytes (commit says {expect_nbytes}); header declared {spec.total}"
+            )
+        old = None if spec.is_batch else self.find(spec.seq_id)
+        if old is not None and not spec.overwrite:
+            raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
+        if old is not None and old.shared and self.refcount(old.seq_id):
+            raise FailedPrecondition(f"shared block {spec.seq_id!r} is in use; it cannot be overwritten")
+        # Validate everything first: an error below leaves every allocation with the lease,
+        # and the caller frees them all exactly once.
+        plan: list[tuple[ParkSpec, Allocation, bool]] = []
+        creating: set[str] = set()
+        for b, a in zip(spec.blocks, lease.block_allocs):
+            have = self.find(b.seq_id)
+            if have is not None and have.shared != b.shared:
+                kind = "a shared block" if have.shared else "a plain sequence"
+                raise FailedPrecondition(f"{b.seq_id!r} is already parked as {kind}")
+            plan.append((b, a, have is not None))
+            if have is None:
+                creating.add(b.seq_id)
+        for r in spec.refs:
+            target = self.find(r)
+            if r not in creating and (target is None or not target.shared):
+                raise NotFound(f"referenced shared block {r!r} is not parked")
+        # Commit point: nothing below raises.
+        fresh: list[Seq] = []
+        for b, a, exists in plan:
+            if exists:
+                self.free(tier, a)  # same content is already stored: content-addressed dedup
+                continue
+            m = ParkSpec(b.seq_id, b.tensors, b.nbytes, priority=spec.priority, shared=b.shared, attrs=b.attrs,
+                         pinned=spec.pinned, ttl_s=spec.ttl_s).manifest(self.next_gen(), block_size)
+            fresh.append(Seq(manifest=m, res={tier: a}))
+        lease.block_allocs = []  # owned by the fresh block sequences (or freed) now
+        return fresh, old
+
     def retire(self, seq: Seq) -> None:
         """Unlink ``seq``; memory is freed now, or by the last reader/copy."""
         seq.dropped = True
@@ -142,6 +215,13 @@ class Catalog:
             if block is not None and block.shared:
                 self.retire(block)  # its last user is gone
                 self._orphans.append(block)
+
+    def expired(self, wall: float, grace_s: float) -> list[str]:
+        """Ids past their TTL, and shared blocks nobody took up within ``grace_s`` of their park."""
+        out = [s.seq_id for s in self._seqs.values() if s.expires_at is not None and s.expires_at <= wall]
+        out += [s.seq_id for s in self._seqs.values()
+                if s.shared and not self._refcount.get(s.seq_id) and s.manifest.created_at < wall - grace_s]
+        return out
 
     def take_orphans(self) -> list[Seq]:
         todo, self._orphans = self._orphans, []

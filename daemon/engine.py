@@ -57,7 +57,7 @@ from kvpark.proto.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from kvpark.proto.layout import fingerprint, validate_seq_id
+from kvpark.proto.layout import validate_seq_id
 from kvpark.proto.types import SeqInfo, Stat
 from kvpark.proto.wire import regroup
 from kvpark.tiers import cuda
@@ -216,13 +216,7 @@ class Engine:
     def _expire(self) -> None:
         """Drop sequences past their TTL, and shared blocks nobody took up."""
         with self.catalog.lock:
-            wall = time.time()
-            seqs = self.catalog.sequences()
-            expired = [s.seq_id for s in seqs if s.expires_at is not None and s.expires_at <= wall]
-            # Shared blocks nobody took up (their sequence's park failed or never came).
-            grace = wall - self.config.leases.ttl_s
-            expired += [s.seq_id for s in seqs
-                        if s.shared and not self.catalog.refcount(s.seq_id) and s.manifest.created_at < grace]
+            expired = self.catalog.expired(time.time(), self.config.leases.ttl_s)
         for sid in expired:
             try:
                 if self.drop(sid):
@@ -315,15 +309,6 @@ class Engine:
             lease.received += n
             self.leases.extend(lease)
 
-    def _manifest_for(self, spec: ParkSpec, gen: int) -> Manifest:
-        now = time.time()
-        return Manifest(
-            seq_id=spec.seq_id, gen=gen, tensors=spec.tensors, nbytes=spec.nbytes, block_size=self.slot_size,
-            fingerprint=fingerprint(spec.tensors), priority=spec.priority, created_at=now, last_access=now,
-            pinned=spec.pinned, expires_at=now + spec.ttl_s if spec.ttl_s > 0 else None, refs=tuple(spec.refs),
-            shared=spec.shared, attrs=dict(spec.attrs),
-        )
-
     def commit(self, lease_id: str, expect_nbytes: int | None = None) -> SeqInfo:
         """Publish a reserved park: validate under the index lock, write disk without it, publish."""
         with self.catalog.lock:
@@ -336,7 +321,8 @@ class Engine:
         assert spec is not None and alloc is not None
         with self.catalog.lock:
             try:
-                blocks, old = self._check_commit(lease, expect_nbytes)
+                self._check_open()
+                blocks, old = self.catalog.plan_commit(lease, expect_nbytes, self.slot_size)
             except BaseException:
                 for a in lease.write_allocs():
                     self.catalog.free(tier, a)
@@ -346,7 +332,7 @@ class Engine:
                 self.catalog.free(tier, alloc)  # the batch's own (empty) payload
             else:
                 self.catalog.pin_refs(spec.refs)  # the blocks it names stay until it publishes or fails
-                seq = Seq(manifest=self._manifest_for(spec, self.catalog.next_gen()), res={tier: alloc})
+                seq = Seq(manifest=spec.manifest(self.catalog.next_gen(), self.slot_size), res={tier: alloc})
             replace = old.manifest if old is not None and old.on_disk and seq is not None else None
         try:
             if self._write_through:
@@ -369,7 +355,7 @@ class Engine:
                                num_tensors=0, num_blocks=len(blocks))
             else:
                 try:
-                    gone = self._publish(seq, spec, replace)
+                    gone = self.catalog.publish_commit(seq, spec, replace)
                     info = self.catalog.info(seq) if not seq.dropped else self.catalog.info_of([seq], [seq])
                 except KVParkError as e:  # a concurrent commit or drop changed what we validated
                     failed = e
@@ -399,78 +385,6 @@ class Engine:
         with self.catalog.lock:
             for s, ok in zip(todo, done):
                 s.on_disk = ok
-
-    def _publish(self, seq: Seq, spec: ParkSpec, replace: Manifest | None) -> list[Seq]:
-        """Publish ``seq`` over whatever version of its id is current now. REQUIRES: index lock.
-
-        A drop between validation and now is ordered before this commit; a newer
-        generation already published wins over this one (this one is replaced at once).
-        Returns the version retired, whose disk copy the caller deletes.
-        """
-        for r in spec.refs:
-            target = self.catalog.find(r)
-            if target is None or not target.shared:
-                raise FailedPrecondition(f"referenced shared block {r!r} is no longer a shared block")
-        cur = self.catalog.find(spec.seq_id)
-        if cur is not None and cur.gen > seq.gen:
-            self.catalog.retire(seq)  # a later commit of the same id already published
-            return [seq]
-        if cur is not None and not spec.overwrite:
-            raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
-        if cur is not None and cur.shared and self.catalog.refcount(cur.seq_id):
-            raise FailedPrecondition(f"shared block {spec.seq_id!r} is in use; it cannot be overwritten")
-        if cur is not None and replace is not None and cur.gen == replace.gen and seq.on_disk:
-            cur.on_disk = False  # its blocks went in the same transaction as ours
-        self.catalog.publish(seq, cur)
-        return [cur] if cur is not None else []
-
-    def _check_commit(self, lease: Lease, expect_nbytes: int | None) -> tuple[list[Seq], Seq | None]:
-        """Validate a commit; returns the blocks to create and the version it replaces.
-
-        REQUIRES: index lock. Blocks that exist by now (another park created the same
-        content) are dropped from the list and their reserved slots freed:
-        content-addressed dedup.
-        """
-        spec, tier = lease.spec, lease.tier
-        assert spec is not None
-        if expect_nbytes is not None and (lease.received != spec.total or expect_nbytes != spec.total):
-            raise InvalidArgument(
-                f"commit after {lease.received} bytes (commit says {expect_nbytes}); header declared {spec.total}"
-            )
-        old = None if spec.is_batch else self.catalog.find(spec.seq_id)
-        if old is not None and not spec.overwrite:
-            raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
-        if old is not None and old.shared and self.catalog.refcount(old.seq_id):
-            raise FailedPrecondition(f"shared block {spec.seq_id!r} is in use; it cannot be overwritten")
-        self._check_open()
-        # Validate everything first: an error below leaves every allocation with the lease,
-        # and the caller frees them all exactly once.
-        plan: list[tuple[ParkSpec, Allocation, bool]] = []
-        creating: set[str] = set()
-        for b, a in zip(spec.blocks, lease.block_allocs):
-            have = self.catalog.find(b.seq_id)
-            if have is not None and have.shared != b.shared:
-                kind = "a shared block" if have.shared else "a plain sequence"
-                raise FailedPrecondition(f"{b.seq_id!r} is already parked as {kind}")
-            plan.append((b, a, have is not None))
-            if have is None:
-                creating.add(b.seq_id)
-        for r in spec.refs:
-            target = self.catalog.find(r)
-            if r not in creating and (target is None or not target.shared):
-                raise NotFound(f"referenced shared block {r!r} is not parked")
-        # Commit point: nothing below raises.
-        fresh: list[Seq] = []
-        for b, a, exists in plan:
-            if exists:
-                self.catalog.free(tier, a)  # same content is already stored: content-addressed dedup
-                continue
-            m = self._manifest_for(ParkSpec(b.seq_id, b.tensors, b.nbytes, priority=spec.priority, shared=b.shared,
-                                            attrs=b.attrs, pinned=spec.pinned, ttl_s=spec.ttl_s),
-                                   self.catalog.next_gen())
-            fresh.append(Seq(manifest=m, res={tier: a}))
-        lease.block_allocs = []  # owned by the fresh block sequences (or freed) now
-        return fresh, old
 
     def release(self, lease_id: str) -> bool:
         """End a read lease or abort an uncommitted write lease. False if already gone."""

@@ -4,7 +4,8 @@ Primitives:
 - ``Tier`` / ``MemTierName`` / ``LeaseKind``: the names the engine speaks, typed;
   ``MEM_TIERS``: memory tiers, fastest first.
 - ``ParkSpec``: a park request (tensors, priority, pin, TTL, refs, new blocks, attrs);
-  ``ParkSpec.validate()`` checks everything that needs no index.
+  ``ParkSpec.validate()`` checks everything that needs no index; ``ParkSpec.manifest()``
+  is the disk record it commits as.
 - ``Seq``: a parked sequence in memory: its typed disk record (``Manifest``), ready
   memory copies per tier, disk presence, readers, and the flags the invariants rest on.
 - ``Lease``: a write reservation or a read lease (possibly over several sequences);
@@ -18,11 +19,12 @@ Primitives:
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Literal
 
 from kvpark.proto.errors import InvalidArgument
-from kvpark.proto.layout import TensorMeta, validate_seq_id, validate_tensors
+from kvpark.proto.layout import TensorMeta, fingerprint, validate_seq_id, validate_tensors
 from kvpark.proto.types import SeqInfo
 from kvpark.tiers.arena import Allocation
 from kvpark.tiers.disk import Manifest
@@ -57,6 +59,16 @@ class ParkSpec:
     def total(self) -> int:
         """Payload bytes the park carries: new blocks, then the sequence's own."""
         return sum(b.nbytes for b in self.blocks) + self.nbytes
+
+    def manifest(self, gen: int, block_size: int) -> Manifest:
+        """The disk record this park commits as generation ``gen``."""
+        now = time.time()
+        return Manifest(
+            seq_id=self.seq_id, gen=gen, tensors=self.tensors, nbytes=self.nbytes, block_size=block_size,
+            fingerprint=fingerprint(self.tensors), priority=self.priority, created_at=now, last_access=now,
+            pinned=self.pinned, expires_at=now + self.ttl_s if self.ttl_s > 0 else None, refs=tuple(self.refs),
+            shared=self.shared, attrs=dict(self.attrs),
+        )
 
     def validate(self) -> None:
         """Raise ``InvalidArgument`` unless the request is well formed on its own."""
