@@ -3,7 +3,7 @@
 Primitives:
 - ``Client(address=None, *, timeout=None, transport="auto")``: ``park``, ``restore``,
   ``drop``, ``info``, ``list``, ``stat``, ``close``; ``transport`` says which data path
-  is in use ("shm" or "inline").
+  is in use ("cuda_ipc", "shm" or "inline"); ``deadline(seconds)`` bounds one thread's calls.
 - Result types ``SeqInfo``, ``Stat``, ``TierStat``.
 - Typed errors: ``KVParkError`` and its subclasses, one per gRPC status code.
 """

@@ -2,73 +2,40 @@
 
 Primitives:
 - ``Client(address=None, *, timeout=None, transport="auto")``: connects (Hello) at once.
-- ``park(seq_id, tensors, *, priority=0, overwrite=False) -> SeqInfo``.
-- ``restore(seq_id, *, device=None, into=None) -> list[torch.Tensor]``.
-- ``drop(seq_id) -> bool``, ``info(seq_id) -> SeqInfo``, ``list()``, ``stat()``.
-- ``prefetch(seq_id, *, tier="device", wait=False, timeout=None) -> str``.
-- ``transport``: "cuda_ipc", "shm" (same host, arena file mapped once) or "inline".
+- ``park(seq_id, tensors, ...) -> SeqInfo``; ``park_batch(items) -> int``.
+- ``restore(seq_id, *, device=None, into=None, layerwise=False)``; ``restore_many(seq_ids, ...)``.
+- ``present``, ``lookup``, ``prefetch``, ``drop``, ``info``, ``list``, ``stat``.
+- ``deadline(seconds)``: bound every call the calling thread makes inside the block.
+- ``transport``: the name of the data path in use: "cuda_ipc", "shm" or "inline".
 
-Transports, in the order ``auto`` tries them: ``cuda_ipc`` when the daemon's device pool
-is on a GPU this process can see (copies device-to-device into its slots), ``shm`` when
-the daemon offers an arena file on this host that we can open, else ``inline``. Forcing one that cannot work
-raises ``TransportUnavailable``. Every gRPC failure becomes a typed ``KVParkError``.
+The data paths are strategies (``kvpark.client.transport``), chosen by name; ``auto``
+tries cuda_ipc, then shm, then inline, silently. Forcing one that cannot work raises
+``TransportUnavailable``. The wire calls live in ``kvpark.client.rpc``; every gRPC
+failure becomes a typed ``KVParkError``.
 """
 
 from __future__ import annotations
 
 import os
-import socket
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Mapping, Sequence
 
-import grpc
-import numpy as np
 import torch
 
-from kvpark.proto import GRPC_OPTIONS, VERSION, convert
-from kvpark.proto.errors import (
-    ERROR_KEY,
-    DataLoss,
-    InvalidArgument,
-    KVParkError,
-    ResourceExhausted,
-    TransportUnavailable,
-    from_code,
-)
+from kvpark.proto import VERSION, convert
+from kvpark.proto.errors import InvalidArgument
 from kvpark.proto.layout import TensorMeta, validate_seq_id
 from kvpark.proto.types import SeqInfo, Stat
 from kvpark.proto.v1 import kvpark_pb2 as pb
-from kvpark.proto.wire import decode_chunk, encode_chunk, regroup
-from kvpark.tiers import cuda
-from kvpark.tiers.shm import SharedArena
 
-from .payload import Outputs, byte_view, pieces
+from .payload import byte_view
+from .rpc import Rpc
+from .transport import SMALL_POOL_BYTES, TRANSPORTS, Restoring, Target, negotiate
 
 DEFAULT_ADDRESS = "127.0.0.1:50551"
-# Payloads up to this size travel inside one unary RPC even on shm/cuda_ipc: one round
-# trip beats two (reserve+commit, acquire+release) when the bytes are few
-# (bench/transport.py: a unary round trip costs about as much as copying 200 KiB through gRPC).
-SMALL_POOL_BYTES = 128 << 10
-TRANSPORTS = ("auto", "shm", "cuda_ipc", "inline")
-_SVC = "/kvpark.v1.KVPark/"
+TRANSPORT_NAMES = ("auto", *TRANSPORTS)
 
-
-def _translate(e: grpc.RpcError) -> KVParkError:
-    code = e.code() if hasattr(e, "code") else None
-    details = e.details() if hasattr(e, "details") else str(e)
-    name = None
-    if hasattr(e, "trailing_metadata"):
-        for k, v in e.trailing_metadata() or ():
-            if k == ERROR_KEY:
-                name = v
-    return from_code(code, details or "", name)
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            return fh.read().strip()
-    except OSError:
-        return ""
+__all__ = ["Client", "DEFAULT_ADDRESS", "Restoring", "SMALL_POOL_BYTES", "TRANSPORT_NAMES"]
 
 
 def _header(seq_id: str, tensors: Sequence[torch.Tensor]) -> pb.ParkHeader:
@@ -78,153 +45,37 @@ def _header(seq_id: str, tensors: Sequence[torch.Tensor]) -> pb.ParkHeader:
                          nbytes=sum(m.nbytes for m in metas))
 
 
-def _set_ids(req: Any, ids: list[str]) -> None:
-    if len(ids) == 1:
-        req.seq_id = ids[0]
-    else:
-        req.seq_ids.extend(ids)
-
-
-def _chunks(it: Iterator[bytes], nbytes: int, what: str) -> Iterator[np.ndarray]:
-    """Payload pieces of a Restore stream, checked to arrive in order and add up exactly."""
-    pos = 0
-    for raw in it:
-        chunk = decode_chunk(raw)
-        if chunk is None:
-            raise DataLoss(f"restore of {what!r}: unexpected non-chunk message")
-        offset, data = chunk
-        if offset != pos or pos + len(data) > nbytes:
-            raise DataLoss(f"restore of {what!r}: chunk at {offset} (+{len(data)}), expected {pos}")
-        pos += len(data)
-        yield np.frombuffer(data, dtype=np.uint8)
-    if pos != nbytes:
-        raise DataLoss(f"restore of {what!r}: stream ended after {pos} of {nbytes} bytes")
-
-
-class _Layerwise:
-    """The iterator ``restore(..., layerwise=True)`` returns; ``close()`` ends the lease early."""
-
-    def __init__(self, gen: Iterator[tuple[int, torch.Tensor]]) -> None:
-        self._gen = gen
-
-    def __iter__(self) -> "_Layerwise":
-        return self
-
-    def __next__(self) -> tuple[int, torch.Tensor]:
-        return next(self._gen)
-
-    def close(self) -> None:
-        self._gen.close()  # type: ignore[attr-defined]
-
-
-def _ser(m: Any) -> bytes:
-    return m.SerializeToString()
-
-
-def _identity(b: bytes) -> bytes:
-    return b
-
-
 class Client:
     def __init__(self, address: str | None = None, *, timeout: float | None = None,
                  transport: str = "auto") -> None:
-        if transport not in TRANSPORTS:
-            raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORTS)}, got {transport!r}")
+        if transport not in TRANSPORT_NAMES:
+            raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORT_NAMES)}, got {transport!r}")
         self.address = address or os.environ.get("KVPARK_ADDRESS") or DEFAULT_ADDRESS
-        self.timeout = timeout
-        self._channel = grpc.insecure_channel(self.address, options=GRPC_OPTIONS)
-        self._arena: SharedArena | None = None
-        self._pool: torch.Tensor | None = None  # the daemon's device pool, via CUDA IPC
-        self._pinned = False
-        ch = self._channel
-        u = lambda name, resp: ch.unary_unary(_SVC + name, request_serializer=_ser,  # noqa: E731
-                                               response_deserializer=resp.FromString)
-        self._hello = u("Hello", pb.HelloResponse)
-        self._reserve = u("Reserve", pb.ReserveResponse)
-        self._commit = u("Commit", pb.SeqInfo)
-        self._acquire = u("Acquire", pb.AcquireResponse)
-        self._release = u("Release", pb.ReleaseResponse)
-        self._prefetch = u("Prefetch", pb.PrefetchResponse)
-        self._lookup = u("Lookup", pb.LookupResponse)
-        self._park_small_rpc = u("ParkSmall", pb.SeqInfo)
-        self._get = u("Get", pb.GetResponse)
-        self._drop = u("Drop", pb.DropResponse)
-        self._info = u("Info", pb.SeqInfo)
-        self._list = u("List", pb.ListResponse)
-        self._stat = u("Stat", pb.StatResponse)
-        self._park = ch.stream_unary(_SVC + "Park", request_serializer=_identity,
-                                     response_deserializer=pb.SeqInfo.FromString)
-        self._restore = ch.unary_stream(_SVC + "Restore", request_serializer=_ser,
-                                        response_deserializer=_identity)
+        self.rpc = Rpc(self.address, timeout)
         try:
-            self.server = self._call(self._hello, pb.HelloRequest(client_version=VERSION))
+            self.server = self.rpc.call(self.rpc.hello, pb.HelloRequest(client_version=VERSION))
             self.chunk_size = int(self.server.chunk_size) or (1 << 20)
-            self.transport = self._negotiate(transport)
+            self._transport = negotiate(self.rpc, self.server, transport)
         except BaseException:
-            self.close()
+            self.rpc.close()
             raise
 
-    # ------------------------------------------------------------------ plumbing
+    @property
+    def transport(self) -> str:
+        return self._transport.name
 
-    def _call(self, stub: Callable[..., Any], req: Any, timeout: float | None = None) -> Any:
-        try:
-            return stub(req, timeout=timeout if timeout is not None else self.timeout)
-        except grpc.RpcError as e:
-            raise _translate(e) from None
+    @property
+    def timeout(self) -> float | None:
+        """The default deadline of every call (``deadline()`` overrides it per thread)."""
+        return self.rpc.default_timeout
 
-    def _negotiate(self, want: str) -> str:
-        offered = set(self.server.transports)
-        if want in ("auto", "cuda_ipc"):
-            why = self._try_cuda_ipc(offered)
-            if why is None:
-                return "cuda_ipc"
-            if want == "cuda_ipc":
-                raise TransportUnavailable(f"transport 'cuda_ipc' is not possible: {why}")
-        if want in ("auto", "shm"):
-            why = self._try_shm(offered)
-            if why is None:
-                return "shm"
-            if want == "shm":
-                raise TransportUnavailable(f"transport 'shm' is not possible: {why}")
-        return "inline"
-
-    def _try_cuda_ipc(self, offered: set[str]) -> str | None:
-        d = self.server.device
-        if "cuda_ipc" not in offered or not d.ipc_handle:
-            return "the daemon has no CUDA device tier"
-        device = cuda.local_device_for(d.uuid)
-        if device is None:
-            return f"this process cannot see the daemon's GPU ({d.device}, {d.uuid})"
-        try:
-            self._pool = cuda.open_ipc(d.ipc_handle, d.size)
-        except (RuntimeError, ValueError, TypeError, KeyError) as e:
-            return f"cannot open the device pool's IPC handle: {e}"
-        return None
-
-    def _try_shm(self, offered: set[str]) -> str | None:
-        if self._arena is not None:
-            return None
-        a = self.server.arena
-        if "shm" not in offered or not a.path:
-            return "the daemon has no shared-memory arena"
-        if a.hostname != socket.gethostname() or (a.boot_id and a.boot_id != _boot_id()):
-            return f"the daemon runs on another host ({a.hostname})"
-        try:
-            self._arena = SharedArena.open(a.path, a.size)
-        except OSError as e:
-            return f"cannot map arena {a.path}: {e}"
-        # On a GPU machine, page-lock the mapping once so D2H/H2D go straight in and out.
-        self._pinned = cuda.pin_host(self._arena.tensor) > 0
-        return None
+    def deadline(self, seconds: float | None) -> AbstractContextManager[None]:
+        """Bound every call the calling thread makes inside the block by ``seconds``."""
+        return self.rpc.deadline(seconds)
 
     def close(self) -> None:
-        if self._arena is not None:
-            if self._pinned:
-                cuda.unpin_host(self._arena.tensor)
-            self._arena.close()
-            self._arena = None
-        self._pool = None
-        self._channel.close()
+        self._transport.close()
+        self.rpc.close()
 
     def __enter__(self) -> "Client":
         return self
@@ -265,7 +116,7 @@ class Client:
             header.blocks.append(bh)
             flats.extend(byte_view(t) for t in bts)
         flats.extend(byte_view(t) for t in tensors)
-        return self._park_any(header, flats)
+        return self._transport.park(header, flats)
 
     def park_batch(self, items: Mapping[str, Sequence[torch.Tensor]], *, priority: int = 0,
                    attrs: Mapping[str, str] | None = None) -> int:
@@ -282,74 +133,13 @@ class Client:
             bh.attrs.update(attrs or {})
             header.blocks.append(bh)
             flats.extend(byte_view(t) for t in ts)
-        return int(self._park_any(header, flats).nbytes)
-
-    def _park_any(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
-        total = sum(f.numel() for f in flats)
-        if total <= (self.chunk_size if self.transport == "inline" else SMALL_POOL_BYTES):
-            return self._park_small(header, flats)
-        if self.transport == "inline":
-            return self._park_inline(header, flats)
-        return self._park_pool(header, flats)
-
-    def _park_small(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
-        data = b"".join(memoryview(f.cpu().numpy()) for f in flats if f.numel())
-        return convert.info_from_pb(self._call(self._park_small_rpc, pb.ParkSmallRequest(header=header, data=data)))
-
-    def _pool_for(self) -> tuple[torch.Tensor, str]:
-        if self.transport == "cuda_ipc":
-            assert self._pool is not None
-            return self._pool, "device"
-        assert self._arena is not None
-        return self._arena.tensor, "host"
-
-    def _park_pool(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
-        """shm / cuda_ipc: reserve slots, copy straight into the daemon's memory, commit."""
-        pool, tier = self._pool_for()
-        r = self._call(self._reserve, pb.ReserveRequest(header=header, tier=tier))
-        try:
-            segs = [(s.offset, s.length) for s in r.segments]
-            for si, so, di, do, n in pieces([f.numel() for f in flats], [n for _, n in segs]):
-                base = segs[di][0] + do
-                pool[base : base + n].copy_(flats[si][so : so + n])
-            # Explicit synchronisation: the daemon reads the slots only after Commit,
-            # and every copy into them has completed by then.
-            cuda.synchronize(pool.device)
-        except BaseException:
-            self._abort_quietly(r.lease_id)
-            raise
-        return convert.info_from_pb(self._call(self._commit, pb.CommitRequest(lease_id=r.lease_id)))
-
-    def _abort_quietly(self, lease_id: str) -> None:
-        if not lease_id:
-            return
-        try:
-            self._call(self._release, pb.ReleaseRequest(lease_id=lease_id))
-        except KVParkError:
-            pass  # the lease TTL frees it anyway
-
-    def _park_inline(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
-        # One D2H per device tensor; CPU tensors are framed straight from their memory.
-        views = [memoryview(f.cpu().numpy()) for f in flats if f.numel()]
-        size = self.chunk_size
-        total = sum(len(v) for v in views)
-
-        def stream() -> Iterator[bytes]:
-            yield pb.ParkRequest(header=header).SerializeToString()
-            for off, vs in regroup(views, size):
-                yield encode_chunk(off, *vs)
-            yield pb.ParkRequest(commit=pb.ParkCommit(nbytes=total)).SerializeToString()
-
-        try:
-            return convert.info_from_pb(self._park(stream(), timeout=self.timeout))
-        except grpc.RpcError as e:
-            raise _translate(e) from None
+        return int(self._transport.park(header, flats).nbytes)
 
     # ------------------------------------------------------------------ restore
 
     def restore(self, seq_id: str, *, device: torch.device | str | None = None,
                 into: Sequence[torch.Tensor] | None = None, layerwise: bool = False
-                ) -> list[torch.Tensor] | Iterator[tuple[int, torch.Tensor]]:
+                ) -> list[torch.Tensor] | Restoring:
         """Return the parked tensors (on ``device``, default CPU), or fill ``into`` in place.
 
         With ``layerwise=True``, return an iterator of ``(index, tensor)`` that yields
@@ -358,12 +148,13 @@ class Client:
         copies are queued on a side stream up front and each yield waits on its own event.
         """
         validate_seq_id(seq_id)
-        gen = self._restore_gen([seq_id], device, into, "")
-        info = next(gen)
-        assert isinstance(info, SeqInfo)
+        r = self._transport.restore([seq_id], Target(device, into))
         if layerwise:
-            return _Layerwise(gen)  # type: ignore[arg-type]
-        return [t for _, t in gen]  # type: ignore[misc]
+            return r  # closes itself once exhausted; close() ends the lease early
+        try:
+            return [t for _, t in r]
+        finally:
+            r.close()
 
     def restore_many(self, seq_ids: Sequence[str], *, device: torch.device | str | None = None,
                      into: Sequence[torch.Tensor] | None = None, into_flat: torch.Tensor | None = None,
@@ -380,157 +171,20 @@ class Client:
             raise InvalidArgument("seq_ids must be a non-empty list of ids")
         for sid in seq_ids:
             validate_seq_id(sid)
-        gen = self._restore_gen(list(seq_ids), device, into, expect_layout, into_flat)
-        info = next(gen)
-        assert isinstance(info, SeqInfo)
-        return info, [t for _, t in gen]  # type: ignore[misc]
-
-    def _restore_gen(self, ids: list[str], device: Any, into: Sequence[torch.Tensor] | None,
-                     expect_layout: str, into_flat: torch.Tensor | None = None
-                     ) -> Iterator[SeqInfo | tuple[int, torch.Tensor]]:
-        """First yields the SeqInfo, then ``(index, tensor)`` as each tensor is complete."""
-        if self.transport != "inline":
-            pool, tier = self._pool_for()
-            req = pb.AcquireRequest(tier=tier, expect_layout=expect_layout, inline_max=SMALL_POOL_BYTES)
-            _set_ids(req, ids)
-            try:
-                r = self._call(self._acquire, req)
-            except ResourceExhausted:
-                # No room to stage it in that tier (all leased or pinned): stream it instead.
-                pass
-            else:
-                if r.inlined:
-                    return self._from_bytes(r.info, r.data, device, into, into_flat)
-                return self._restore_pool(r, pool, device, into, into_flat)
-        else:
-            g = pb.GetRequest(expect_layout=expect_layout, max_bytes=self.chunk_size)
-            _set_ids(g, ids)
-            got = self._call(self._get, g)
-            if not got.too_large:
-                return self._from_bytes(got.info, got.data, device, into, into_flat)
-        return self._restore_inline(ids, device, into, expect_layout, into_flat)
-
-    @staticmethod
-    def _from_bytes(info_pb: pb.SeqInfo, data: bytes, device: Any, into: Sequence[torch.Tensor] | None,
-                    into_flat: torch.Tensor | None) -> Iterator[SeqInfo | tuple[int, torch.Tensor]]:
-        info = convert.info_from_pb(info_pb)
-        if len(data) != info.nbytes:
-            raise DataLoss(f"restore of {info.seq_id!r}: {len(data)} bytes for a {info.nbytes}-byte payload")
-        out = Outputs(info.tensors, device, into, staging_device="cpu", into_flat=into_flat)
-        src = np.frombuffer(data, dtype=np.uint8)
-        yield info
-        pos = 0
-        for i, f in enumerate(out.flats):
-            n = f.numel()
-            f.numpy()[:] = src[pos : pos + n]
-            pos += n
-            if out.flat is None:
-                yield i, out.finish_one(i)
-        out.finish_flat()
-
-    def _restore_pool(self, r: pb.AcquireResponse, pool: torch.Tensor, device: Any,
-                      into: Sequence[torch.Tensor] | None, into_flat: torch.Tensor | None
-                      ) -> Iterator[SeqInfo | tuple[int, torch.Tensor]]:
-        """shm / cuda_ipc: copy straight out of the leased slots, one event per tensor."""
-        copies: cuda.LayerCopier | None = None
+        r = self._transport.restore(list(seq_ids), Target(device, into, into_flat, expect_layout))
         try:
-            info = convert.info_from_pb(r.info)
-            out = Outputs(info.tensors, device, into, into_flat=into_flat)
-            segs = [(s.offset, s.length) for s in r.segments]
-            by_tensor: list[list[tuple[int, int, int, int]]] = [[] for _ in out.flats]
-            for di, do, si, so, n in pieces([f.numel() for f in out.flats], [n for _, n in segs]):
-                by_tensor[di].append((do, segs[si][0] + so, n, 0))
-            copies = cuda.LayerCopier(pool.device, out.device)
-            marks = []
-            for di, plan in enumerate(by_tensor):
-                for do, base, n, _ in plan:
-                    copies.copy(out.flats[di][do : do + n], pool[base : base + n])
-                marks.append(copies.mark())
-            yield info
-            if out.flat is not None:
-                copies.wait(marks[0])
-                out.finish_flat()
-            else:
-                for i, mark in enumerate(marks):
-                    copies.wait(mark)
-                    yield i, out.finish_one(i)
+            return r.info, [t for _, t in r]
         finally:
-            # Every queued copy has read its slots before the lease ends, also when a
-            # layer-wise consumer stops early.
-            try:
-                if copies is not None:
-                    copies.synchronize()
-                cuda.synchronize(pool.device)
-            finally:
-                self._abort_quietly(r.lease_id)
-
-    def _restore_inline(self, ids: list[str], device: Any, into: Sequence[torch.Tensor] | None,
-                        expect_layout: str, into_flat: torch.Tensor | None = None
-                        ) -> Iterator[SeqInfo | tuple[int, torch.Tensor]]:
-        req = pb.RestoreRequest(expect_layout=expect_layout)
-        _set_ids(req, ids)
-        call = self._restore(req, timeout=self.timeout)
-        what = ",".join(ids)
-        try:
-            it = iter(call)
-            first = next(it, None)
-            if first is None:
-                raise DataLoss(f"restore of {what!r}: the daemon sent no header")
-            head = pb.RestoreResponse.FromString(first)
-            if head.WhichOneof("kind") != "header":
-                raise DataLoss(f"restore of {what!r}: stream did not start with a header")
-            info = convert.info_from_pb(head.header.info)
-            try:
-                out = Outputs(info.tensors, device, into, staging_device="cpu", into_flat=into_flat)
-            except KVParkError:
-                call.cancel()
-                raise
-            yield info
-            if out.flat is not None:
-                yield from self._receive_flat(it, out, info, what)
-                return
-            dsts = [f.numpy() for f in out.flats]
-            lens = [d.size for d in dsts]
-            ends = np.cumsum(lens).tolist() if lens else []
-            pos = 0
-            ti = 0  # next tensor to hand out
-            while ti < len(lens) and lens[ti] == 0:
-                yield ti, out.finish_one(ti)
-                ti += 1
-            for src in _chunks(it, info.nbytes, what):
-                done = 0
-                while done < len(src):
-                    within = pos - (ends[ti] - lens[ti])
-                    n = min(lens[ti] - within, len(src) - done)
-                    dsts[ti][within : within + n] = src[done : done + n]
-                    done += n
-                    pos += n
-                    while ti < len(lens) and pos >= ends[ti]:  # tensor complete (and any empty ones after it)
-                        yield ti, out.finish_one(ti)
-                        ti += 1
-        except grpc.RpcError as e:
-            raise _translate(e) from None
-
-    @staticmethod
-    def _receive_flat(it: Iterator[bytes], out: Outputs, info: SeqInfo, what: str) -> Iterator[Any]:
-        assert out.flat is not None
-        dst = out.flat.numpy()
-        pos = 0
-        for src in _chunks(it, info.nbytes, what):
-            dst[pos : pos + len(src)] = src
-            pos += len(src)
-        out.finish_flat()
-        return
-        yield
+            r.close()
 
     def present(self, seq_ids: Sequence[str]) -> list[bool]:
         """For each id, whether it is parked."""
         req = pb.LookupRequest(seq_ids=list(seq_ids))
-        return list(self._call(self._lookup, req).present)
+        return list(self.rpc.call(self.rpc.lookup, req).present)
 
     def lookup(self, seq_ids: Sequence[str]) -> int:
         """How many of ``seq_ids``, from the first, are parked (a prefix lookup)."""
-        return int(self._call(self._lookup, pb.LookupRequest(seq_ids=list(seq_ids))).prefix)
+        return int(self.rpc.call(self.rpc.lookup, pb.LookupRequest(seq_ids=list(seq_ids))).prefix)
 
     # ------------------------------------------------------------------ control
 
@@ -549,18 +203,18 @@ class Client:
         req = pb.PrefetchRequest(seq_id=seq_id, tier=tier, wait=wait, timeout_s=timeout or 0.0)
         # The daemon enforces ``timeout``; the RPC deadline only guards against a hung daemon.
         rpc_timeout = None if timeout is None else timeout + 5.0
-        return self._call(self._prefetch, req, timeout=rpc_timeout or self.timeout).tier
+        return self.rpc.call(self.rpc.prefetch, req, timeout=rpc_timeout or self.rpc.timeout).tier
 
     def drop(self, seq_id: str) -> bool:
         validate_seq_id(seq_id)
-        return bool(self._call(self._drop, pb.DropRequest(seq_id=seq_id)).dropped)
+        return bool(self.rpc.call(self.rpc.drop, pb.DropRequest(seq_id=seq_id)).dropped)
 
     def info(self, seq_id: str) -> SeqInfo:
         validate_seq_id(seq_id)
-        return convert.info_from_pb(self._call(self._info, pb.InfoRequest(seq_id=seq_id)))
+        return convert.info_from_pb(self.rpc.call(self.rpc.info, pb.InfoRequest(seq_id=seq_id)))
 
     def list(self) -> list[SeqInfo]:
-        return [convert.info_from_pb(i) for i in self._call(self._list, pb.ListRequest()).sequences]
+        return [convert.info_from_pb(i) for i in self.rpc.call(self.rpc.list, pb.ListRequest()).sequences]
 
     def stat(self) -> Stat:
-        return convert.stat_from_pb(self._call(self._stat, pb.StatRequest()))
+        return convert.stat_from_pb(self.rpc.call(self.rpc.stat, pb.StatRequest()))

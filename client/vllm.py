@@ -225,7 +225,7 @@ class KVParkConnector(KVConnectorBase_V1):
         STATS["lookups"] += 1
         try:
             client = self._conn.get()
-            with _deadline(client, self._lookup_timeout):
+            with client.deadline(self._lookup_timeout):
                 hit = client.lookup(keys) if keys else 0
         except Exception as e:  # noqa: BLE001 - never break the engine
             self._conn_error("lookup", e)
@@ -334,7 +334,7 @@ class KVParkConnector(KVConnectorBase_V1):
             t0 = time.perf_counter()
             try:
                 client = self._conn.get()
-                with _deadline(client, self._load_timeout):
+                with client.deadline(self._load_timeout):
                     client.restore_many(keys, into_flat=staging)
             except Exception as e:  # noqa: BLE001 - a failed load is a miss, recomputed by the engine
                 self._conn_error("load", e)
@@ -393,7 +393,7 @@ class KVParkConnector(KVConnectorBase_V1):
         t0 = time.perf_counter()
         try:
             client = self._conn.get()
-            with _deadline(client, self._save_timeout):
+            with client.deadline(self._save_timeout):
                 client.park_batch(items, attrs={"layout": self.fingerprint})
         except Exception as e:  # noqa: BLE001 - a failed save only costs a future miss
             self._conn_error("save", e)
@@ -417,16 +417,3 @@ class KVParkConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self._conn.reset()
-
-
-class _deadline:
-    """Temporarily bound every RPC of ``client`` by ``seconds``."""
-
-    def __init__(self, client: Client, seconds: float) -> None:
-        self.client, self.seconds = client, seconds
-
-    def __enter__(self) -> None:
-        self.saved, self.client.timeout = self.client.timeout, self.seconds
-
-    def __exit__(self, *exc: object) -> None:
-        self.client.timeout = self.saved

@@ -68,10 +68,10 @@ CHILD = textwrap.dedent(
     if mode == "park":
         h = pb.ParkHeader(seq_id="orphan", nbytes=4 << 20,
                           tensors=[pb.TensorMeta(dtype="uint8", shape=[4 << 20], nbytes=4 << 20)])
-        r = c._call(c._reserve, pb.ReserveRequest(header=h))
-        c._arena.tensor[r.segments[0].offset : r.segments[0].offset + 100].fill_(7)  # a partial write
+        r = c.rpc.call(c.rpc.reserve, pb.ReserveRequest(header=h))
+        c._transport.pool[r.segments[0].offset : r.segments[0].offset + 100].fill_(7)  # a partial write
     elif mode == "restore":
-        c._call(c._acquire, pb.AcquireRequest(seq_id="held"))
+        c.rpc.call(c.rpc.acquire, pb.AcquireRequest(seq_id="held"))
     elif mode == "inline":
         c = Client(address, transport="inline")
         def slow():
@@ -81,7 +81,7 @@ CHILD = textwrap.dedent(
             yield encode_chunk(0, memoryview(b"x" * (1 << 20)))
             print("ready", flush=True)
             signal.pause()  # hold the stream open until the test kills this process
-        c._park(slow(), timeout=600)
+        c.rpc.park(slow(), timeout=600)
     print("ready", flush=True)
     signal.pause()  # hold the lease until the test kills this process
     """
@@ -120,14 +120,14 @@ def test_leased_slots_survive_eviction_pressure(daemon: Callable[..., Daemon]) -
     with Client(d.address) as c:
         keep = torch.full((3 * MiB,), 9, dtype=torch.uint8)
         c.park("leased", [keep])
-        lease = c._call(c._acquire, pb.AcquireRequest(seq_id="leased"))
+        lease = c.rpc.call(c.rpc.acquire, pb.AcquireRequest(seq_id="leased"))
         seg = lease.segments[0]
         for i in range(30):  # 30 MiB through a 16 MiB tier: everything else gets demoted
             c.park(f"p{i}", [torch.full((MiB,), i, dtype=torch.uint8)])
         assert c.info("leased").tier == "host"
-        assert torch.equal(c._arena.tensor[seg.offset : seg.offset + seg.length], keep[: seg.length])
-        assert c._call(c._release, pb.ReleaseRequest(lease_id=lease.lease_id)).released
-        assert not c._call(c._release, pb.ReleaseRequest(lease_id=lease.lease_id)).released
+        assert torch.equal(c._transport.pool[seg.offset : seg.offset + seg.length], keep[: seg.length])
+        assert c.rpc.call(c.rpc.release, pb.ReleaseRequest(lease_id=lease.lease_id)).released
+        assert not c.rpc.call(c.rpc.release, pb.ReleaseRequest(lease_id=lease.lease_id)).released
         for i in range(30, 45):
             c.park(f"p{i}", [torch.full((MiB,), i, dtype=torch.uint8)])
         assert c.info("leased").tier == "disk"
@@ -140,8 +140,8 @@ def test_expired_reservation_cannot_be_committed(daemon: Callable[..., Daemon]) 
     d = daemon(**{"leases.ttl_s": 0.2})
     with Client(d.address) as c:
         h = pb.ParkHeader(seq_id="late", nbytes=10, tensors=[pb.TensorMeta(dtype="uint8", shape=[10], nbytes=10)])
-        r = c._call(c._reserve, pb.ReserveRequest(header=h))
+        r = c.rpc.call(c.rpc.reserve, pb.ReserveRequest(header=h))
         assert wait_until(lambda: c.stat().leases == 0)
         with pytest.raises(LeaseExpired):
-            c._call(c._commit, pb.CommitRequest(lease_id=r.lease_id))
+            c.rpc.call(c.rpc.commit, pb.CommitRequest(lease_id=r.lease_id))
         assert c.list() == []

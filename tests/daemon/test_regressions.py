@@ -41,9 +41,9 @@ def test_aborted_park_frees_the_slots_of_its_new_blocks(daemon: Callable[..., Da
         # An explicit abort of a reservation that carries new blocks frees them too.
         header = pb.ParkHeader(seq_id="s", refs=["blk"], blocks=[pb.ParkHeader(
             seq_id="blk", shared=True, nbytes=MiB, tensors=[pb.TensorMeta(dtype="uint8", shape=[MiB], nbytes=MiB)])])
-        r = c._call(c._reserve, pb.ReserveRequest(header=header))
+        r = c.rpc.call(c.rpc.reserve, pb.ReserveRequest(header=header))
         assert c.stat().tiers["host"].used_bytes == MiB
-        c._abort_quietly(r.lease_id)
+        c.rpc.release_quietly(r.lease_id)
         assert c.stat().tiers["host"].used_bytes == 0 and c.stat().leases == 0
     d.engine.check_invariants()
 
@@ -150,9 +150,9 @@ def test_get_never_builds_more_than_one_message(daemon: Callable[..., Daemon]) -
     d = daemon()
     with Client(d.address) as c:
         c.park("big", [torch.zeros(3 * MiB, dtype=torch.uint8)])
-        r = c._call(c._get, pb.GetRequest(seq_id="big", max_bytes=1 << 40))
+        r = c.rpc.call(c.rpc.get, pb.GetRequest(seq_id="big", max_bytes=1 << 40))
         assert r.too_large and not r.data
-        a = c._call(c._acquire, pb.AcquireRequest(seq_id="big", inline_max=1 << 40))
+        a = c.rpc.call(c.rpc.acquire, pb.AcquireRequest(seq_id="big", inline_max=1 << 40))
         assert not a.inlined and a.lease_id
-        c._abort_quietly(a.lease_id)
+        c.rpc.release_quietly(a.lease_id)
     d.engine.check_invariants()

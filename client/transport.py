@@ -1,0 +1,411 @@
+"""The data paths, as strategies chosen from a name registry.
+
+gRPC carries control on every path; the bytes take the cheapest one the client reaches:
+
+- ``CudaIpc``: the daemon's device pool, opened through CUDA IPC, on a GPU this process
+  sees; copies are device to device into (out of) the slots the daemon reserved (leased).
+- ``Shm``: the host arena file, mapped once (and page-locked once on a GPU machine).
+- ``Inline``: bytes in ~1 MiB gRPC messages (remote or untrusted clients).
+
+Payloads up to one message (inline) or ``SMALL_POOL_BYTES`` (shm, cuda_ipc) take one
+unary round trip (``ParkSmall``, ``Get``, an ``Acquire`` that answers inline) on every path.
+
+Primitives:
+- ``Target``: where a restore's bytes go (``device``, ``into``, ``into_flat``) and the
+  layout it must carry.
+- ``Restoring``: a restore under way: ``info`` at once, then ``(index, tensor)`` pairs as
+  each tensor lands; ``close()`` ends it (and its lease) early; it closes itself once
+  exhausted.
+- ``Transport``: ``name``; ``open(rpc, hello)`` (raises ``TransportUnavailable`` with the
+  reason); ``park(header, flats) -> SeqInfo``; ``restore(ids, target) -> Restoring``; ``close()``.
+- ``TRANSPORTS``: name -> class; ``AUTO``: the order ``auto`` tries them in;
+  ``negotiate(rpc, hello, want) -> Transport``.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Iterator, Sequence
+
+import grpc
+import numpy as np
+import torch
+
+from kvpark.proto import convert
+from kvpark.proto.errors import DataLoss, KVParkError, ResourceExhausted, TransportUnavailable
+from kvpark.proto.types import SeqInfo
+from kvpark.proto.v1 import kvpark_pb2 as pb
+from kvpark.proto.wire import decode_chunk, encode_chunk, regroup
+from kvpark.tiers import cuda
+from kvpark.tiers.shm import SharedArena
+
+from .payload import Outputs, pieces
+from .rpc import Rpc, translate
+
+# Payloads up to this size travel inside one unary RPC even on shm/cuda_ipc: one round
+# trip beats two (reserve+commit, acquire+release) when the bytes are few
+# (bench/transport.py: a unary round trip costs about as much as copying 200 KiB through gRPC).
+SMALL_POOL_BYTES = 128 << 10
+
+
+@dataclass(frozen=True)
+class Target:
+    device: torch.device | str | None = None
+    into: Sequence[torch.Tensor] | None = None
+    into_flat: torch.Tensor | None = None
+    expect_layout: str = ""
+
+    def outputs(self, info: SeqInfo, staging_device: str | None = None) -> Outputs:
+        return Outputs(info.tensors, self.device, self.into, staging_device=staging_device, into_flat=self.into_flat)
+
+
+class Restoring:
+    """A restore under way: ``info`` now, tensors as they land; ``cleanup`` runs exactly once."""
+
+    def __init__(self, info: SeqInfo, tensors: Iterator[tuple[int, torch.Tensor]],
+                 cleanup: Callable[[], None] | None = None) -> None:
+        self.info = info
+        self._tensors = tensors
+        self._cleanup = cleanup
+
+    def __iter__(self) -> "Restoring":
+        return self
+
+    def __next__(self) -> tuple[int, torch.Tensor]:
+        try:
+            return next(self._tensors)
+        except BaseException:  # exhausted or failed: the lease ends now either way
+            self.close()
+            raise
+
+    def close(self) -> None:
+        cleanup, self._cleanup = self._cleanup, None
+        try:
+            self._tensors.close()  # type: ignore[attr-defined]
+        finally:
+            if cleanup is not None:
+                cleanup()
+
+    def __del__(self) -> None:
+        if self._cleanup is not None:  # abandoned half-way by a layer-wise consumer
+            self.close()
+
+
+def _boot_id() -> str:
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+def set_ids(req: Any, ids: list[str]) -> None:
+    if len(ids) == 1:
+        req.seq_id = ids[0]
+    else:
+        req.seq_ids.extend(ids)
+
+
+def _chunks(it: Iterator[bytes], nbytes: int, what: str) -> Iterator[np.ndarray]:
+    """Payload pieces of a Restore stream, checked to arrive in order and add up exactly."""
+    pos = 0
+    for raw in it:
+        chunk = decode_chunk(raw)
+        if chunk is None:
+            raise DataLoss(f"restore of {what!r}: unexpected non-chunk message")
+        offset, data = chunk
+        if offset != pos or pos + len(data) > nbytes:
+            raise DataLoss(f"restore of {what!r}: chunk at {offset} (+{len(data)}), expected {pos}")
+        pos += len(data)
+        yield np.frombuffer(data, dtype=np.uint8)
+    if pos != nbytes:
+        raise DataLoss(f"restore of {what!r}: stream ended after {pos} of {nbytes} bytes")
+
+
+class Transport:
+    name: ClassVar[str]
+
+    def __init__(self, rpc: Rpc, hello: pb.HelloResponse) -> None:
+        self.rpc = rpc
+        self.hello = hello
+        self.chunk_size = int(hello.chunk_size) or (1 << 20)
+
+    @classmethod
+    def open(cls, rpc: Rpc, hello: pb.HelloResponse) -> "Transport":
+        return cls(rpc, hello)
+
+    def close(self) -> None:
+        pass
+
+    def park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
+        raise NotImplementedError
+
+    def restore(self, ids: list[str], target: Target) -> Restoring:
+        raise NotImplementedError
+
+    # ---------------------------------------------------------------- shared by every path
+
+    def _park_small(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
+        data = b"".join(memoryview(f.cpu().numpy()) for f in flats if f.numel())
+        return convert.info_from_pb(self.rpc.call(self.rpc.park_small, pb.ParkSmallRequest(header=header, data=data)))
+
+    @staticmethod
+    def _from_bytes(info_pb: pb.SeqInfo, data: bytes, target: Target) -> Restoring:
+        info = convert.info_from_pb(info_pb)
+        if len(data) != info.nbytes:
+            raise DataLoss(f"restore of {info.seq_id!r}: {len(data)} bytes for a {info.nbytes}-byte payload")
+        out = target.outputs(info, staging_device="cpu")
+        src = np.frombuffer(data, dtype=np.uint8)
+
+        def tensors() -> Iterator[tuple[int, torch.Tensor]]:
+            pos = 0
+            for i, f in enumerate(out.flats):
+                n = f.numel()
+                f.numpy()[:] = src[pos : pos + n]
+                pos += n
+                if out.flat is None:
+                    yield i, out.finish_one(i)
+            out.finish_flat()
+
+        return Restoring(info, tensors())
+
+    def _restore_stream(self, ids: list[str], target: Target) -> Restoring:
+        """A server-streamed Restore: the header, then ~1 MiB chunks written straight into the outputs."""
+        req = pb.RestoreRequest(expect_layout=target.expect_layout)
+        set_ids(req, ids)
+        what = ",".join(ids)
+        call = self.rpc.restore(req, timeout=self.rpc.timeout)
+        try:
+            it = iter(call)
+            first = next(it, None)
+            if first is None:
+                raise DataLoss(f"restore of {what!r}: the daemon sent no header")
+            head = pb.RestoreResponse.FromString(first)
+            if head.WhichOneof("kind") != "header":
+                raise DataLoss(f"restore of {what!r}: stream did not start with a header")
+            info = convert.info_from_pb(head.header.info)
+            out = target.outputs(info, staging_device="cpu")
+        except grpc.RpcError as e:
+            raise translate(e) from None
+        except BaseException:
+            call.cancel()
+            raise
+
+        def tensors() -> Iterator[tuple[int, torch.Tensor]]:
+            try:
+                if out.flat is not None:
+                    dst = out.flat.numpy()
+                    pos = 0
+                    for src in _chunks(it, info.nbytes, what):
+                        dst[pos : pos + len(src)] = src
+                        pos += len(src)
+                    out.finish_flat()
+                    return
+                dsts = [f.numpy() for f in out.flats]
+                lens = [d.size for d in dsts]
+                ends = np.cumsum(lens).tolist() if lens else []
+                pos = 0
+                ti = 0  # next tensor to hand out
+                while ti < len(lens) and lens[ti] == 0:
+                    yield ti, out.finish_one(ti)
+                    ti += 1
+                for src in _chunks(it, info.nbytes, what):
+                    done = 0
+                    while done < len(src):
+                        within = pos - (ends[ti] - lens[ti])
+                        n = min(lens[ti] - within, len(src) - done)
+                        dsts[ti][within : within + n] = src[done : done + n]
+                        done += n
+                        pos += n
+                        while ti < len(lens) and pos >= ends[ti]:  # complete (and any empty ones after it)
+                            yield ti, out.finish_one(ti)
+                            ti += 1
+            except grpc.RpcError as e:
+                raise translate(e) from None
+
+        return Restoring(info, tensors(), call.cancel)
+
+
+class Inline(Transport):
+    """Bytes in ~1 MiB gRPC messages, framed from memoryviews of the tensors."""
+
+    name = "inline"
+
+    def park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
+        if sum(f.numel() for f in flats) <= self.chunk_size:
+            return self._park_small(header, flats)
+        # One D2H per device tensor; CPU tensors are framed straight from their memory.
+        views = [memoryview(f.cpu().numpy()) for f in flats if f.numel()]
+        size = self.chunk_size
+        total = sum(len(v) for v in views)
+
+        def stream() -> Iterator[bytes]:
+            yield pb.ParkRequest(header=header).SerializeToString()
+            for off, vs in regroup(views, size):
+                yield encode_chunk(off, *vs)
+            yield pb.ParkRequest(commit=pb.ParkCommit(nbytes=total)).SerializeToString()
+
+        try:
+            return convert.info_from_pb(self.rpc.park(stream(), timeout=self.rpc.timeout))
+        except grpc.RpcError as e:
+            raise translate(e) from None
+
+    def restore(self, ids: list[str], target: Target) -> Restoring:
+        g = pb.GetRequest(expect_layout=target.expect_layout, max_bytes=self.chunk_size)
+        set_ids(g, ids)
+        got = self.rpc.call(self.rpc.get, g)
+        if not got.too_large:
+            return self._from_bytes(got.info, got.data, target)
+        return self._restore_stream(ids, target)
+
+
+class _Pool(Transport):
+    """A daemon memory pool this process maps: reserve/commit and acquire/release around plain copies."""
+
+    tier: ClassVar[str]
+
+    def __init__(self, rpc: Rpc, hello: pb.HelloResponse, pool: torch.Tensor) -> None:
+        super().__init__(rpc, hello)
+        self.pool = pool
+
+    def park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
+        if sum(f.numel() for f in flats) <= SMALL_POOL_BYTES:
+            return self._park_small(header, flats)
+        pool, rpc = self.pool, self.rpc
+        r = rpc.call(rpc.reserve, pb.ReserveRequest(header=header, tier=self.tier))
+        try:
+            segs = [(s.offset, s.length) for s in r.segments]
+            for si, so, di, do, n in pieces([f.numel() for f in flats], [n for _, n in segs]):
+                base = segs[di][0] + do
+                pool[base : base + n].copy_(flats[si][so : so + n])
+            # Explicit synchronisation: the daemon reads the slots only after Commit,
+            # and every copy into them has completed by then.
+            cuda.synchronize(pool.device)
+        except BaseException:
+            rpc.release_quietly(r.lease_id)
+            raise
+        return convert.info_from_pb(rpc.call(rpc.commit, pb.CommitRequest(lease_id=r.lease_id)))
+
+    def restore(self, ids: list[str], target: Target) -> Restoring:
+        req = pb.AcquireRequest(tier=self.tier, expect_layout=target.expect_layout, inline_max=SMALL_POOL_BYTES)
+        set_ids(req, ids)
+        try:
+            r = self.rpc.call(self.rpc.acquire, req)
+        except ResourceExhausted:
+            # No room to stage it in that tier (all leased or pinned): stream it instead.
+            return self._restore_stream(ids, target)
+        if r.inlined:
+            return self._from_bytes(r.info, r.data, target)
+        return self._restore_leased(r, target)
+
+    def _restore_leased(self, r: pb.AcquireResponse, target: Target) -> Restoring:
+        """Copy straight out of the leased slots, one readiness mark per tensor."""
+        pool = self.pool
+        copies: cuda.LayerCopier | None = None
+
+        def end() -> None:
+            # Every queued copy has read its slots before the lease ends, also when a
+            # layer-wise consumer stops early.
+            try:
+                if copies is not None:
+                    copies.synchronize()
+                cuda.synchronize(pool.device)
+            finally:
+                self.rpc.release_quietly(r.lease_id)
+
+        try:
+            info = convert.info_from_pb(r.info)
+            out = target.outputs(info)
+            segs = [(s.offset, s.length) for s in r.segments]
+            by_tensor: list[list[tuple[int, int, int]]] = [[] for _ in out.flats]
+            for di, do, si, so, n in pieces([f.numel() for f in out.flats], [n for _, n in segs]):
+                by_tensor[di].append((do, segs[si][0] + so, n))
+            copies = cuda.LayerCopier(pool.device, out.device)
+            marks = []
+            for di, plan in enumerate(by_tensor):
+                for do, base, n in plan:
+                    copies.copy(out.flats[di][do : do + n], pool[base : base + n])
+                marks.append(copies.mark())
+        except BaseException:
+            end()
+            raise
+
+        def tensors() -> Iterator[tuple[int, torch.Tensor]]:
+            assert copies is not None
+            if out.flat is not None:
+                copies.wait(marks[0])
+                out.finish_flat()
+                return
+            for i, mark in enumerate(marks):
+                copies.wait(mark)
+                yield i, out.finish_one(i)
+
+        return Restoring(info, tensors(), end)
+
+
+class Shm(_Pool):
+    """The host arena file, mapped once; page-locked once on a GPU machine."""
+
+    name = "shm"
+    tier = "host"
+
+    def __init__(self, rpc: Rpc, hello: pb.HelloResponse, arena: SharedArena) -> None:
+        super().__init__(rpc, hello, arena.tensor)
+        self.arena = arena
+        # On a GPU machine, page-lock the mapping once so D2H/H2D go straight in and out.
+        self.pinned = cuda.pin_host(arena.tensor) > 0
+
+    @classmethod
+    def open(cls, rpc: Rpc, hello: pb.HelloResponse) -> "Transport":
+        a = hello.arena
+        if "shm" not in hello.transports or not a.path:
+            raise TransportUnavailable("the daemon has no shared-memory arena")
+        if a.hostname != socket.gethostname() or (a.boot_id and a.boot_id != _boot_id()):
+            raise TransportUnavailable(f"the daemon runs on another host ({a.hostname})")
+        try:
+            arena = SharedArena.open(a.path, a.size)
+        except OSError as e:
+            raise TransportUnavailable(f"cannot map arena {a.path}: {e}") from None
+        return cls(rpc, hello, arena)
+
+    def close(self) -> None:
+        if self.pinned:
+            cuda.unpin_host(self.arena.tensor)
+            self.pinned = False
+        self.arena.close()
+
+
+class CudaIpc(_Pool):
+    """The daemon's device pool, opened through CUDA IPC on the same GPU."""
+
+    name = "cuda_ipc"
+    tier = "device"
+
+    @classmethod
+    def open(cls, rpc: Rpc, hello: pb.HelloResponse) -> "Transport":
+        d = hello.device
+        if "cuda_ipc" not in hello.transports or not d.ipc_handle:
+            raise TransportUnavailable("the daemon has no CUDA device tier")
+        if cuda.local_device_for(d.uuid) is None:
+            raise TransportUnavailable(f"this process cannot see the daemon's GPU ({d.device}, {d.uuid})")
+        try:
+            pool = cuda.open_ipc(d.ipc_handle, d.size)
+        except (RuntimeError, ValueError, TypeError, KeyError) as e:
+            raise TransportUnavailable(f"cannot open the device pool's IPC handle: {e}") from None
+        return cls(rpc, hello, pool)
+
+
+TRANSPORTS: dict[str, type[Transport]] = {t.name: t for t in (CudaIpc, Shm, Inline)}
+AUTO = ("cuda_ipc", "shm", "inline")  # fastest first; inline always opens
+
+
+def negotiate(rpc: Rpc, hello: pb.HelloResponse, want: str) -> Transport:
+    """The transport ``want`` names, or with ``auto`` the first of ``AUTO`` that opens (silently)."""
+    for name in AUTO if want == "auto" else (want,):
+        try:
+            return TRANSPORTS[name].open(rpc, hello)
+        except TransportUnavailable as e:
+            if want != "auto":
+                raise TransportUnavailable(f"transport {name!r} is not possible: {e}") from None
+    raise KVParkError("no transport opened")  # unreachable: inline always opens
