@@ -61,7 +61,7 @@ def raw_limits(device: torch.device, nbytes: int, reps: int) -> dict[str, float]
 
 def park_into(engine: Engine, seq_id: str, nbytes: int, tier: str) -> None:
     spec = ParkSpec(seq_id, (TensorMeta("uint8", (nbytes,), nbytes),), nbytes, overwrite=True)
-    r = engine.reserve(spec, stream=True, tier=tier)
+    r = engine.reserve(spec, inline=True, tier=tier)
     mem = engine.tiers[r.tier]
     for off, n in r.segments:
         mem.pool[off : off + n].fill_(7)

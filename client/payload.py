@@ -6,18 +6,20 @@ Primitives:
 - ``Outputs(metas, device, into)``: destination tensors for a restore, checked against
   ``into`` (or one flat ``into_flat``); ``.flats`` are their byte views;
   ``.finish_one(i)`` hands tensor ``i`` over once its bytes have landed.
-- ``pieces(src_lengths, dst_lengths)``: walk two partitions of the same byte range and
-  yield ``(src_index, src_offset, dst_index, dst_offset, length)`` for each overlap.
+- ``pieces(src_lengths, dst_lengths)``: ``kvpark.proto.layout.overlaps``, the walk over
+  two partitions of one byte range.
 """
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
 from kvpark.proto.errors import InvalidArgument
-from kvpark.proto.layout import TensorMeta, torch_dtype
+from kvpark.proto.layout import TensorMeta, overlaps as pieces, torch_dtype
+
+__all__ = ["Outputs", "byte_view", "pieces"]
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:
@@ -27,21 +29,6 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         t = t.contiguous()
     return t.reshape(-1).view(torch.uint8)
-
-
-def pieces(src: Sequence[int], dst: Sequence[int]) -> Iterator[tuple[int, int, int, int, int]]:
-    si = di = so = do = 0
-    while si < len(src) and di < len(dst):
-        if src[si] == so:
-            si, so = si + 1, 0
-            continue
-        if dst[di] == do:
-            di, do = di + 1, 0
-            continue
-        n = min(src[si] - so, dst[di] - do)
-        yield si, so, di, do, n
-        so += n
-        do += n
 
 
 class Outputs:

@@ -38,7 +38,7 @@ from kvpark.proto.types import SeqInfo
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import decode_chunk, encode_chunk, regroup
 from kvpark.tiers import cuda
-from kvpark.tiers.shm import SharedArena
+from kvpark.tiers.shm import SharedArena, boot_id
 
 from .payload import Outputs, pieces
 from .rpc import Rpc, translate
@@ -90,14 +90,6 @@ class Restoring:
     def __del__(self) -> None:
         if self._cleanup is not None:  # abandoned half-way by a layer-wise consumer
             self.close()
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            return fh.read().strip()
-    except OSError:
-        return ""
 
 
 def set_ids(req: Any, ids: list[str]) -> None:
@@ -361,7 +353,7 @@ class Shm(_Pool):
         a = hello.arena
         if "shm" not in hello.transports or not a.path:
             raise TransportUnavailable("the daemon has no shared-memory arena")
-        if a.hostname != socket.gethostname() or (a.boot_id and a.boot_id != _boot_id()):
+        if a.hostname != socket.gethostname() or (a.boot_id and a.boot_id != boot_id()):
             raise TransportUnavailable(f"the daemon runs on another host ({a.hostname})")
         try:
             arena = SharedArena.open(a.path, a.size)

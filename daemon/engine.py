@@ -7,7 +7,7 @@ accounting (``kvpark.tiers``).
 
 Primitives:
 - ``Engine(config, disk_factory=DiskStore)``; ``start()``; ``close(flush=...)``; ``flush()``.
-- Park, two-phase: ``reserve(ParkSpec, stream=False, tier=None) -> Reservation`` (slots
+- Park, two-phase: ``reserve(ParkSpec, inline=False, tier=None) -> Reservation`` (slots
   under a write lease), ``write_chunk(lease_id, offset, data)`` for inline bytes,
   ``commit(lease_id) -> SeqInfo`` (publish), ``release(lease_id)`` (abort).
 - Restore: ``acquire(seq_ids, need=None, stream=False) -> ReadHandle`` (memory copies under
@@ -226,16 +226,16 @@ class Engine:
 
     # ------------------------------------------------------------------ park
 
-    def reserve(self, spec: ParkSpec, stream: bool = False, tier: str | None = None) -> Reservation:
+    def reserve(self, spec: ParkSpec, inline: bool = False, tier: str | None = None) -> Reservation:
         """Reserve slots for a park under a write lease.
 
-        ``stream``: the bytes come inline through this process (not written by the
-        client into the slots), so a park bound for the device may land on host instead.
+        ``inline``: the bytes come through this process (``write_chunk``), not from a
+        client writing into the slots, so a park bound for the device may land on host.
         """
         spec.validate()
         self._check_open()
         tier = self._tier_arg(tier or self.park_tier)
-        order = [tier] if tier == "host" or not stream else [tier, "host"]
+        order = [tier] if tier == "host" or not inline else [tier, "host"]
         if spec.total > max(self.tiers[t].alloc.capacity for t in order):
             raise ResourceExhausted(
                 f"sequence of {spec.total} bytes is larger than the {tier} tier "

@@ -22,6 +22,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvpark.proto import GRPC_OPTIONS as CHANNEL_OPTIONS
 from kvpark.tiers.disk import DiskStore
+from kvpark.tiers.shm import boot_id
 
 from .config import Config
 from .engine import DiskFactory, Engine
@@ -32,14 +33,6 @@ log = logging.getLogger("kvpark")
 def grpc_options() -> list[tuple[str, int]]:
     """The shared channel options (read at start, so a bench can vary them), no port reuse."""
     return [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
-
-
-def _boot_id() -> str:
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            return fh.read().strip()
-    except OSError:
-        return ""
 
 
 class Daemon:
@@ -58,7 +51,8 @@ class Daemon:
                 ThreadPoolExecutor(max_workers=self.config.server.max_workers, thread_name_prefix="kvpark-rpc"),
                 options=grpc_options(),
             )
-            server.add_generic_rpc_handlers((handlers(engine, socket.gethostname(), _boot_id()),))
+            rpc = handlers(engine, self.config.server, socket.gethostname(), boot_id())
+            server.add_generic_rpc_handlers((rpc,))
             self._health = health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
             reflection.enable_server_reflection(

@@ -1,7 +1,7 @@
 """The gRPC servicer: protobuf in, engine call, protobuf out. Nothing else lives here.
 
 Primitives:
-- ``handlers(engine, hostname, boot_id) -> grpc.GenericRpcHandler`` for service ``kvpark.v1.KVPark``.
+- ``handlers(engine, ServerConfig, hostname, boot_id) -> grpc.GenericRpcHandler`` for service ``kvpark.v1.KVPark``.
 
 ``Park`` and ``Restore`` use identity (de)serializers: their ``DataChunk`` messages are
 framed by ``kvpark.proto.wire`` so payload bytes go from the wire straight into arena
@@ -24,6 +24,7 @@ from kvpark.proto.errors import ERROR_KEY, Internal, InvalidArgument, KVParkErro
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import decode_chunk, encode_chunk
 
+from .config import ServerConfig
 from .engine import Engine
 from .model import ParkSpec, ReadHandle
 
@@ -94,8 +95,9 @@ def _segments(segs: Sequence[tuple[int, int]]) -> list[pb.Segment]:
 
 
 class Servicer:
-    def __init__(self, engine: Engine, hostname: str, boot_id: str) -> None:
+    def __init__(self, engine: Engine, config: ServerConfig, hostname: str, boot_id: str) -> None:
         self.engine = engine
+        self.chunk_size = config.chunk_size
         self.hostname = hostname
         self.boot_id = boot_id
 
@@ -125,7 +127,7 @@ class Servicer:
             head = None if decode_chunk(first) is not None else pb.ParkRequest.FromString(first)
             if head is None or head.WhichOneof("kind") != "header":
                 raise InvalidArgument("park stream must start with a header message")
-            lease = self.engine.reserve(_spec(head.header), stream=True).lease_id
+            lease = self.engine.reserve(_spec(head.header), inline=True).lease_id
             for raw in requests:
                 chunk = decode_chunk(raw)
                 if chunk is not None:
@@ -148,7 +150,7 @@ class Servicer:
         handle = self.engine.acquire(ids, stream=True, expect_layout=req.expect_layout)
         try:
             yield pb.RestoreResponse(header=pb.RestoreHeader(info=convert.info_to_pb(handle.info))).SerializeToString()
-            for offset, views in self.engine.iter_chunks(handle, self.engine.config.server.chunk_size):
+            for offset, views in self.engine.iter_chunks(handle, self.chunk_size):
                 if not context.is_active():
                     return
                 yield encode_chunk(offset, *views)
@@ -158,7 +160,7 @@ class Servicer:
 
     @_typed
     def ParkSmall(self, req: pb.ParkSmallRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
-        lease_id = self.engine.reserve(_spec(req.header), stream=True).lease_id
+        lease_id = self.engine.reserve(_spec(req.header), inline=True).lease_id
         committing = False
         try:
             if req.data:
@@ -176,7 +178,7 @@ class Servicer:
         try:
             info = convert.info_to_pb(handle.info)
             # The client's limit, never above one message's worth (the daemon builds it in memory).
-            if handle.info.nbytes > min(req.max_bytes, self.engine.config.server.chunk_size):
+            if handle.info.nbytes > min(req.max_bytes, self.chunk_size):
                 return pb.GetResponse(info=info, too_large=True)
             return pb.GetResponse(info=info, data=self._join(handle))
         finally:
@@ -199,7 +201,7 @@ class Servicer:
     def Acquire(self, req: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireResponse:
         ids = list(req.seq_ids) or req.seq_id
         h = self.engine.acquire(ids, need=req.tier or "host", expect_layout=req.expect_layout)
-        if h.info.nbytes <= min(req.inline_max, self.engine.config.server.chunk_size):
+        if h.info.nbytes <= min(req.inline_max, self.chunk_size):
             # Small: one round trip, bytes in the reply, no lease left behind.
             try:
                 return pb.AcquireResponse(info=convert.info_to_pb(h.info), data=self._join(h), inlined=True)
@@ -248,8 +250,8 @@ def _identity(b: bytes) -> bytes:
     return b
 
 
-def handlers(engine: Engine, hostname: str, boot_id: str) -> grpc.GenericRpcHandler:
-    s = Servicer(engine, hostname, boot_id)
+def handlers(engine: Engine, config: ServerConfig, hostname: str, boot_id: str) -> grpc.GenericRpcHandler:
+    s = Servicer(engine, config, hostname, boot_id)
 
     def unary(fn: Callable[..., Any], req_cls: Any) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(

@@ -11,6 +11,8 @@ Primitives:
 - ``validate_tensors(metas, declared_nbytes)``: raise ``InvalidArgument`` unless consistent.
 - ``validate_seq_id(seq_id)``: raise ``InvalidArgument`` for empty, overlong or control-char ids.
 - ``payload_offsets(metas) -> list[int]``.
+- ``overlaps(src_lengths, dst_lengths)``: the overlaps of two partitions of one byte
+  range (tensors vs slots, slots vs slots), used by both sides.
 - ``fingerprint(metas) -> int``: 64-bit xxh3 of the canonical metadata; stored with every
   block on disk and checked on read, so bytes are never returned under the wrong layout.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 import torch
 import xxhash
@@ -127,3 +130,20 @@ def payload_offsets(metas: list[TensorMeta] | tuple[TensorMeta, ...]) -> list[in
 def fingerprint(metas: list[TensorMeta] | tuple[TensorMeta, ...]) -> int:
     canon = json.dumps([m.to_json() for m in metas], separators=(",", ":")).encode()
     return xxhash.xxh3_64_intdigest(canon)
+
+
+def overlaps(src: Sequence[int], dst: Sequence[int]) -> Iterator[tuple[int, int, int, int, int]]:
+    """Walk two partitions of the same byte range: ``(src_index, src_offset, dst_index,
+    dst_offset, length)`` for each overlap, in order (empty parts are skipped)."""
+    si = di = so = do = 0
+    while si < len(src) and di < len(dst):
+        if src[si] == so:
+            si, so = si + 1, 0
+            continue
+        if dst[di] == do:
+            di, do = di + 1, 0
+            continue
+        n = min(src[si] - so, dst[di] - do)
+        yield si, so, di, do, n
+        so += n
+        do += n

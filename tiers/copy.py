@@ -32,6 +32,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from kvpark.proto.layout import overlaps
+
 from .cuda import cuda_available
 
 log = logging.getLogger("kvpark.copy")
@@ -39,22 +41,12 @@ log = logging.getLogger("kvpark.copy")
 
 def runs(src: Sequence[tuple[int, int]], dst: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
     out: list[list[int]] = []
-    si = di = so = do = 0
-    while si < len(src) and di < len(dst):
-        if src[si][1] == so:
-            si, so = si + 1, 0
-            continue
-        if dst[di][1] == do:
-            di, do = di + 1, 0
-            continue
-        n = min(src[si][1] - so, dst[di][1] - do)
+    for si, so, di, do, n in overlaps([n for _, n in src], [n for _, n in dst]):
         s, d = src[si][0] + so, dst[di][0] + do
         if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
             out[-1][2] += n
         else:
             out.append([s, d, n])
-        so += n
-        do += n
     return [(a, b, c) for a, b, c in out]
 
 

@@ -16,6 +16,7 @@ Primitives:
   can be taken is stale. Never decided by pid: daemons in different PID namespaces may
   share one ``/dev/shm``.
 - ``free_bytes(path)``, ``fs_type(path)``: what the directory can hold, and its file system.
+- ``boot_id()``: this boot of this host; an arena is shared only within one.
 
 Pages are touched once at creation (``MAP_POPULATE``) so that neither the daemon nor a
 client takes page faults in the hot path: a fresh buffer costs ~1.5-2 GB/s in faults
@@ -214,3 +215,12 @@ def remove_stale(shm_dir: str) -> list[str]:
         finally:
             os.close(fd)
     return removed
+
+
+def boot_id() -> str:
+    """This boot of this host (empty where unknown): an arena file is shared only within one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
