@@ -109,7 +109,8 @@ class Engine:
             self.disk.close()
             self._prefetcher.shutdown()
             raise
-        self.copy = copier.CopyEngine(config.copy.max_inflight_bytes)
+        dev = self.tiers.get("device")
+        self.copy = copier.CopyEngine(config.copy.max_inflight_bytes, device=dev.device if dev is not None else None)
         self._load_index()
 
     def _open_memory(self, config: Config) -> None:

@@ -2,10 +2,12 @@
 
 Moves bytes between memory tiers (device pool <-> host arena) asynchronously:
 
-- ``CopyEngine(max_inflight_bytes)``: one dispatcher thread takes jobs in strict
-  priority order (restores/promotions before demotions) and issues them; on CUDA
-  they go to a dedicated H2D or D2H stream and complete through pooled events that a
-  completion thread per stream synchronises in FIFO order. At most
+- ``CopyEngine(max_inflight_bytes, device=None)``: one dispatcher thread takes jobs in
+  strict priority order (restores/promotions before demotions) and issues them; with a
+  CUDA ``device`` (the device pool's) they go to a dedicated H2D or D2H stream *on that
+  device* and complete through pooled events that a completion thread per stream
+  synchronises in FIFO order. Without one (no device tier, or a CPU stand-in) no CUDA
+  context, stream or thread is created. At most
   ``max_inflight_bytes`` are in flight per direction, because concurrent H2D and D2H
   slow each other down on real PCIe.
 - ``submit(pieces, restore=...) -> CopyJob``; ``CopyJob.done()`` (poll),
@@ -101,8 +103,15 @@ class CopyJob:
 
 
 class CopyEngine:
-    def __init__(self, max_inflight_bytes: int = 256 << 20) -> None:
-        self.cuda = cuda_available()
+    def __init__(self, max_inflight_bytes: int = 256 << 20, device: torch.device | None = None) -> None:
+        # Copies touch the device pool on one GPU: streams, events and the threads that
+        # issue and wait on them all belong to that device. A stream made without a
+        # device lives on the current one (cuda:0), and an event recorded there would
+        # complete at once while the copies run on cuda:N's default stream.
+        self.cuda = device is not None and device.type == "cuda" and cuda_available()
+        if self.cuda and device is not None and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device if self.cuda else None
         self.max_inflight = max_inflight_bytes
         self._cv = threading.Condition()
         self._queue: list[tuple[int, int, CopyJob]] = []
@@ -111,7 +120,7 @@ class CopyEngine:
         self._closed = False
         self.stats = {"restore_bytes": 0, "demote_bytes": 0, "jobs": 0}
         if self.cuda:
-            self._streams = {True: torch.cuda.Stream(), False: torch.cuda.Stream()}
+            self._streams = {True: torch.cuda.Stream(device=device), False: torch.cuda.Stream(device=device)}
             self._events: list[torch.cuda.Event] = []
             self._pending: dict[bool, deque[tuple[torch.cuda.Event, CopyJob]]] = {True: deque(), False: deque()}
             for direction in (True, False):
@@ -158,7 +167,12 @@ class CopyEngine:
             self.stats["jobs"] += 1
             self._cv.notify_all()
 
+    def _bind_thread(self) -> None:
+        if self.device is not None:
+            torch.cuda.set_device(self.device)
+
     def _dispatch(self) -> None:
+        self._bind_thread()
         while True:
             job = self._next()
             if job is None:
@@ -189,6 +203,7 @@ class CopyEngine:
 
     def _complete(self, direction: bool) -> None:
         # Events on one stream complete in issue order, so waiting on the head is exact.
+        self._bind_thread()
         q = self._pending[direction]
         while True:
             with self._cv:
