@@ -10,7 +10,8 @@ Moves bytes between memory tiers (device pool <-> host arena) asynchronously:
   context, stream or thread is created. At most
   ``max_inflight_bytes`` are in flight per direction, because concurrent H2D and D2H
   slow each other down on real PCIe.
-- ``submit(pieces, restore=...) -> CopyJob``; ``CopyJob.done()`` (poll),
+- ``submit(pieces, restore=...) -> CopyJob``: the copy is ordered after everything the
+  caller has queued on its current CUDA stream(s); ``CopyJob.done()`` (poll),
   ``CopyJob.wait(timeout)``; the completion callback runs on the completion thread
   and is where the engine marks a copy ready.
 - ``runs(src_extents, dst_extents)``: coalesce two partitions of one payload into the
@@ -79,6 +80,7 @@ class CopyJob:
     restore: bool
     on_done: Callable[["CopyJob"], None] | None = None
     error: BaseException | None = None
+    after: list = field(default_factory=list)  # CUDA events the copy stream waits on first
     _done: threading.Event = field(default_factory=threading.Event)
 
     def done(self) -> bool:
@@ -132,6 +134,15 @@ class CopyEngine:
     def submit(self, pieces: list[tuple[torch.Tensor, torch.Tensor]], *, restore: bool,
                on_done: Callable[[CopyJob], None] | None = None) -> CopyJob:
         job = CopyJob(pieces, sum(d.numel() * d.element_size() for d, _ in pieces), restore, on_done)
+        if self.cuda:
+            # The copy runs on our own stream, so it must start only after whatever the
+            # caller queued on its current stream (e.g. the kernel that filled the
+            # source): an event recorded now, per CUDA device the pieces touch, which
+            # the copy stream waits on before issuing.
+            for dev in {t.device for pair in pieces for t in pair if is_cuda(t)}:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(dev))
+                job.after.append(ev)
         with self._cv:
             if self._closed:
                 raise RuntimeError("copy engine is closed")
@@ -190,6 +201,8 @@ class CopyEngine:
             try:
                 stream = self._streams[job.restore]
                 with torch.cuda.stream(stream):
+                    for ev in job.after:
+                        stream.wait_event(ev)
                     for dst, src in job.pieces:
                         dst.copy_(src, non_blocking=True)
                     ev = self._events.pop() if self._events else torch.cuda.Event()
