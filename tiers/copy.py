@@ -205,7 +205,9 @@ class CopyEngine:
                         stream.wait_event(ev)
                     for dst, src in job.pieces:
                         dst.copy_(src, non_blocking=True)
-                    ev = self._events.pop() if self._events else torch.cuda.Event()
+                    # Blocking events: the completion thread sleeps in synchronize()
+                    # instead of spinning a core for the length of the copy.
+                    ev = self._events.pop() if self._events else torch.cuda.Event(blocking=True)
                     ev.record(stream)
                 with self._cv:
                     self._pending[job.restore].append((ev, job))
@@ -324,7 +326,7 @@ class LayerCopier:
     def mark(self) -> object:
         if self._stream is None:
             return None
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(blocking=True)
         ev.record(self._stream)
         return ev
 
