@@ -214,7 +214,7 @@ class Client:
         except OSError as e:
             return f"cannot map arena {a.path}: {e}"
         # On a GPU machine, page-lock the mapping once so D2H/H2D go straight in and out.
-        self._pinned = copier.pin_host(self._arena.tensor) > 0
+        self._pinned = copier.pin_host(self._arena.tensor) is not None
         return None
 
     def close(self) -> None:

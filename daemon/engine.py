@@ -134,8 +134,13 @@ class Engine:
         self.arena = SharedArena.create(host.shm_dir, cap, prefault=host.prefault)
         log.info("host arena: %d MiB in %d slots of %d KiB, %s (%.2fs to map)", cap >> 20, cap // host.slot_size,
                  host.slot_size >> 10, self.arena.path or "private memory", self.arena.prefault_s)
-        if copier.cuda_available():
-            log.info("host arena page-locked in %.2fs", copier.pin_host(self.arena.tensor))
+        # Page-locking only pays off for copies to and from a GPU pool; without one it
+        # would create a CUDA context for nothing.
+        dev = self.tiers.get("device")
+        took = copier.pin_host(self.arena.tensor) if dev is not None and dev.device.type == "cuda" else None
+        self.arena_pinned = took is not None
+        if took is not None:
+            log.info("host arena page-locked in %.2fs", took)
         self.tiers["host"] = MemTier("host", self.arena.tensor, host.slot_size,
                                      host.high_watermark or pol.high_watermark, host.low_watermark or pol.low_watermark,
                                      view=self.arena.view)
@@ -183,7 +188,7 @@ class Engine:
                 self._end_lease(lease)
         self.copy.close()
         self.disk.close()
-        if copier.cuda_available():
+        if self.arena_pinned:
             copier.unpin_host(self.arena.tensor)
         self.tiers.clear()
         self.arena.close(unlink=True)

@@ -17,8 +17,9 @@ Moves bytes between memory tiers (device pool <-> host arena) asynchronously:
 - ``runs(src_extents, dst_extents)``: coalesce two partitions of one payload into the
   fewest ``(src_offset, dst_offset, length)`` runs, so a contiguous slot run moves in
   one ``copy_`` instead of one Python-level copy per block.
-- ``pin_host(tensor) -> float``: page-lock an existing host buffer once
-  (``cudaHostRegister``); returns seconds taken, 0.0 without CUDA.
+- ``pin_host(tensor) -> float | None``: page-lock an existing host buffer once
+  (``cudaHostRegister``); returns seconds taken, None when it stays pageable (no CUDA,
+  or the runtime refused: a warning, and the pending CUDA error is cleared).
 - ``ipc_handle(tensor)`` / ``open_ipc(handle)``: CUDA IPC for the device pool.
 - ``cuda_available()``, ``synchronize(device)``.
 
@@ -29,10 +30,12 @@ dispatcher thread, so every state transition is exercised by the CPU tests.
 from __future__ import annotations
 
 import base64
+import ctypes
 import heapq
 import itertools
 import json
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -241,20 +244,54 @@ class CopyEngine:
             job._finish(err)
 
 
-def pin_host(t: torch.Tensor) -> float:
-    """Page-lock ``t``'s memory once so H2D/D2H copies are real DMA. No-op without CUDA."""
+def pin_host(t: torch.Tensor) -> float | None:
+    """Page-lock ``t``'s memory once so H2D/D2H copies are real DMA.
+
+    Returns the seconds it took, or None when ``t`` stays pageable: no CUDA, or
+    ``cudaHostRegister`` refused (some container runtimes do). A refusal is a warning,
+    not a failure: copies still work, only slower. Registered *portable*, so the pages
+    count as pinned for every GPU's context, not only the current device's.
+    """
     if not cuda_available() or t.numel() == 0:
-        return 0.0
+        return None
     t0 = time.perf_counter()
-    rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-    if int(rc) != 0:
-        raise RuntimeError(f"cudaHostRegister failed with {rc}")
+    rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), _HOST_REGISTER_PORTABLE))
+    if rc != 0:
+        # The runtime also keeps the failure as this thread's "last error"; left there,
+        # the next kernel launch check on this thread would raise it.
+        _clear_last_cuda_error()
+        log.warning("cannot page-lock %d MiB of host memory (cudaHostRegister error %d); running unpinned, "
+                    "host<->device copies will be slower", (t.numel() * t.element_size()) >> 20, rc)
+        return None
     return time.perf_counter() - t0
 
 
 def unpin_host(t: torch.Tensor) -> None:
+    """Undo a successful ``pin_host``."""
     if cuda_available() and t.numel():
         torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
+
+def _clear_last_cuda_error() -> None:
+    """Reset the calling thread's pending CUDA runtime error (``cudaGetLastError``).
+
+    torch does not bind ``cudaGetLastError``; the CUDA runtime torch loaded is found in
+    this process's mappings and called through ctypes (the same library instance, so
+    the same per-thread error state).
+    """
+    try:
+        with open("/proc/self/maps") as fh:
+            fields = [line.split(maxsplit=5) for line in fh]
+        paths = {f[5].strip() for f in fields if len(f) == 6 and os.path.basename(f[5].strip()).startswith("libcudart.so")}
+        for path in sorted(paths):
+            ctypes.CDLL(path).cudaGetLastError()
+            return
+        log.debug("no libcudart mapped; a pending CUDA error could not be cleared")
+    except (OSError, AttributeError) as e:
+        log.debug("cannot clear the pending CUDA error: %s", e)
 
 
 def synchronize(device: torch.device | str) -> None:
