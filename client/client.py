@@ -196,7 +196,7 @@ class Client:
         if device is None:
             return f"this process cannot see the daemon's GPU ({d.device}, {d.uuid})"
         try:
-            self._pool = copier.open_ipc(d.ipc_handle, d.size)
+            self._pool = copier.open_ipc(d.ipc_handle, d.size, device)
         except (RuntimeError, ValueError, TypeError, KeyError) as e:
             return f"cannot open the device pool's IPC handle: {e}"
         return None

@@ -116,6 +116,7 @@ class Engine:
     def _open_memory(self, config: Config) -> None:
         host, pol = config.tiers.host, config.policy
         self.tiers: dict[str, MemTier] = {}
+        self._ipc_handle = b""
         if config.device_enabled:
             dev = config.tiers.device
             device = torch.device(dev.device)
@@ -126,6 +127,10 @@ class Engine:
             self.tiers["device"] = MemTier("device", pool, host.slot_size, dev.high_watermark or pol.high_watermark,
                                            dev.low_watermark or pol.low_watermark)
             log.info("device tier: %d MiB on %s", cap >> 20, device)
+            if device.type == "cuda":
+                # Exported once, not per Hello: each export takes an IPC reference on the
+                # pool's storage that is never given back.
+                self._ipc_handle = copier.ipc_handle(pool)
 
         removed = remove_stale(host.shm_dir)
         if removed:
@@ -1049,10 +1054,9 @@ class Engine:
         if self.arena.path:
             transports.insert(0, "shm")
         dev = self.tiers.get("device")
-        handle = b""
-        if dev is not None and dev.device.type == "cuda":
+        handle = self._ipc_handle
+        if handle:
             transports.insert(0, "cuda_ipc")
-            handle = copier.ipc_handle(dev.pool)
         return {
             "server_version": VERSION,
             "transports": transports,

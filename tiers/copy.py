@@ -20,7 +20,8 @@ Moves bytes between memory tiers (device pool <-> host arena) asynchronously:
 - ``pin_host(tensor) -> float | None``: page-lock an existing host buffer once
   (``cudaHostRegister``); returns seconds taken, None when it stays pageable (no CUDA,
   or the runtime refused: a warning, and the pending CUDA error is cleared).
-- ``ipc_handle(tensor)`` / ``open_ipc(handle)``: CUDA IPC for the device pool.
+- ``ipc_handle(tensor)`` (export once) / ``open_ipc(handle, nbytes, device)``: CUDA IPC
+  for the device pool, opened on the client's own index of that GPU.
 - ``cuda_available()``, ``synchronize(device)``.
 
 Without CUDA the same bookkeeping runs with synchronous ``copy_`` calls on the
@@ -302,6 +303,9 @@ def synchronize(device: torch.device | str) -> None:
 def ipc_handle(pool: torch.Tensor) -> bytes:
     """Bytes another process on the same GPU can open with ``open_ipc``.
 
+    Call once per pool: every export takes another reference on the storage's IPC
+    ref-counter that is never given back.
+
     The storage's share tuple (ints, bools and opaque handle bytes) travels as JSON, not
     pickle, so a client never unpickles what a daemon sent it.
     """
@@ -312,10 +316,15 @@ def ipc_handle(pool: torch.Tensor) -> bytes:
     return json.dumps(enc).encode()
 
 
-def open_ipc(handle: bytes, nbytes: int) -> torch.Tensor:
+def open_ipc(handle: bytes, nbytes: int, device: torch.device) -> torch.Tensor:
+    """Map the pool behind ``handle`` on ``device``: *this* process's index of the GPU
+    (found by UUID), which differs from the daemon's under another CUDA_VISIBLE_DEVICES."""
     fields = [base64.b64decode(f["b64"]) if isinstance(f, dict) else f for f in json.loads(handle)]
-    if not all(isinstance(f, (int, bool, bytes)) for f in fields):
+    if not fields or not all(isinstance(f, (int, bool, bytes)) for f in fields):
         raise RuntimeError("malformed CUDA IPC handle")
+    if device.type != "cuda" or device.index is None:
+        raise RuntimeError(f"CUDA IPC needs an indexed CUDA device, got {device}")
+    fields[0] = device.index  # the share tuple starts with the exporter's device ordinal
     storage = torch.UntypedStorage._new_shared_cuda(*fields)
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
 
