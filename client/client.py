@@ -6,12 +6,17 @@ Primitives:
 - ``restore(seq_id, *, device=None, into=None) -> list[torch.Tensor]``.
 - ``drop(seq_id) -> bool``, ``info(seq_id) -> SeqInfo``, ``list()``, ``stat()``.
 - ``prefetch(seq_id, *, tier="device", wait=False, timeout=None) -> str``.
-- ``transport``: "cuda_ipc", "shm" (same host, arena file mapped once) or "inline".
+- ``transport``: the path negotiated at connect: "cuda_ipc" (only when forced), "shm"
+  (same host, arena file mapped once) or "inline".
 
-Transports, in the order ``auto`` tries them: ``cuda_ipc`` when the daemon's device pool
-is on a GPU this process can see (copies device-to-device into its slots), ``shm`` when
-the daemon offers an arena file on this host that we can open, else ``inline``. Forcing one that cannot work
-raises ``TransportUnavailable``. Every gRPC failure becomes a typed ``KVParkError``.
+``auto`` picks ``shm`` when the daemon offers an arena file on this host that we can
+open, else ``inline``; on top of that, a call whose tensors all live on the daemon's GPU
+uses ``cuda_ipc`` (device-to-device into the device pool's slots). The pool is opened on
+the first such call, so a process that never hands over CUDA tensors (a scheduler, a
+CPU worker) never creates a CUDA context for it, and host tensors never travel
+host -> device pool -> host. Forcing a transport that cannot work raises
+``TransportUnavailable``; a forced ``cuda_ipc`` uses the device pool for every call.
+Every gRPC failure becomes a typed ``KVParkError``.
 """
 
 from __future__ import annotations
@@ -135,7 +140,9 @@ class Client:
         self._channel = grpc.insecure_channel(self.address, options=GRPC_OPTIONS)
         self._arena: SharedArena | None = None
         self._pool: torch.Tensor | None = None  # the daemon's device pool, via CUDA IPC
+        self._ipc_why: str | None = None  # why auto cannot use cuda_ipc (None: not tried yet)
         self._pinned = False
+        self._pin_tried = False
         ch = self._channel
         u = lambda name, resp: ch.unary_unary(_SVC + name, request_serializer=_ser,  # noqa: E731
                                                response_deserializer=resp.FromString)
@@ -174,12 +181,12 @@ class Client:
 
     def _negotiate(self, want: str) -> str:
         offered = set(self.server.transports)
-        if want in ("auto", "cuda_ipc"):
+        self._auto = want == "auto"
+        if want == "cuda_ipc":
             why = self._try_cuda_ipc(offered)
             if why is None:
                 return "cuda_ipc"
-            if want == "cuda_ipc":
-                raise TransportUnavailable(f"transport 'cuda_ipc' is not possible: {why}")
+            raise TransportUnavailable(f"transport 'cuda_ipc' is not possible: {why}")
         if want in ("auto", "shm"):
             why = self._try_shm(offered)
             if why is None:
@@ -201,6 +208,39 @@ class Client:
             return f"cannot open the device pool's IPC handle: {e}"
         return None
 
+    def _device_pool(self, devices: set[torch.device]) -> torch.Tensor | None:
+        """The daemon's device pool when this call's tensors all live on its GPU (auto),
+        or always when cuda_ipc was forced; else None. Opened on first use."""
+        if self.transport == "cuda_ipc":
+            return self._pool
+        if not self._auto or len(devices) != 1:
+            return None
+        (dev,) = devices
+        if dev.type != "cuda":
+            return None
+        if self._ipc_why is None:
+            why = self._try_cuda_ipc(set(self.server.transports))
+            self._ipc_why = why or ""
+        if self._pool is None:
+            return None
+        local = dev if dev.index is not None else torch.device("cuda", torch.cuda.current_device())
+        return self._pool if self._pool.device == local else None
+
+    def _paths(self, devices: set[torch.device]) -> tuple[torch.Tensor | None, str]:
+        """Where this call's bytes go: (device pool, "device"), (arena, "host") or (None, "inline")."""
+        pool = self._device_pool(devices)
+        if pool is not None:
+            return pool, "device"
+        if self._arena is None:
+            return None, "inline"
+        if not self._pin_tried and any(d.type == "cuda" for d in devices):
+            # Page-lock the mapping once, on the first call that moves GPU tensors
+            # through it, so D2H/H2D go straight in and out (a CPU-only user of this
+            # client never creates a CUDA context for it).
+            self._pin_tried = True
+            self._pinned = copier.pin_host(self._arena.tensor) is not None
+        return self._arena.tensor, "host"
+
     def _try_shm(self, offered: set[str]) -> str | None:
         if self._arena is not None:
             return None
@@ -213,8 +253,6 @@ class Client:
             self._arena = SharedArena.open(a.path, a.size)
         except OSError as e:
             return f"cannot map arena {a.path}: {e}"
-        # On a GPU machine, page-lock the mapping once so D2H/H2D go straight in and out.
-        self._pinned = copier.pin_host(self._arena.tensor) is not None
         return None
 
     def close(self) -> None:
@@ -288,34 +326,36 @@ class Client:
         total = sum(f.numel() for f in flats)
         if total <= (self.chunk_size if self.transport == "inline" else SMALL_POOL_BYTES):
             return self._park_small(header, flats)
-        if self.transport == "inline":
+        pool, tier = self._paths({f.device for f in flats if f.numel()})
+        if pool is None:
             return self._park_inline(header, flats)
-        return self._park_pool(header, flats)
+        return self._park_pool(header, flats, pool, tier)
 
     def _park_small(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
         data = b"".join(memoryview(f.cpu().numpy()) for f in flats if f.numel())
         return convert.info_from_pb(self._call(self._park_small_rpc, pb.ParkSmallRequest(header=header, data=data)))
 
-    def _pool_for(self) -> tuple[torch.Tensor, str]:
-        if self.transport == "cuda_ipc":
-            assert self._pool is not None
-            return self._pool, "device"
-        assert self._arena is not None
-        return self._arena.tensor, "host"
-
-    def _park_pool(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
+    def _park_pool(self, header: pb.ParkHeader, flats: list[torch.Tensor], pool: torch.Tensor,
+                   tier: str) -> SeqInfo:
         """shm / cuda_ipc: reserve slots, copy straight into the daemon's memory, commit."""
-        pool, tier = self._pool_for()
         r = self._call(self._reserve, pb.ReserveRequest(header=header, tier=tier))
+        devices = {pool.device, *(f.device for f in flats)}
         try:
             segs = [(s.offset, s.length) for s in r.segments]
             for si, so, di, do, n in pieces([f.numel() for f in flats], [n for _, n in segs]):
                 base = segs[di][0] + do
                 pool[base : base + n].copy_(flats[si][so : so + n])
-            # Explicit synchronisation: the daemon reads the slots only after Commit,
-            # and every copy into them has completed by then.
-            copier.synchronize(pool.device)
+            # The daemon reads the slots right after Commit: every copy into them has
+            # landed by then. Events on the streams that ran them, not a device-wide
+            # synchronize that would also wait for unrelated queued work.
+            copier.Fence(*devices).wait()
         except BaseException:
+            # Copies already queued may still be writing the slots: they land before the
+            # lease (and with it the slots) goes back to the daemon for reuse.
+            try:
+                copier.Fence(*devices).wait()
+            except Exception:  # noqa: BLE001 - a broken context runs no more copies
+                pass
             self._abort_quietly(r.lease_id)
             raise
         return convert.info_from_pb(self._call(self._commit, pb.CommitRequest(lease_id=r.lease_id)))
@@ -389,8 +429,14 @@ class Client:
                      expect_layout: str, into_flat: torch.Tensor | None = None
                      ) -> Iterator[SeqInfo | tuple[int, torch.Tensor]]:
         """First yields the SeqInfo, then ``(index, tensor)`` as each tensor is complete."""
-        if self.transport != "inline":
-            pool, tier = self._pool_for()
+        if into_flat is not None:
+            targets = {into_flat.device}
+        elif into is not None:
+            targets = {t.device for t in into if isinstance(t, torch.Tensor)}
+        else:
+            targets = {torch.device(device) if device is not None else torch.device("cpu")}
+        pool, tier = self._paths(targets)
+        if pool is not None:
             req = pb.AcquireRequest(tier=tier, expect_layout=expect_layout, inline_max=SMALL_POOL_BYTES)
             _set_ids(req, ids)
             try:
@@ -456,11 +502,11 @@ class Client:
                     yield i, out.finish_one(i)
         finally:
             # Every queued copy has read its slots before the lease ends, also when a
-            # layer-wise consumer stops early.
+            # layer-wise consumer stops early. They all run on the copier's stream, so
+            # one event there covers them (no device-wide synchronize).
             try:
                 if copies is not None:
                     copies.synchronize()
-                copier.synchronize(pool.device)
             finally:
                 self._abort_quietly(r.lease_id)
 

@@ -22,6 +22,9 @@ Moves bytes between memory tiers (device pool <-> host arena) asynchronously:
   or the runtime refused: a warning, and the pending CUDA error is cleared).
 - ``ipc_handle(tensor)`` (export once) / ``open_ipc(handle, nbytes, device)``: CUDA IPC
   for the device pool, opened on the client's own index of that GPU.
+- ``Fence(*devices)``: events on those devices' current streams; ``wait()`` returns once
+  the work queued there so far is done (no device-wide synchronize).
+- ``LayerCopier(src, dst)``: client-side copies on a side stream with per-tensor marks.
 - ``cuda_available()``, ``synchronize(device)``.
 
 Without CUDA the same bookkeeping runs with synchronous ``copy_`` calls on the
@@ -346,6 +349,34 @@ def local_device_for(uuid: str) -> torch.device | None:
     return None
 
 
+class Fence:
+    """One event on the current stream of each CUDA device given (CPU devices ignored).
+
+    ``wait()`` returns once everything queued on those streams so far has finished: the
+    precise wait a caller needs before handing memory to another process, without a
+    device-wide ``synchronize`` that would also wait for unrelated work (a queued
+    forward pass). The events are blocking, so waiting sleeps instead of spinning.
+    """
+
+    def __init__(self, *devices: torch.device) -> None:
+        self._events: list[torch.cuda.Event] = []
+        seen: set[int] = set()
+        for d in devices:
+            if d.type != "cuda":
+                continue
+            idx = d.index if d.index is not None else torch.cuda.current_device()
+            if idx in seen:
+                continue
+            seen.add(idx)
+            ev = torch.cuda.Event(blocking=True)
+            ev.record(torch.cuda.current_stream(idx))
+            self._events.append(ev)
+
+    def wait(self) -> None:
+        for ev in self._events:
+            ev.synchronize()
+
+
 class LayerCopier:
     """Client-side copies with per-tensor readiness marks.
 
@@ -381,6 +412,6 @@ class LayerCopier:
             mark.synchronize()  # type: ignore[attr-defined]
 
     def synchronize(self) -> None:
-        """Wait for every copy queued so far."""
-        if self._stream is not None:
-            self._stream.synchronize()
+        """Wait for every copy queued so far (a blocking event: no spinning)."""
+        mark = self.mark()
+        self.wait(mark)
