@@ -23,7 +23,8 @@ kernel layout, so bytes are never read under another layout.
 
 Extra config keys: ``address`` (default ``$KVPARK_ADDRESS`` or 127.0.0.1:50551),
 ``lookup_timeout_s`` (0.5), ``load_timeout_s`` (10), ``save_timeout_s`` (10),
-``transport`` ("auto"), ``cpu_amx_init`` (true).
+``transport`` ("auto"; the workers' data path, the scheduler always uses "inline"),
+``cpu_amx_init`` (true).
 
 On vLLM's CPU platform the worker-role connector asks the kernel for AMX tile permission
 when it starts (``kvpark.client.amx``): vLLM's CPU attention otherwise dies with SIGILL on
@@ -163,7 +164,10 @@ class KVParkConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         address = extra.get("address") or os.environ.get("KVPARK_ADDRESS") or "127.0.0.1:50551"
-        self._conn = _Conn(address, str(extra.get("transport", "auto")))
+        transport = str(extra.get("transport", "auto"))
+        if role == KVConnectorRole.SCHEDULER:
+            transport = "inline"  # it only sends lookups: no arena mapping, no CUDA context
+        self._conn = _Conn(address, transport)
         self._lookup_timeout = float(extra.get("lookup_timeout_s", 0.5))
         self._load_timeout = float(extra.get("load_timeout_s", 10.0))
         self._save_timeout = float(extra.get("save_timeout_s", 10.0))
