@@ -127,7 +127,8 @@ class PolicyConfig:
     promote_on_restore: bool = _f(True, "restoring a disk-resident sequence copies it back to host when there is room")
     flush_on_shutdown: bool = _f(True, "a graceful stop writes every host-only sequence to disk first")
     restore_to: str = _f("auto", 'tier a restore promotes into before serving: "device", "host", or "auto" '
-                         "(device when the device tier is on)", choices=("auto", "device", "host"))
+                         "(the tier the reader copies from: device for cuda_ipc, host for shm and streamed "
+                         "or small restores)", choices=("auto", "device", "host"))
 
 
 @dataclass(frozen=True)
@@ -168,11 +169,16 @@ class Config:
         return e == "true"
 
     @property
-    def restore_to(self) -> str:
+    def restore_to(self) -> str | None:
+        """The tier a restore that reads any CPU-readable copy (streamed or small)
+        promotes into, or None. (A reader of one tier, shm or cuda_ipc, always has its
+        sequence promoted into that tier.)"""
+        if not self.policy.promote_on_restore:
+            return None
         r = self.policy.restore_to
-        if r == "auto":
-            return "device" if self.device_enabled else "host"
-        return r
+        # "auto": such a reader copies from host memory; a device copy would be paid
+        # for (an H2D copy, device room) and then not read.
+        return "host" if r == "auto" else r
 
 
 def _is_section(tp: Any) -> bool:

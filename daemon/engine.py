@@ -602,13 +602,15 @@ class Engine:
     # ------------------------------------------------------------------ restore
 
     def acquire(self, seq_ids: str | list[str], need: str | None = None, stream: bool = False,
-                expect_layout: str = "") -> ReadHandle:
+                expect_layout: str = "", inline_max: int = 0) -> ReadHandle:
         """Lease readable copies of one or more sequences, served as one payload.
 
         A sequence that references shared blocks expands to those blocks, then itself.
         ``need`` forces a memory tier (shm: host, cuda_ipc: device); otherwise each part
-        is served from its fastest CPU-readable copy, or from disk. With
-        ``expect_layout``, every named sequence must carry ``attrs["layout"]`` equal to it.
+        is served from its fastest CPU-readable copy, or from disk. A payload of at most
+        ``inline_max`` bytes is served that way even with ``need`` (the caller sends it
+        inline), so it never goes host -> device -> host. With ``expect_layout``, every
+        named sequence must carry ``attrs["layout"]`` equal to it.
         """
         ids = [seq_ids] if isinstance(seq_ids, str) else list(seq_ids)
         if not ids:
@@ -637,7 +639,11 @@ class Engine:
             for c in comps:
                 c.manifest.last_access = now
                 c.access_count += 1
-        want = need or (self.config.restore_to if self.config.policy.promote_on_restore else None)
+            if need is not None and sum(c.manifest.nbytes for c in comps) <= inline_max:
+                need = None
+        want = need or self.config.restore_to
+        if want not in self.tiers:
+            want = None  # restore_to = "device" on a daemon whose device tier did not come up
         lease = Lease(secrets.token_hex(16), "read", need or "", None if stream else
                       time.monotonic() + self.config.leases.ttl_s)
         parts: list[Part] = []

@@ -65,9 +65,10 @@ def test_restore_promotes_to_device_and_prefetch_moves_up(daemon: Callable[..., 
         assert c.info("s00").tier == "disk"
         # Background demotion leaves headroom under the device tier's high watermark.
         assert wait_until(lambda: c.stat().tiers["device"].used_bytes <= 7 * MiB)
-        # Restore promotes into restore_to (device when enabled) before serving.
+        # A streamed restore promotes into restore_to before serving: "auto" is the host
+        # tier it reads from (a device copy would be made and then not read).
         assert torch.equal(c.restore("s00")[0], blob(0))
-        assert c.info("s00").tier == "device"
+        assert c.info("s00").tier == "host"
         # Prefetch without waiting starts the move; with wait it is there on return.
         assert c.info("s01").tier == "disk"
         c.prefetch("s01", tier="host")
@@ -79,6 +80,17 @@ def test_restore_promotes_to_device_and_prefetch_moves_up(daemon: Callable[..., 
             c.prefetch("ghost", wait=True)
         with pytest.raises(InvalidArgument):
             c.prefetch("s03", tier="tape")
+
+
+def test_restore_to_device_promotes_streamed_restores_there(daemon: Callable[..., Daemon]) -> None:
+    d = daemon(**DEV, **{"policy.restore_to": "device"})
+    with Client(d.address, transport="inline") as c:
+        for i in range(30):
+            c.park(f"s{i:02d}", [blob(i)])
+        assert wait_until(lambda: c.info("s00").tier == "disk")
+        assert wait_until(lambda: c.stat().tiers["device"].used_bytes <= 7 * MiB)
+        assert torch.equal(c.restore("s00")[0], blob(0))
+        assert c.info("s00").tier == "device"
 
 
 def test_prefetch_timeout(daemon: Callable[..., Daemon]) -> None:
