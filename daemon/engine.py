@@ -648,6 +648,8 @@ class Engine:
                       time.monotonic() + self.config.leases.ttl_s)
         parts: list[Part] = []
         try:
+            if want:
+                self._promote_batch(comps, want, make_room=need is not None)
             for c in comps:
                 parts.append(self._acquire_part(c, need, want, lease))
         except BaseException:
@@ -720,6 +722,56 @@ class Engine:
             if to == "device" and "host" not in seq.res and "device" not in seq.res:
                 self._promote_locked(seq, "host", make_room=False)  # stage via pinned host memory
             self._promote_locked(seq, to, make_room)
+
+    def _promote_batch(self, seqs: list[Seq], to: str, make_room: bool) -> None:
+        """Promote the memory-resident ones among ``seqs`` into ``to`` with one copy job.
+
+        A restore of many blocks would otherwise submit and wait one job per block.
+        Disk-only sequences, and any this cannot place, are left to ``_promote``.
+        """
+        with self._lock:
+            uniq = {id(s): s for s in seqs if to not in s.res and s.res and not s.dropped
+                    and s.manifest.block_size == self.slot_size}
+        todo = sorted(uniq.values(), key=lambda s: s.seq_id)  # one lock order for every batch
+        if len(todo) < 2:
+            return
+        locked: list[Seq] = []
+        planned: list[tuple[Seq, str, Allocation, Allocation]] = []  # (seq, src tier, src, dst)
+        landed = False
+        mem = self.tiers[to]
+        try:
+            for seq in todo:
+                seq.move_lock.acquire()  # demotion only ever tries these, so no cycle
+                locked.append(seq)
+            for seq in todo:
+                a = self._alloc_in(to, seq, make_room)
+                if a is None:
+                    continue  # there already, dropped, or no room: _acquire_part decides
+                with self._lock:
+                    src = next((t for t in MEM_TIERS if t in seq.res and t != to), None)
+                    if src is None:
+                        self._free(mem, a)
+                        continue
+                    seq.moving += 1  # the source copy cannot be freed under the copy
+                    planned.append((seq, src, seq.res[src], a))
+            if not planned:
+                return
+            pieces = [(mem.tensor(d, n), self.tiers[src].tensor(o, n))
+                      for _, src, src_alloc, dst_alloc in planned
+                      for o, d, n in copier.runs(src_alloc.extents, dst_alloc.extents)]
+            self.copy.submit(pieces, restore=True).wait()
+            landed = True
+        finally:
+            with self._lock:
+                for seq, _, _, a in planned:
+                    seq.moving -= 1
+                    if landed and not seq.dropped:
+                        seq.res[to] = a
+                    else:
+                        self._free(mem, a)
+                    self._release_dropped(seq)
+            for seq in locked:
+                seq.move_lock.release()
 
     def _promote_locked(self, seq: Seq, to: str, make_room: bool) -> None:
         # REQUIRES: seq.move_lock held.

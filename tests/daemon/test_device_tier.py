@@ -169,3 +169,21 @@ def test_restores_racing_demotions_never_see_half_copied_blocks(daemon: Callable
             for name, mem in engine.tiers.items():
                 assert mem.alloc.used_bytes == sum(s.res[name].charged for s in engine._seqs.values()
                                                    if name in s.res), name
+
+
+def test_restore_many_promotes_its_blocks_in_one_copy_job(daemon: Callable[..., Daemon]) -> None:
+    # Step 1: eight 256 KiB blocks parked inline land on the (CPU stand-in) device tier.
+    d = daemon(**DEV)
+    assert d.engine is not None
+    blocks = {f"blk{i}": [blob(i, 256 << 10)] for i in range(8)}
+    with Client(d.address, transport="inline") as c:
+        c.park_batch(blocks)
+        assert all(c.info(b).tier == "device" for b in blocks)
+    # Step 2: an shm reader needs them in the host arena: one job moves all eight.
+    jobs = d.engine.copy.stats["jobs"]
+    with Client(d.address, transport="shm") as c:
+        info, back = c.restore_many(list(blocks))
+        assert d.engine.copy.stats["jobs"] - jobs == 1
+        assert all(torch.equal(t, blocks[b][0]) for t, b in zip(back, blocks))
+        assert all(c.info(b).tier == "device" for b in blocks)  # still also on device
+        assert d.engine.stat().tiers["host"].sequences == 8
