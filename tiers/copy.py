@@ -22,6 +22,8 @@ Moves bytes between memory tiers (device pool <-> host arena) asynchronously:
   or the runtime refused: a warning, and the pending CUDA error is cleared).
 - ``ipc_handle(tensor)`` (export once) / ``open_ipc(handle, nbytes, device)``: CUDA IPC
   for the device pool, opened on the client's own index of that GPU.
+- ``to_host(parts)`` / ``to_device(dst, src)``: batched D2H through one page-locked
+  buffer; H2D through page-locked staging (device-tier reads and writes).
 - ``Fence(*devices)``: events on those devices' current streams; ``wait()`` returns once
   the work queued there so far is done (no device-wide synchronize).
 - ``LayerCopier(src, dst)``: client-side copies on a side stream with per-tensor marks.
@@ -296,6 +298,38 @@ def _clear_last_cuda_error() -> None:
         log.debug("no libcudart mapped; a pending CUDA error could not be cleared")
     except (OSError, AttributeError) as e:
         log.debug("cannot clear the pending CUDA error: %s", e)
+
+
+def to_host(parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """CPU copies of ``parts`` (device slices): one page-locked buffer, asynchronous DMA
+    per part on the current stream, one blocking event for all of them. CPU parts are
+    returned as they are."""
+    devs = [p.device for p in parts if is_cuda(p)]
+    if not devs:
+        return list(parts)
+    total = sum(p.numel() for p in parts)
+    buf = torch.empty(total, dtype=torch.uint8, pin_memory=True)  # torch caches pinned blocks
+    out, pos = [], 0
+    for p in parts:
+        n = p.numel()
+        dst = buf[pos : pos + n]
+        dst.copy_(p.reshape(-1).view(torch.uint8), non_blocking=True)
+        out.append(dst)
+        pos += n
+    Fence(*devs).wait()
+    return out
+
+
+def to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy CPU bytes ``src`` into device memory ``dst`` through a page-locked staging
+    buffer (DMA, not the driver's pageable path) and wait on an event for it."""
+    if not is_cuda(dst):
+        dst.copy_(src)
+        return
+    staging = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
+    staging.copy_(src)
+    dst.copy_(staging, non_blocking=True)
+    Fence(dst.device).wait()  # the staging buffer goes back to torch's cache after this
 
 
 def synchronize(device: torch.device | str) -> None:
