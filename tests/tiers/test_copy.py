@@ -133,3 +133,28 @@ def test_a_pool_on_the_second_gpu_copies_on_that_gpu() -> None:
         eng.close()
     # With the streams on cuda:0 the event would complete at once and this would race.
     _ordered_after_the_callers_stream(dev)
+
+
+@pytest.mark.cuda
+def test_a_refused_page_lock_is_a_warning_and_leaves_no_pending_cuda_error(caplog: pytest.LogCaptureFixture) -> None:
+    from kvpark.tiers.copy import pin_host, unpin_host
+
+    t = torch.empty(4 << 20, dtype=torch.uint8)
+    assert pin_host(t) is not None and t.is_pinned()
+    try:
+        # Registering the same range again is refused by the runtime: a warning, None.
+        assert pin_host(t) is None
+        assert "cannot page-lock" in caplog.text
+        # The refusal must not surface at the next kernel launch check on this thread.
+        x = torch.ones(1024, device="cuda")
+        assert float((x * 2).sum()) == 2048.0
+    finally:
+        unpin_host(t)
+
+
+def test_without_a_cuda_device_the_engine_creates_no_streams() -> None:
+    eng = CopyEngine(device=torch.device("cpu"))
+    try:
+        assert not eng.cuda and eng.device is None and not hasattr(eng, "_streams")
+    finally:
+        eng.close()
