@@ -3,7 +3,8 @@
 Primitives:
 - ``Client(address=None, *, timeout=None, transport="auto")``: ``park``, ``restore``,
   ``drop``, ``info``, ``list``, ``stat``, ``close``; ``transport`` says which data path
-  is in use ("shm" or "inline").
+  was negotiated ("shm" or "inline"; "cuda_ipc" when forced); with "auto", calls whose
+  tensors live on the daemon's GPU use its device pool.
 - Result types ``SeqInfo``, ``Stat``, ``TierStat``.
 - Typed errors: ``KVParkError`` and its subclasses, one per gRPC status code.
 """
