@@ -649,7 +649,7 @@ class Engine:
         parts: list[Part] = []
         try:
             if want:
-                self._promote_batch(comps, want, make_room=need is not None)
+                self._promote_batch(comps, want)
             for c in comps:
                 parts.append(self._acquire_part(c, need, want, lease))
         except BaseException:
@@ -723,7 +723,7 @@ class Engine:
                 self._promote_locked(seq, "host", make_room=False)  # stage via pinned host memory
             self._promote_locked(seq, to, make_room)
 
-    def _promote_batch(self, seqs: list[Seq], to: str, make_room: bool) -> None:
+    def _promote_batch(self, seqs: list[Seq], to: str) -> None:
         """Promote the memory-resident ones among ``seqs`` into ``to`` with one copy job.
 
         A restore of many blocks would otherwise submit and wait one job per block.
@@ -744,9 +744,11 @@ class Engine:
                 seq.move_lock.acquire()  # demotion only ever tries these, so no cycle
                 locked.append(seq)
             for seq in todo:
-                a = self._alloc_in(to, seq, make_room)
+                # Only what fits now: making room would wait on the move locks this batch
+                # holds. The rest is promoted one by one (making room) by _acquire_part.
+                a = self._alloc_in(to, seq, make_room=False)
                 if a is None:
-                    continue  # there already, dropped, or no room: _acquire_part decides
+                    continue  # there already, dropped, or no room
                 with self._lock:
                     src = next((t for t in MEM_TIERS if t in seq.res and t != to), None)
                     if src is None:
