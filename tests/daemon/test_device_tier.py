@@ -63,8 +63,9 @@ def test_restore_promotes_to_device_and_prefetch_moves_up(daemon: Callable[..., 
         for i in range(30):
             c.park(f"s{i:02d}", [blob(i)])
         assert c.info("s00").tier == "disk"
-        # Background demotion leaves headroom under the device tier's high watermark.
+        # Background demotion leaves headroom under the device and host high watermarks.
         assert wait_until(lambda: c.stat().tiers["device"].used_bytes <= 7 * MiB)
+        assert wait_until(lambda: c.stat().tiers["host"].used_bytes <= 14 * MiB)
         # A streamed restore promotes into restore_to before serving: "auto" is the host
         # tier it reads from (a device copy would be made and then not read).
         assert torch.equal(c.restore("s00")[0], blob(0))
