@@ -3,7 +3,9 @@
 Primitives:
 - ``Client(address=None, *, timeout=None, transport="auto")``: ``park``, ``restore``,
   ``drop``, ``info``, ``list``, ``stat``, ``close``; ``transport`` says which data path
-  is in use ("cuda_ipc", "shm" or "inline"); ``deadline(seconds)`` bounds one thread's calls.
+  was negotiated ("shm" or "inline"; "cuda_ipc" when forced); with "auto", calls whose
+  tensors live on the daemon's GPU use its device pool. ``deadline(seconds)`` bounds
+  the calling thread's calls.
 - Result types ``SeqInfo``, ``Stat``, ``TierStat``.
 - Typed errors: ``KVParkError`` and its subclasses, one per gRPC status code.
 """

@@ -6,12 +6,19 @@ Primitives:
 - ``restore(seq_id, *, device=None, into=None, layerwise=False)``; ``restore_many(seq_ids, ...)``.
 - ``present``, ``lookup``, ``prefetch``, ``drop``, ``info``, ``list``, ``stat``.
 - ``deadline(seconds)``: bound every call the calling thread makes inside the block.
-- ``transport``: the name of the data path in use: "cuda_ipc", "shm" or "inline".
+- ``transport``: the path negotiated at connect: "cuda_ipc" (only when forced), "shm"
+  (same host, arena file mapped once) or "inline".
 
-The data paths are strategies (``kvpark.client.transport``), chosen by name; ``auto``
-tries cuda_ipc, then shm, then inline, silently. Forcing one that cannot work raises
-``TransportUnavailable``. The wire calls live in ``kvpark.client.rpc``; every gRPC
-failure becomes a typed ``KVParkError``.
+The data paths are strategies (``kvpark.client.transport``), chosen by name. ``auto``
+picks ``shm`` when the daemon offers an arena file on this host that we can open, else
+``inline``; on top of that, a call whose tensors all live on the daemon's GPU uses
+``cuda_ipc`` (device-to-device into the device pool's slots). The pool is opened on the
+first such call, so a process that never hands over CUDA tensors (a scheduler, a CPU
+worker) never creates a CUDA context for it, and host tensors never travel host ->
+device pool -> host. Forcing a transport that cannot work raises
+``TransportUnavailable``; a forced ``cuda_ipc`` uses the device pool for every call.
+The wire calls live in ``kvpark.client.rpc``; every gRPC failure becomes a typed
+``KVParkError``.
 """
 
 from __future__ import annotations
@@ -23,14 +30,15 @@ from typing import Mapping, Sequence
 import torch
 
 from kvpark.proto import VERSION, convert
-from kvpark.proto.errors import InvalidArgument
+from kvpark.proto.errors import InvalidArgument, TransportUnavailable
 from kvpark.proto.layout import TensorMeta, validate_seq_id
 from kvpark.proto.types import SeqInfo, Stat
 from kvpark.proto.v1 import kvpark_pb2 as pb
+from kvpark.tiers import cuda
 
 from .payload import byte_view
 from .rpc import Rpc
-from .transport import SMALL_POOL_BYTES, TRANSPORTS, Restoring, Target, negotiate
+from .transport import SMALL_POOL_BYTES, TRANSPORTS, CudaIpc, Restoring, Target, Transport, negotiate
 
 DEFAULT_ADDRESS = "127.0.0.1:50551"
 TRANSPORT_NAMES = ("auto", *TRANSPORTS)
@@ -52,6 +60,9 @@ class Client:
             raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORT_NAMES)}, got {transport!r}")
         self.address = address or os.environ.get("KVPARK_ADDRESS") or DEFAULT_ADDRESS
         self.rpc = Rpc(self.address, timeout)
+        self._auto = transport == "auto"
+        self._ipc: Transport | None = None  # auto: the device pool, opened on first use
+        self._ipc_tried = False
         try:
             self.server = self.rpc.call(self.rpc.hello, pb.HelloRequest(client_version=VERSION))
             self.chunk_size = int(self.server.chunk_size) or (1 << 20)
@@ -73,7 +84,27 @@ class Client:
         """Bound every call the calling thread makes inside the block by ``seconds``."""
         return self.rpc.deadline(seconds)
 
+    def _for(self, devices: set[torch.device]) -> Transport:
+        """The path of one call: the device pool when (auto) its tensors all live on the
+        daemon's GPU, else the one negotiated at connect."""
+        if not self._auto or len(devices) != 1:
+            return self._transport
+        (dev,) = devices
+        if dev.type != "cuda":
+            return self._transport
+        if not self._ipc_tried:
+            self._ipc_tried = True
+            try:
+                self._ipc = CudaIpc.open(self.rpc, self.server)
+            except TransportUnavailable:
+                self._ipc = None
+        if not isinstance(self._ipc, CudaIpc):
+            return self._transport
+        return self._ipc if self._ipc.pool.device == cuda.indexed(dev) else self._transport
+
     def close(self) -> None:
+        if self._ipc is not None:
+            self._ipc.close()
         self._transport.close()
         self.rpc.close()
 
@@ -116,7 +147,7 @@ class Client:
             header.blocks.append(bh)
             flats.extend(byte_view(t) for t in bts)
         flats.extend(byte_view(t) for t in tensors)
-        return self._transport.park(header, flats)
+        return self._park(header, flats)
 
     def park_batch(self, items: Mapping[str, Sequence[torch.Tensor]], *, priority: int = 0,
                    attrs: Mapping[str, str] | None = None) -> int:
@@ -133,7 +164,13 @@ class Client:
             bh.attrs.update(attrs or {})
             header.blocks.append(bh)
             flats.extend(byte_view(t) for t in ts)
-        return int(self._transport.park(header, flats).nbytes)
+        return int(self._park(header, flats).nbytes)
+
+    def _park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
+        t = self._transport
+        if sum(f.numel() for f in flats) > t.small_limit:  # else one round trip, whatever the path
+            t = self._for({f.device for f in flats if f.numel()})
+        return t.park(header, flats)
 
     # ------------------------------------------------------------------ restore
 
@@ -148,7 +185,8 @@ class Client:
         copies are queued on a side stream up front and each yield waits on its own event.
         """
         validate_seq_id(seq_id)
-        r = self._transport.restore([seq_id], Target(device, into))
+        target = Target(device, into)
+        r = self._for(target.devices()).restore([seq_id], target)
         if layerwise:
             return r  # closes itself once exhausted; close() ends the lease early
         try:
@@ -171,7 +209,8 @@ class Client:
             raise InvalidArgument("seq_ids must be a non-empty list of ids")
         for sid in seq_ids:
             validate_seq_id(sid)
-        r = self._transport.restore(list(seq_ids), Target(device, into, into_flat, expect_layout))
+        target = Target(device, into, into_flat, expect_layout)
+        r = self._for(target.devices()).restore(list(seq_ids), target)
         try:
             return r.info, [t for _, t in r]
         finally:

@@ -17,8 +17,9 @@ Primitives:
   each tensor lands; ``close()`` ends it (and its lease) early; it closes itself once
   exhausted.
 - ``Transport``: ``name``; ``open(rpc, hello)`` (raises ``TransportUnavailable`` with the
-  reason); ``park(header, flats) -> SeqInfo``; ``restore(ids, target) -> Restoring``; ``close()``.
-- ``TRANSPORTS``: name -> class; ``AUTO``: the order ``auto`` tries them in;
+  reason); ``park(header, flats) -> SeqInfo``; ``restore(ids, target) -> Restoring``;
+  ``small_limit`` (payloads up to it take one round trip); ``close()``.
+- ``TRANSPORTS``: name -> class; ``AUTO``: what ``auto`` tries at connect, in order;
   ``negotiate(rpc, hello, want) -> Transport``.
 """
 
@@ -55,6 +56,14 @@ class Target:
     into: Sequence[torch.Tensor] | None = None
     into_flat: torch.Tensor | None = None
     expect_layout: str = ""
+
+    def devices(self) -> set[torch.device]:
+        """Where the restored bytes land."""
+        if self.into_flat is not None:
+            return {self.into_flat.device}
+        if self.into is not None:
+            return {t.device for t in self.into if isinstance(t, torch.Tensor)}
+        return {torch.device(self.device) if self.device is not None else torch.device("cpu")}
 
     def outputs(self, info: SeqInfo, staging_device: str | None = None) -> Outputs:
         return Outputs(info.tensors, self.device, self.into, staging_device=staging_device, into_flat=self.into_flat)
@@ -117,6 +126,7 @@ def _chunks(it: Iterator[bytes], nbytes: int, what: str) -> Iterator[np.ndarray]
 
 class Transport:
     name: ClassVar[str]
+    small_limit: int
 
     def __init__(self, rpc: Rpc, hello: pb.HelloResponse) -> None:
         self.rpc = rpc
@@ -224,8 +234,12 @@ class Inline(Transport):
 
     name = "inline"
 
+    @property
+    def small_limit(self) -> int:
+        return self.chunk_size
+
     def park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
-        if sum(f.numel() for f in flats) <= self.chunk_size:
+        if sum(f.numel() for f in flats) <= self.small_limit:
             return self._park_small(header, flats)
         # One D2H per device tensor; CPU tensors are framed straight from their memory.
         views = [memoryview(f.cpu().numpy()) for f in flats if f.numel()]
@@ -261,25 +275,40 @@ class _Pool(Transport):
         super().__init__(rpc, hello)
         self.pool = pool
 
+    small_limit = SMALL_POOL_BYTES
+
     def park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
-        if sum(f.numel() for f in flats) <= SMALL_POOL_BYTES:
+        if sum(f.numel() for f in flats) <= self.small_limit:
             return self._park_small(header, flats)
         pool, rpc = self.pool, self.rpc
+        self.prepare({f.device for f in flats if f.numel()})
         r = rpc.call(rpc.reserve, pb.ReserveRequest(header=header, tier=self.tier))
+        devices = {pool.device, *(f.device for f in flats)}
         try:
             segs = [(s.offset, s.length) for s in r.segments]
             for si, so, di, do, n in pieces([f.numel() for f in flats], [n for _, n in segs]):
                 base = segs[di][0] + do
                 pool[base : base + n].copy_(flats[si][so : so + n])
-            # Explicit synchronisation: the daemon reads the slots only after Commit,
-            # and every copy into them has completed by then.
-            cuda.synchronize(pool.device)
+            # The daemon reads the slots right after Commit: every copy into them has
+            # landed by then. Events on the streams that ran them, not a device-wide
+            # synchronize that would also wait for unrelated queued work.
+            cuda.Fence(*devices).wait()
         except BaseException:
+            # Copies already queued may still be writing the slots: they land before the
+            # lease (and with it the slots) goes back to the daemon for reuse.
+            try:
+                cuda.Fence(*devices).wait()
+            except Exception:  # noqa: BLE001 - a broken context runs no more copies
+                pass
             rpc.release_quietly(r.lease_id)
             raise
         return convert.info_from_pb(rpc.call(rpc.commit, pb.CommitRequest(lease_id=r.lease_id)))
 
+    def prepare(self, devices: set[torch.device]) -> None:
+        """Called with the devices of a call's tensors before its copies."""
+
     def restore(self, ids: list[str], target: Target) -> Restoring:
+        self.prepare(target.devices())
         req = pb.AcquireRequest(tier=self.tier, expect_layout=target.expect_layout, inline_max=SMALL_POOL_BYTES)
         set_ids(req, ids)
         try:
@@ -298,11 +327,11 @@ class _Pool(Transport):
 
         def end() -> None:
             # Every queued copy has read its slots before the lease ends, also when a
-            # layer-wise consumer stops early.
+            # layer-wise consumer stops early. They all run on the copier's stream, so
+            # one event there covers them (no device-wide synchronize).
             try:
                 if copies is not None:
                     copies.synchronize()
-                cuda.synchronize(pool.device)
             finally:
                 self.rpc.release_quietly(r.lease_id)
 
@@ -345,8 +374,16 @@ class Shm(_Pool):
     def __init__(self, rpc: Rpc, hello: pb.HelloResponse, arena: SharedArena) -> None:
         super().__init__(rpc, hello, arena.tensor)
         self.arena = arena
-        # On a GPU machine, page-lock the mapping once so D2H/H2D go straight in and out.
-        self.pinned = cuda.pin_host(arena.tensor) > 0
+        self.pinned = False
+        self._pin_tried = False
+
+    def prepare(self, devices: set[torch.device]) -> None:
+        if not self._pin_tried and any(d.type == "cuda" for d in devices):
+            # Page-lock the mapping once, on the first call that moves GPU tensors
+            # through it, so D2H/H2D go straight in and out (a CPU-only user of this
+            # client never creates a CUDA context for it).
+            self._pin_tried = True
+            self.pinned = cuda.pin_host(self.arena.tensor) is not None
 
     @classmethod
     def open(cls, rpc: Rpc, hello: pb.HelloResponse) -> "Transport":
@@ -379,17 +416,22 @@ class CudaIpc(_Pool):
         d = hello.device
         if "cuda_ipc" not in hello.transports or not d.ipc_handle:
             raise TransportUnavailable("the daemon has no CUDA device tier")
-        if cuda.local_device_for(d.uuid) is None:
+        device = cuda.local_device_for(d.uuid)
+        if device is None:
             raise TransportUnavailable(f"this process cannot see the daemon's GPU ({d.device}, {d.uuid})")
         try:
-            pool = cuda.open_ipc(d.ipc_handle, d.size)
+            pool = cuda.open_ipc(d.ipc_handle, d.size, device)
         except (RuntimeError, ValueError, TypeError, KeyError) as e:
             raise TransportUnavailable(f"cannot open the device pool's IPC handle: {e}") from None
         return cls(rpc, hello, pool)
 
 
 TRANSPORTS: dict[str, type[Transport]] = {t.name: t for t in (CudaIpc, Shm, Inline)}
-AUTO = ("cuda_ipc", "shm", "inline")  # fastest first; inline always opens
+# What ``auto`` opens at connect, in order (inline always opens). cuda_ipc is not among
+# them: under auto it is used per call, for tensors on the daemon's GPU (``Client``
+# opens it on the first such call), so a process that never hands over CUDA tensors
+# never creates a CUDA context for it.
+AUTO = ("shm", "inline")
 
 
 def negotiate(rpc: Rpc, hello: pb.HelloResponse, want: str) -> Transport:

@@ -12,6 +12,11 @@ Primitives:
 - ``STATS``: process-wide counters (lookups, hit blocks, loads, saves, their microseconds,
   failures by kind).
 - ``layout_fingerprint(vllm_config, kv_cache_config) -> str``.
+- ``block_dim_of(layers, block_size) -> int | None``: where the block index sits in a KV
+  layer (FlashAttention ``[2, blocks, block_size, heads, dim]``: 1; CPU backend: 0).
+- ``load_blocks(client, layers, block_dim, ids, keys, stage_bytes)`` and
+  ``save_blocks(client, layers, block_dim, ids, keys, attrs, stage_bytes)``: the worker's
+  gather/scatter between the engine's KV layers and kvpark, in bounded chunks.
 
 What is stored: every *full* KV block a request computes, all layers together, as one
 plain kvpark sequence whose id is a chained content hash (layout fingerprint, parent key,
@@ -21,9 +26,16 @@ them into its freshly allocated blocks. Blocks are opaque bytes: the layout fing
 covers model, dtype, block size, KV heads, head size, layer count and the platform's
 kernel layout, so bytes are never read under another layout.
 
+Loads are restored and scattered into the engine's blocks inside ``start_load_kv``,
+before the forward pass, so every attention path (full CUDA graphs too, which never call
+``wait_for_layer_load``) reads loaded blocks. Loads and saves move at most
+``stage_bytes`` of blocks at a time: the staging tensors live inside the engine's memory
+budget.
+
 Extra config keys: ``address`` (default ``$KVPARK_ADDRESS`` or 127.0.0.1:50551),
 ``lookup_timeout_s`` (0.5), ``load_timeout_s`` (10), ``save_timeout_s`` (10),
-``transport`` ("auto"), ``cpu_amx_init`` (true).
+``stage_bytes`` (256 MiB), ``transport`` ("auto"; the workers' data path, the scheduler
+always uses "inline"), ``cpu_amx_init`` (true).
 
 On vLLM's CPU platform the worker-role connector asks the kernel for AMX tile permission
 when it starts (``kvpark.client.amx``): vLLM's CPU attention otherwise dies with SIGILL on
@@ -61,7 +73,7 @@ from kvpark.proto.errors import DeadlineExceeded, Unavailable
 from kvpark.proto.layout import dtype_name
 from kvpark.tiers import cuda
 
-from . import keys
+from .keys import extend as extend_keys
 from .amx import request_amx_permission
 from .client import Client
 
@@ -94,6 +106,71 @@ def _flag(value: Any) -> bool:
     if isinstance(value, str):
         return value.strip().lower() not in ("0", "false", "no", "off", "")
     return bool(value)
+
+
+def block_dim_of(layers: list[torch.Tensor], block_size: int) -> int | None:
+    """The dimension that indexes blocks in these KV layers, or None for an unknown layout."""
+    shapes = {tuple(t.shape) for t in layers}
+    if not layers or len(shapes) != 1:
+        return None
+    first = layers[0]
+    if first.dim() == 5 and first.shape[0] == 2:
+        return 1  # FlashAttention: [2, num_blocks, block_size, heads, head_dim]
+    if first.dim() == 4 and first.shape[2] == block_size:
+        return 0  # CPU backend: [num_blocks, heads, block_size, 2*head_dim]
+    return None
+
+
+def _per_chunk(layers: list[torch.Tensor], block_dim: int, stage_bytes: int) -> int:
+    per_block = sum(t.numel() * t.element_size() // t.shape[block_dim] for t in layers)
+    return max(1, stage_bytes // max(1, per_block))
+
+
+def _block_shape(layers: list[torch.Tensor], block_dim: int) -> tuple[int, ...]:
+    s = list(layers[0].shape)
+    del s[block_dim]
+    return tuple(s)
+
+
+def load_blocks(client: Client, layers: list[torch.Tensor], block_dim: int, ids: list[int], keys: list[str],
+                stage_bytes: int) -> int:
+    """Restore ``keys`` and scatter them into block ``ids`` of every layer, a bounded chunk
+    at a time through one reused staging tensor. Returns how many blocks landed; raises
+    on the first failure (blocks from there on are not loaded)."""
+    step = _per_chunk(layers, block_dim, stage_bytes)
+    L, dev = len(layers), layers[0].device
+    staging = torch.empty((min(step, len(ids)), L, *_block_shape(layers, block_dim)), dtype=layers[0].dtype,
+                          device=dev)
+    done = 0
+    for lo in range(0, len(ids), step):
+        n = min(step, len(ids) - lo)
+        chunk = staging[:n]
+        client.restore_many(keys[lo : lo + n], into_flat=chunk)
+        idx = torch.as_tensor(ids[lo : lo + n], dtype=torch.long, device=dev)
+        for layer, kv in enumerate(layers):
+            src = chunk[:, layer]
+            if block_dim == 1:
+                src = src.transpose(0, 1)  # [n, 2, ...] -> [2, n, ...]
+            kv.index_copy_(block_dim, idx, src)
+        done += n
+    return done
+
+
+def save_blocks(client: Client, layers: list[torch.Tensor], block_dim: int, ids: list[int], keys: list[str],
+                attrs: dict[str, str], stage_bytes: int) -> int:
+    """Gather block ``ids`` of every layer and park each as ``keys[i]`` (all layers of one
+    block together, ``[L, *block]``), a bounded chunk at a time. Returns bytes new to kvpark."""
+    step = _per_chunk(layers, block_dim, stage_bytes)
+    dev = layers[0].device
+    new = 0
+    for lo in range(0, len(ids), step):
+        idx = torch.as_tensor(ids[lo : lo + step], dtype=torch.long, device=dev)
+        per_layer = [kv.index_select(block_dim, idx) for kv in layers]
+        if block_dim == 1:
+            per_layer = [t.transpose(0, 1) for t in per_layer]
+        packed = torch.stack(per_layer, dim=1)  # [n, L, *block]
+        new += client.park_batch({key: [packed[j]] for j, key in enumerate(keys[lo : lo + step])}, attrs=attrs)
+    return new
 
 
 def layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
@@ -164,10 +241,14 @@ class KVParkConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config or {}
         address = extra.get("address") or os.environ.get("KVPARK_ADDRESS") or "127.0.0.1:50551"
-        self._conn = _Conn(address, str(extra.get("transport", "auto")))
+        transport = str(extra.get("transport", "auto"))
+        if role == KVConnectorRole.SCHEDULER:
+            transport = "inline"  # it only sends lookups: no arena mapping, no CUDA context
+        self._conn = _Conn(address, transport)
         self._lookup_timeout = float(extra.get("lookup_timeout_s", 0.5))
         self._load_timeout = float(extra.get("load_timeout_s", 10.0))
         self._save_timeout = float(extra.get("save_timeout_s", 10.0))
+        self._stage_bytes = int(extra.get("stage_bytes", 256 << 20))
         self.block_size = int(vllm_config.cache_config.block_size)
         try:
             self.fingerprint = layout_fingerprint(vllm_config, kv_cache_config)
@@ -190,9 +271,7 @@ class KVParkConnector(KVConnectorBase_V1):
         self._pending_loads: dict[str, tuple[list[int], list[str]]] = {}
         # Worker state.
         self._layers: list[torch.Tensor] = []
-        self._names: dict[str, int] = {}
         self._block_dim = 0
-        self._staged: list[tuple[torch.Tensor, torch.Tensor, set[int]]] = []  # (ids, data, layers left)
         self._failed: set[int] = set()
 
     # ------------------------------------------------------------------ keys
@@ -202,7 +281,7 @@ class KVParkConnector(KVConnectorBase_V1):
         chain = self._chain.setdefault(rid, [])
         bs = self.block_size
         if len(chain) < n:
-            keys.extend(chain, self.fingerprint, np.asarray(tokens[len(chain) * bs : n * bs], dtype="<i8"), bs)
+            extend_keys(chain, self.fingerprint, np.asarray(tokens[len(chain) * bs : n * bs], dtype="<i8"), bs)
         return chain[:n]
 
     # ------------------------------------------------------------------ scheduler side
@@ -298,108 +377,63 @@ class KVParkConnector(KVConnectorBase_V1):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layers = list(kv_caches.values())
-        self._names = {name: i for i, name in enumerate(kv_caches)}
-        shapes = {tuple(t.shape) for t in layers}
-        first = layers[0] if layers else None
-        if first is None or len(shapes) != 1:
-            _miss("setup", ValueError(f"unexpected KV layers {shapes}"))
+        dim = block_dim_of(layers, self.block_size)
+        if dim is None:
+            _miss("setup", ValueError(f"unknown KV layout {sorted({tuple(t.shape) for t in layers})}"))
             self.fingerprint = ""
             return
-        if first.dim() == 5 and first.shape[0] == 2:
-            self._block_dim = 1  # FlashAttention: [2, num_blocks, block_size, heads, head_dim]
-        elif first.dim() == 4 and first.shape[2] == self.block_size:
-            self._block_dim = 0  # CPU backend: [num_blocks, heads, block_size, 2*head_dim]
-        else:
-            _miss("setup", ValueError(f"unknown KV layout {tuple(first.shape)}"))
-            self.fingerprint = ""
-            return
+        self._block_dim = dim
+        first = layers[0]
         self._layers = layers
         log.info("kvpark connector: %d layers of %s (%s layout), address %s", len(layers), tuple(first.shape),
                  "flash-attn" if self._block_dim else "cpu", self._conn.address)
 
-    def _block_shape(self) -> tuple[int, ...]:
-        s = list(self._layers[0].shape)
-        del s[self._block_dim]
-        return tuple(s)
-
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        """Restore this step's loads and scatter them into their blocks now, before the
+        forward pass: the engine may never call ``wait_for_layer_load`` (full CUDA graphs)."""
         meta = self._meta()
         if meta is None or not meta.loads or not self._layers:
             return
         for rid, ids, keys in meta.loads:
             if not ids:
                 continue
-            staging = torch.empty((len(ids), len(self._layers), *self._block_shape()),
-                                  dtype=self._layers[0].dtype, device=self._layers[0].device)
             t0 = time.perf_counter()
             try:
                 client = self._conn.get()
                 with client.deadline(self._load_timeout):
-                    client.restore_many(keys, into_flat=staging)
+                    done = load_blocks(client, self._layers, self._block_dim, ids, keys, self._stage_bytes)
             except Exception as e:  # noqa: BLE001 - a failed load is a miss, recomputed by the engine
                 self._conn_error("load", e)
                 STATS["load_failures"] += 1
                 self._failed.update(ids)
                 continue
             STATS["loads"] += 1
-            STATS["loaded_blocks"] += len(ids)
+            STATS["loaded_blocks"] += done
             STATS["load_us"] += int((time.perf_counter() - t0) * 1e6)
-            idx = torch.as_tensor(ids, dtype=torch.long, device=staging.device)
-            self._staged.append((idx, staging, set(range(len(self._layers)))))
-        if getattr(forward_context, "attn_metadata", None) is None:
-            self._scatter_all()  # no forward this step: nobody will ask layer by layer
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Layer-wise: a layer's loaded blocks are scattered just before its attention runs."""
-        layer = self._names.get(layer_name)
-        if layer is None:
-            self._scatter_all()
-            return
-        for idx, data, left in self._staged:
-            if layer in left:
-                self._scatter(layer, idx, data)
-                left.discard(layer)
-        self._staged = [s for s in self._staged if s[2]]
-
-    def _scatter(self, layer: int, idx: torch.Tensor, data: torch.Tensor) -> None:
-        src = data[:, layer]
-        if self._block_dim == 1:
-            src = src.transpose(0, 1)
-        self._layers[layer].index_copy_(self._block_dim, idx, src)
-
-    def _scatter_all(self) -> None:
-        for idx, data, left in self._staged:
-            for layer in sorted(left):
-                self._scatter(layer, idx, data)
-        self._staged = []
+        return  # every load was scattered in start_load_kv
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # whole blocks (all layers) are saved together in wait_for_save
 
     def wait_for_save(self) -> None:
-        self._scatter_all()  # loads never outlive their step
         meta = self._meta()
         if meta is None or not meta.saves or not self._layers:
             return
-        items: dict[str, list[torch.Tensor]] = {}
-        for _rid, ids, keys in meta.saves:
-            idx = torch.as_tensor(ids, dtype=torch.long, device=self._layers[0].device)
-            per_layer = [kv.index_select(self._block_dim, idx) for kv in self._layers]  # one per layer
-            if self._block_dim == 1:
-                per_layer = [t.transpose(0, 1) for t in per_layer]
-            packed = torch.stack(per_layer, dim=1)  # [n, L, *block]
-            for j, key in enumerate(keys):
-                items[key] = [packed[j]]
+        ids = [i for _rid, bids, _keys in meta.saves for i in bids]
+        keys = [k for _rid, _bids, bkeys in meta.saves for k in bkeys]
         t0 = time.perf_counter()
         try:
             client = self._conn.get()
             with client.deadline(self._save_timeout):
-                client.park_batch(items, attrs={"layout": self.fingerprint})
+                save_blocks(client, self._layers, self._block_dim, ids, keys, {"layout": self.fingerprint},
+                            self._stage_bytes)
         except Exception as e:  # noqa: BLE001 - a failed save only costs a future miss
             self._conn_error("save", e)
             return
         STATS["saves"] += 1
-        STATS["saved_blocks"] += len(items)
+        STATS["saved_blocks"] += len(set(keys))
         STATS["save_us"] += int((time.perf_counter() - t0) * 1e6)
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -127,7 +127,8 @@ class PolicyConfig:
     promote_on_restore: bool = _f(True, "restoring a disk-resident sequence copies it back to host when there is room")
     flush_on_shutdown: bool = _f(True, "a graceful stop writes every host-only sequence to disk first")
     restore_to: str = _f("auto", 'tier a restore promotes into before serving: "device", "host", or "auto" '
-                         "(device when the device tier is on)", choices=("auto", "device", "host"))
+                         "(the tier the reader copies from: device for cuda_ipc, host for shm and streamed "
+                         "or small restores)", choices=("auto", "device", "host"))
 
 
 @dataclass(frozen=True)

@@ -96,18 +96,23 @@ class Engine:
         except BaseException:
             self.disk.close()
             raise
-        # Resolved once: "auto" asks whether CUDA is there, which is not free.
-        self.restore_to = config.policy.restore_to if config.policy.restore_to != "auto" else (
-            "device" if "device" in self.tiers else "host")
+        # The tier a restore that reads any CPU-readable copy (streamed or small) promotes
+        # into, or None. "auto": such a reader copies from host memory; a device copy would
+        # be paid for (an H2D copy, device room) and then not read. (A reader of one tier,
+        # shm or cuda_ipc, always has its sequence promoted into that tier.)
+        pol = config.policy
+        self.restore_to = None if not pol.promote_on_restore else "host" if pol.restore_to == "auto" else pol.restore_to
         self.catalog = Catalog(self.tiers)
         self.leases = LeaseTable(self.catalog, config.leases)
-        self.copy = CopyEngine(config.copy.max_inflight_bytes)
+        dev = self.tiers.get("device")
+        self.copy = CopyEngine(config.copy.max_inflight_bytes, device=dev.device if dev is not None else None)
         self.mover = Mover(self.catalog, self.leases, self.disk, self.copy, config.policy, self.slot_size)
         self._load_index()
 
     def _open_memory(self, config: Config) -> None:
         host, pol = config.tiers.host, config.policy
         self.tiers: dict[str, MemTier] = {}
+        self._ipc_handle = b""
         dev = config.tiers.device
         device = torch.device(dev.device)
         if dev.enabled == "true" or (dev.enabled == "auto" and device.type == "cuda" and cuda.cuda_available()):
@@ -118,6 +123,10 @@ class Engine:
             self.tiers["device"] = MemTier("device", pool, host.slot_size, dev.high_watermark or pol.high_watermark,
                                            dev.low_watermark or pol.low_watermark)
             log.info("device tier: %d MiB on %s", cap >> 20, device)
+            if device.type == "cuda":
+                # Exported once, not per Hello: each export takes an IPC reference on the
+                # pool's storage that is never given back.
+                self._ipc_handle = cuda.ipc_handle(pool)
 
         removed = remove_stale(host.shm_dir)
         if removed:
@@ -126,8 +135,13 @@ class Engine:
         self.arena = SharedArena.create(host.shm_dir, cap, prefault=host.prefault)
         log.info("host arena: %d MiB in %d slots of %d KiB, %s (%.2fs to map)", cap >> 20, cap // host.slot_size,
                  host.slot_size >> 10, self.arena.path or "private memory", self.arena.prefault_s)
-        if cuda.cuda_available():
-            log.info("host arena page-locked in %.2fs", cuda.pin_host(self.arena.tensor))
+        # Page-locking only pays off for copies to and from a GPU pool; without one it
+        # would create a CUDA context for nothing.
+        gpu = self.tiers.get("device")
+        took = cuda.pin_host(self.arena.tensor) if gpu is not None and gpu.device.type == "cuda" else None
+        self.arena_pinned = took is not None
+        if took is not None:
+            log.info("host arena page-locked in %.2fs", took)
         self.tiers["host"] = MemTier("host", self.arena.tensor, host.slot_size,
                                      host.high_watermark or pol.high_watermark, host.low_watermark or pol.low_watermark,
                                      view=self.arena.view)
@@ -165,7 +179,7 @@ class Engine:
         self.leases.close()
         self.copy.close()
         self.disk.close()
-        if cuda.cuda_available():
+        if self.arena_pinned:
             cuda.unpin_host(self.arena.tensor)
         self.tiers.clear()
         self.arena.close(unlink=True)
@@ -393,14 +407,16 @@ class Engine:
     # ------------------------------------------------------------------ restore
 
     def acquire(self, seq_ids: str | list[str], need: str | None = None, stream: bool = False,
-                expect_layout: str = "") -> ReadHandle:
+                expect_layout: str = "", inline_max: int = 0) -> ReadHandle:
         """Lease readable copies of one or more sequences, served as one payload.
 
         A sequence that references shared blocks expands to those blocks, then itself.
         ``need`` forces a memory tier (shm: host, cuda_ipc: device); otherwise each part
-        is served from its fastest CPU-readable copy, or from disk. With
-        ``expect_layout``, every named sequence must carry ``attrs["layout"]`` equal to it.
-        ``stream``: the lease is held by this call's stream (no deadline).
+        is served from its fastest CPU-readable copy, or from disk. A payload of at most
+        ``inline_max`` bytes is served that way even with ``need`` (the caller sends it
+        inline), so it never goes host -> device -> host. With ``expect_layout``, every
+        named sequence must carry ``attrs["layout"]`` equal to it. ``stream``: the lease
+        is held by this call's stream (no deadline).
         """
         ids = [seq_ids] if isinstance(seq_ids, str) else list(seq_ids)
         if not ids:
@@ -429,10 +445,16 @@ class Engine:
             for c in comps:
                 c.manifest.last_access = now
                 c.access_count += 1
-        want = need or (self.restore_to if self.config.policy.promote_on_restore else None)
+            if need is not None and sum(c.manifest.nbytes for c in comps) <= inline_max:
+                need = None
+        want = need or self.restore_to
+        if want not in self.tiers:
+            want = None  # restore_to = "device" on a daemon whose device tier did not come up
         lease = self.leases.new_read(stream)
         parts: list[Part] = []
         try:
+            if want:
+                self.mover.promote_batch(comps, want)
             for c in comps:
                 parts.append(self._acquire_part(c, need, want, lease))
         except BaseException:
@@ -572,10 +594,9 @@ class Engine:
         if self.arena.path:
             transports.insert(0, "shm")
         dev = self.tiers.get("device")
-        handle = b""
-        if dev is not None and dev.device.type == "cuda":
+        handle = self._ipc_handle
+        if handle:
             transports.insert(0, "cuda_ipc")
-            handle = cuda.ipc_handle(dev.pool)
         return Capabilities(
             server_version=VERSION,
             transports=tuple(transports),

@@ -17,6 +17,8 @@ Primitives:
   ``to`` (disk blocks are verified on the way; a disk sequence bound for the device is
   staged through host). With ``lease``, the copy is leased in the same step that finds
   it ready, so a demotion cannot take it away in between; True when leased.
+- ``promote_batch(seqs, to)``: the memory-resident ones among ``seqs`` in one copy job
+  (a restore of many blocks); what does not fit now is left to ``promote``.
 - ``demote(seq_id, tier, jobs=None) -> bool``: move one copy down a tier.
 - ``await_room(tier, need, exclude, deadline) -> bool``: demote, or wait on the catalog's
   ``changed`` condition for in-flight work to free room.
@@ -109,6 +111,59 @@ class Mover:
         finally:
             with self.catalog.lock:
                 self.catalog.notify()  # a demotion waiting for this sequence may take it now
+
+    def promote_batch(self, seqs: list[Seq], to: str) -> None:
+        """Promote the memory-resident ones among ``seqs`` into ``to`` with one copy job.
+
+        A restore of many blocks would otherwise submit and wait one job per block.
+        Disk-only sequences, and any this cannot place, are left to ``promote``.
+        """
+        with self.catalog.lock:
+            uniq = {id(s): s for s in seqs if to not in s.res and s.res and not s.dropped
+                    and s.manifest.block_size == self.slot_size}
+        todo = sorted(uniq.values(), key=lambda s: s.seq_id)  # one lock order for every batch
+        if len(todo) < 2:
+            return
+        locked: list[Seq] = []
+        planned: list[tuple[Seq, str, Allocation, Allocation]] = []  # (seq, src tier, src, dst)
+        landed = False
+        mem = self.tiers[to]
+        try:
+            for seq in todo:
+                seq.move_lock.acquire()  # demotion only ever tries these, so no cycle
+                locked.append(seq)
+            for seq in todo:
+                # Only what fits now: making room would wait on the move locks this batch
+                # holds. The rest is promoted one by one (making room) by ``promote``.
+                a = self._alloc_in(to, seq, make_room=False)
+                if a is None:
+                    continue  # there already, dropped, or no room
+                with self.catalog.lock:
+                    src = next((t for t in MEM_TIERS if t in seq.res and t != to), None)
+                    if src is None:
+                        self.catalog.free(to, a)
+                        continue
+                    seq.moving += 1  # the source copy cannot be freed under the copy
+                    planned.append((seq, src, seq.res[src], a))
+            if not planned:
+                return
+            pieces = [(mem.tensor(d, n), self.tiers[src].tensor(o, n))
+                      for _, src, src_alloc, dst_alloc in planned
+                      for o, d, n in runs(src_alloc.extents, dst_alloc.extents)]
+            self.copy.submit(pieces, restore=True).wait()
+            landed = True
+        finally:
+            with self.catalog.lock:
+                for seq, _, _, a in planned:
+                    seq.moving -= 1
+                    if landed and not seq.dropped:
+                        seq.res[to] = a
+                    else:
+                        self.catalog.free(to, a)
+                    self.catalog.release_dropped(seq)
+                self.catalog.notify()
+            for seq in locked:
+                seq.move_lock.release()
 
     def _promote_locked(self, seq: Seq, to: str, make_room: bool) -> None:
         # REQUIRES: seq.move_lock held.

@@ -200,8 +200,9 @@ class Servicer:
     @_typed
     def Acquire(self, req: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireResponse:
         ids = list(req.seq_ids) or req.seq_id
-        h = self.engine.acquire(ids, need=req.tier or "host", expect_layout=req.expect_layout)
-        if h.info.nbytes <= min(req.inline_max, self.chunk_size):
+        small = min(req.inline_max, self.chunk_size)
+        h = self.engine.acquire(ids, need=req.tier or "host", expect_layout=req.expect_layout, inline_max=small)
+        if h.info.nbytes <= small:
             # Small: one round trip, bytes in the reply, no lease left behind.
             try:
                 return pb.AcquireResponse(info=convert.info_to_pb(h.info), data=self._join(h), inlined=True)

@@ -1,7 +1,8 @@
 """Shared fixtures: real daemons (in-process on port 0, or as subprocesses), temp dirs.
 
 Primitives:
-- ``make_config(tmp_path, **overrides) -> Config``: small tiers in temp dirs.
+- ``make_config(tmp_path, **overrides) -> Config``: small tiers in temp dirs, the device
+  tier off (tests that need it turn it on).
 - ``daemon`` fixture factory: ``start(disk_factory=DiskStore, **overrides) -> Daemon``
   (stopped at teardown); ``disk_factory`` injects a ``DiskStore`` subclass (faults, slow I/O).
 - ``Proc``: a ``kvpark serve`` subprocess; ``Proc.start(tmp_path, *args)`` waits for the
@@ -46,6 +47,9 @@ def make_config(tmp_path: Path, **overrides: Any) -> Config:
     base = {
         "server.listen": "127.0.0.1:0",
         "server.grace_s": 1.0,
+        # Off unless a test turns it on: "auto" would give every daemon of the suite an
+        # 8 GiB pool on a GPU machine.
+        "tiers.device.enabled": "false",
         "tiers.host.capacity": "16MiB",
         "tiers.host.shm_dir": str(tmp_path / "shm"),
         "tiers.disk.path": str(tmp_path / "disk"),
@@ -112,6 +116,7 @@ class Proc:
             sys.executable, "-m", "kvpark.daemon.cli", "serve",
             "--listen", "127.0.0.1:0",
             "--data-dir", str(data_dir or tmp_path / "disk"),
+            "--set", "tiers.device.enabled=false",
             "--set", "tiers.host.capacity=16MiB",
             "--set", f"tiers.host.shm_dir={tmp_path / 'shm'}",
             "--set", "tiers.disk.capacity=256MiB",

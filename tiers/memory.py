@@ -3,8 +3,10 @@
 Primitives:
 - ``MemTier(name, pool, slot_size, high, low)``; ``alloc`` is its ``SlotAllocator``.
 - ``views(allocation) -> list[memoryview]``: CPU-readable block views (zero-copy for CPU
-  pools; a device pool is copied to host first, for the rare disk write from device).
-- ``write(offset, data)``: put CPU bytes at a pool offset (inline parks, disk promotions).
+  pools; a device pool's blocks come over in one batched page-locked D2H, for the rare
+  disk write or stream served from device).
+- ``write(offset, data)``: put CPU bytes at a pool offset (inline parks, disk promotions);
+  into a device pool through page-locked staging.
 - ``tensor(offset, n)``: a device-agnostic slice for the copy engine.
 """
 
@@ -15,6 +17,7 @@ import warnings
 import numpy as np
 import torch
 
+from . import cuda
 from .arena import Allocation, SlotAllocator
 
 # torch warns once per process when it wraps a read-only buffer (received gRPC
@@ -50,11 +53,11 @@ class MemTier:
         if self._view is not None:
             v = self._view
             return [v[o : o + n] for o, n in a.extents]
-        return [memoryview(self.pool[o : o + n].cpu().numpy()) for o, n in a.extents]
+        return [memoryview(t.numpy()) for t in cuda.to_host([self.pool[o : o + n] for o, n in a.extents])]
 
     def write(self, offset: int, data: memoryview) -> None:
         n = len(data)
         if self._view is not None:
             self._view[offset : offset + n] = data
         else:
-            self.pool[offset : offset + n].copy_(torch.from_numpy(np.frombuffer(data, dtype=np.uint8)))
+            cuda.to_device(self.pool[offset : offset + n], torch.from_numpy(np.frombuffer(data, dtype=np.uint8)))

@@ -63,11 +63,13 @@ def test_restore_promotes_to_device_and_prefetch_moves_up(daemon: Callable[..., 
         for i in range(30):
             c.park(f"s{i:02d}", [blob(i)])
         assert c.info("s00").tier == "disk"
-        # Background demotion leaves headroom under the device tier's high watermark.
+        # Background demotion leaves headroom under the device and host high watermarks.
         assert wait_until(lambda: c.stat().tiers["device"].used_bytes <= 7 * MiB)
-        # Restore promotes into restore_to (device when enabled) before serving.
+        assert wait_until(lambda: c.stat().tiers["host"].used_bytes <= 14 * MiB)
+        # A streamed restore promotes into restore_to before serving: "auto" is the host
+        # tier it reads from (a device copy would be made and then not read).
         assert torch.equal(c.restore("s00")[0], blob(0))
-        assert c.info("s00").tier == "device"
+        assert c.info("s00").tier == "host"
         # Prefetch without waiting starts the move; with wait it is there on return.
         assert c.info("s01").tier == "disk"
         c.prefetch("s01", tier="host")
@@ -79,6 +81,17 @@ def test_restore_promotes_to_device_and_prefetch_moves_up(daemon: Callable[..., 
             c.prefetch("ghost", wait=True)
         with pytest.raises(InvalidArgument):
             c.prefetch("s03", tier="tape")
+
+
+def test_restore_to_device_promotes_streamed_restores_there(daemon: Callable[..., Daemon]) -> None:
+    d = daemon(**DEV, **{"policy.restore_to": "device"})
+    with Client(d.address, transport="inline") as c:
+        for i in range(30):
+            c.park(f"s{i:02d}", [blob(i)])
+        assert wait_until(lambda: c.info("s00").tier == "disk")
+        assert wait_until(lambda: c.stat().tiers["device"].used_bytes <= 7 * MiB)
+        assert torch.equal(c.restore("s00")[0], blob(0))
+        assert c.info("s00").tier == "device"
 
 
 def test_prefetch_timeout(daemon: Callable[..., Daemon]) -> None:
@@ -154,3 +167,21 @@ def test_restores_racing_demotions_never_see_half_copied_blocks(daemon: Callable
         engine = d.engine
         assert engine is not None
         engine.check_invariants()
+
+
+def test_restore_many_promotes_its_blocks_in_one_copy_job(daemon: Callable[..., Daemon]) -> None:
+    # Step 1: eight 256 KiB blocks parked inline land on the (CPU stand-in) device tier.
+    d = daemon(**DEV)
+    assert d.engine is not None
+    blocks = {f"blk{i}": [blob(i, 256 << 10)] for i in range(8)}
+    with Client(d.address, transport="inline") as c:
+        c.park_batch(blocks)
+        assert all(c.info(b).tier == "device" for b in blocks)
+    # Step 2: an shm reader needs them in the host arena: one job moves all eight.
+    jobs = d.engine.copy.completed
+    with Client(d.address, transport="shm") as c:
+        info, back = c.restore_many(list(blocks))
+        assert d.engine.copy.completed - jobs == 1
+        assert all(torch.equal(t, blocks[b][0]) for t, b in zip(back, blocks))
+        assert all(c.info(b).tier == "device" for b in blocks)  # still also on device
+        assert d.engine.stat().tiers["host"].sequences == 8
