@@ -22,6 +22,7 @@ from kvpark.daemon.server import Daemon
 from kvpark.proto import GRPC_OPTIONS
 from kvpark.proto.errors import Internal
 from kvpark.proto.v1 import kvpark_pb2 as pb
+from kvpark.proto.wire import decode_chunk
 from kvpark.tiers.disk import DiskStore, Manifest
 
 from ..conftest import run_threads, wait_until
@@ -173,8 +174,6 @@ def test_inline_reader_keeps_its_bytes_until_release(daemon: Callable[..., Daemo
             parts.extend(stream)
         finally:
             ch.close()
-        from kvpark.proto.wire import decode_chunk
-
         got = bytearray()
         for raw in parts[1:]:
             chunk = decode_chunk(raw)

@@ -88,5 +88,5 @@ def test_a_real_daemon_raises_each_provokable_class_by_name(daemon: Callable[...
                 call()
             assert type(e.value) is cls and e.value.code == CONTRACT[cls.__name__]
         # The layout check compares values: a matching layout restores.
-        info, out = c.restore_many(["s"], expect_layout="L1")
+        _, out = c.restore_many(["s"], expect_layout="L1")
         assert torch.equal(out[0], torch.ones(10))
