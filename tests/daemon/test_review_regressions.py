@@ -11,6 +11,7 @@ from kvpark.client import Client, FailedPrecondition, InvalidArgument, NotFound,
 from kvpark.daemon.model import ParkSpec
 from kvpark.daemon.server import Daemon
 from kvpark.proto import GRPC_OPTIONS
+from kvpark.proto.errors import ERROR_KEY
 from kvpark.proto.layout import TensorMeta
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import encode_chunk
@@ -89,7 +90,8 @@ def test_restore_from_disk_racing_a_drop_is_not_found_not_data_loss(daemon: Call
 
 
 def test_stalled_inline_park_stream_expires(daemon: Callable[..., Daemon]) -> None:
-    d = daemon(**{"leases.ttl_s": 0.3})
+    # A TTL long enough to see the lease appear (polling under load), short enough to wait out.
+    d = daemon(**{"leases.ttl_s": 1.5})
     sent, release = threading.Event(), threading.Event()
 
     def messages() -> Iterator[bytes]:
@@ -107,11 +109,14 @@ def test_stalled_inline_park_stream_expires(daemon: Callable[..., Daemon]) -> No
     try:
         assert sent.wait(10)
         with Client(d.address) as c:
+            # Step: the server has reserved (nothing is held before it does), then the lease expires.
+            assert wait_until(lambda: c.stat().leases == 1 and c.stat().tiers["host"].used_bytes == 4 * MiB)
             assert wait_until(lambda: c.stat().leases == 0 and c.stat().tiers["host"].used_bytes == 0)
         release.set()
         with pytest.raises(grpc.RpcError) as err:
             fut.result(timeout=30)
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # LeaseExpired
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert dict(err.value.trailing_metadata() or ())[ERROR_KEY] == "LeaseExpired"
     finally:
         release.set()
         ch.close()
