@@ -1,5 +1,6 @@
 # Fresh machine: `make serve` runs the daemon on the embedded default config;
-# `make test` runs every test (the core suite, then the vLLM connector suite in its own venv).
+# `make test` runs every test (the core suite, then the vLLM connector suite in its own venv);
+# `make mutate` runs a bounded mutation pass (docs/testing.md).
 # Each creates the virtual environments and installs what it needs.
 PY ?= python3
 VENV := .venv
@@ -8,7 +9,7 @@ STAMP := $(VENV)/.installed
 VLLM_VENV := .venv-vllm
 VSTAMP := $(VLLM_VENV)/.installed
 
-.PHONY: serve test test-core test-vllm install bench proto clean
+.PHONY: serve test test-core test-vllm install bench proto clean mutate
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -44,6 +45,12 @@ test-vllm: $(VSTAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/transport.py
+
+# A bounded mutation pass (cosmic-ray) over daemon/ and tiers/ with the fast tests; not part of
+# `make test`. MUTATE_SAMPLE=N mutants (default 60), MUTATE_SEED; see docs/testing.md.
+mutate: $(STAMP)
+	$(BIN)/pip install -q -e '.[dev,bench,mutate]'
+	tools/mutate.sh
 
 proto: $(STAMP)
 	$(BIN)/python proto/generate.py

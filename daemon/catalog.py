@@ -302,20 +302,30 @@ class Catalog:
         out["disk"] = TierStat(disk_capacity, disk_used, sum(len(s.manifest.block_lengths) for s in disk), len(disk))
         return out
 
-    def check(self, disk_used: int, write_leases: list[list[tuple[str, Allocation]]], readers: dict[tuple[int, str], int]) -> None:
+    def check(self, disk_used: int, write_leases: list[list[tuple[str, Allocation]]],
+              readers: dict[tuple[int, str], int], leased: list[Seq]) -> None:
         """Assert the index's invariants against the tiers' own accounting.
 
         REQUIRES: lock, and a quiet engine (no park, copy or disk write in flight).
         ``write_leases`` are the slots reserved by open write leases, ``readers`` the
-        read-lease count per ``(id(seq), tier)``.
+        read-lease count per ``(id(seq), tier)``, ``leased`` the sequences read leases
+        hold: a dropped one among them still owns the copies its readers read.
         """
+        gone = [s for s in leased if self._seqs.get(s.seq_id) is not s]
+        for s in gone:
+            assert s.dropped, f"{s.seq_id}: leased, not in the index, yet not dropped"
+            assert set(s.res) == {t for t, n in s.readers.items() if n}, (
+                f"{s.seq_id}: dropped, keeps {sorted(s.res)} for readers on {s.readers}")
         for name, mem in self.tiers.items():
-            allocs = [s.res[name] for s in self._seqs.values() if name in s.res]
+            allocs = [s.res[name] for s in [*self._seqs.values(), *gone] if name in s.res]
             allocs += [a for held in write_leases for t, a in held if t == name]
             charged = sum(a.charged for a in allocs)
             assert mem.alloc.used_bytes == charged, f"{name}: allocator says {mem.alloc.used_bytes}, owners {charged}"
         on_disk = sum(s.manifest.nbytes for s in self._seqs.values() if s.on_disk)
         assert disk_used == on_disk, f"disk: store holds {disk_used} bytes, the index {on_disk}"
+        for s in gone:
+            for t, n in s.readers.items():
+                assert n == readers.get((id(s), t), 0), f"{s.seq_id} (dropped): {n} readers on {t}"
         refs: dict[str, int] = {}
         for s in self._seqs.values():
             assert not s.dropped and s.moving == 0, f"{s.seq_id}: dropped={s.dropped} moving={s.moving}"

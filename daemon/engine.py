@@ -617,13 +617,14 @@ class Engine:
         Holds off demotions and waits for moves in flight first; parks, restores and
         drops must be quiet (the caller's job).
 
-        Every memory tier's allocator charges exactly the copies the index holds plus
-        the slots of open write leases; the disk store holds exactly the bytes of the
-        sequences the index has on disk; every reference count equals the references
-        parked sequences make, each to a parked shared block; readers equal read leases.
+        Every memory tier's allocator charges exactly the copies the index holds, the
+        copies read leases still hold of dropped sequences, and the slots of open write
+        leases; the disk store holds exactly the bytes of the sequences the index has on
+        disk; every reference count equals the references parked sequences make, each to
+        a parked shared block; readers equal read leases, and no copy is in flight.
         """
         with self.mover.quiet():
             used = self.disk.used
             with self.catalog.lock:
-                writes, readers = self.leases.held()
-                self.catalog.check(used, writes, readers)
+                writes, readers, leased = self.leases.held()
+                self.catalog.check(used, writes, readers, leased)

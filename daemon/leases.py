@@ -33,7 +33,7 @@ from kvpark.tiers.arena import Allocation
 
 from .catalog import Catalog
 from .config import LeaseConfig
-from .model import Lease, ParkSpec
+from .model import Lease, ParkSpec, Seq
 
 log = logging.getLogger("kvpark.leases")
 
@@ -137,14 +137,17 @@ class LeaseTable:
         # REQUIRES: index lock.
         return any(l.expires_at is None or l.kind == "write" for l in self._leases.values())
 
-    def held(self) -> tuple[list[list[tuple[str, Allocation]]], dict[tuple[int, str], int]]:
-        """What open leases hold: write slots per lease, and readers per ``(id(seq), tier)``."""
+    def held(self) -> tuple[list[list[tuple[str, Allocation]]], dict[tuple[int, str], int], list[Seq]]:
+        """What open leases hold: write slots per lease, readers per ``(id(seq), tier)``,
+        and the sequences read leases hold (dropped ones among them)."""
         # REQUIRES: index lock.
         writes: list[list[tuple[str, Allocation]]] = []
         readers: dict[tuple[int, str], int] = {}
+        leased: dict[int, Seq] = {}
         for l in self._leases.values():
             if l.kind == "write":
                 writes.append([(l.tier, a) for a in l.write_allocs()])
             for seq, tier in l.parts:
                 readers[(id(seq), tier)] = readers.get((id(seq), tier), 0) + 1
-        return writes, readers
+                leased[id(seq)] = seq
+        return writes, readers, list(leased.values())

@@ -75,6 +75,11 @@ def test_sizes() -> None:
     assert parse_size("2GiB") == 2 << 30
     assert parse_size(4096) == 4096
     assert parse_size("1.5KiB") == 1536
+    # Every unit, decimal and binary (a mutation pass found the decimal ones untested).
+    units = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+             "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+    for unit, factor in units.items():
+        assert parse_size(f"3{unit}") == 3 * factor and parse_size(f"3{unit.upper()}") == 3 * factor
     with pytest.raises(ConfigError):
         parse_size("-1")
 

@@ -12,6 +12,7 @@ from kvpark.client import Client, FailedPrecondition, InvalidArgument, NotFound,
 from kvpark.daemon.model import ParkSpec
 from kvpark.daemon.server import Daemon
 from kvpark.proto import GRPC_OPTIONS
+from kvpark.proto.errors import ERROR_KEY
 from kvpark.proto.layout import TensorMeta
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import encode_chunk
@@ -92,7 +93,8 @@ def test_restore_from_disk_racing_a_drop_is_not_found_not_data_loss(daemon: Call
 
 def test_stalled_inline_park_stream_expires(daemon: Callable[..., Daemon], caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="kvpark.leases")
-    d = daemon(**{"leases.ttl_s": 0.3})
+    # A TTL long enough to see the lease appear (polling under load), short enough to wait out.
+    d = daemon(**{"leases.ttl_s": 1.5})
     sent, release = threading.Event(), threading.Event()
 
     def messages() -> Iterator[bytes]:
@@ -109,16 +111,18 @@ def test_stalled_inline_park_stream_expires(daemon: Callable[..., Daemon], caplo
     fut = call.future(messages(), timeout=60)
     try:
         assert sent.wait(10)
-        # Wait for the reservation to have existed and expired: "no leases" alone also
-        # holds before the server has reserved anything.
-        assert wait_until(lambda: any("write lease" in r.getMessage() and "expired" in r.getMessage()
-                                      for r in caplog.records))
         with Client(d.address) as c:
+            # Step: the server has reserved (nothing is held before it does), then the lease expires.
+            assert wait_until(lambda: c.stat().leases == 1 and c.stat().tiers["host"].used_bytes == 4 * MiB)
+            # The reaper says so: "no leases" alone also holds before the server has reserved.
+            assert wait_until(lambda: any("write lease" in r.getMessage() and "expired" in r.getMessage()
+                                          for r in caplog.records))
             assert wait_until(lambda: c.stat().leases == 0 and c.stat().tiers["host"].used_bytes == 0)
         release.set()
         with pytest.raises(grpc.RpcError) as err:
             fut.result(timeout=30)
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION  # LeaseExpired
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert dict(err.value.trailing_metadata() or ())[ERROR_KEY] == "LeaseExpired"
     finally:
         release.set()
         ch.close()

@@ -95,13 +95,18 @@ def test_restore_into_in_place(daemon: Callable[..., Daemon], transport: str, co
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_restore_to_device_meta_of_cpu(daemon: Callable[..., Daemon], transport: str) -> None:
+@pytest.mark.parametrize("cols", [10, 60_000])  # one-round-trip small path, and the streamed/leased path
+def test_restore_to_device_cpu_and_meta(daemon: Callable[..., Daemon], transport: str, cols: int) -> None:
     d = daemon()
-    src = [sample(torch.float32, (10, 10), 9)]
+    src = [sample(torch.float32, (10, cols), 9), sample(torch.int8, (3,), 4)]
     with Client(d.address, transport=transport) as c:
         c.park("dev", src)
-        (out,) = c.restore("dev", device="cpu")
-    assert out.device.type == "cpu" and same_bits(out, src[0])
+        out = c.restore("dev", device="cpu")
+        assert all(o.device.type == "cpu" and same_bits(o, s) for o, s in zip(out, src))
+        # The meta device holds no bytes: the restore honours device= with the right shapes and dtypes.
+        meta = c.restore("dev", device="meta")
+        assert [(o.device.type, o.shape, o.dtype) for o in meta] == [("meta", s.shape, s.dtype) for s in src]
+        assert c.stat().leases == 0
 
 
 def test_overwrite_replaces_and_frees(daemon: Callable[..., Daemon]) -> None:

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# A bounded mutation pass over daemon/ and tiers/ (`make mutate`; not part of `make test`).
+#
+# cosmic-ray rewrites the source in place, one mutant at a time. It runs here in a scratch
+# copy of the tree, imported through a `kvpark` package of symlinks ahead of the editable
+# install, so an interrupted pass can never leave a mutant in the checkout.
+# MUTATE_SAMPLE mutants (default 60) are drawn at random with MUTATE_SEED (default 17).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+py="$root/.venv/bin/python"
+sample=${MUTATE_SAMPLE:-60}
+seed=${MUTATE_SEED:-17}
+out=${MUTATE_OUT:-$root/.mutate}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+mkdir -p "$out" "$work/_import/kvpark"
+cp -r "$root/daemon" "$root/tiers" "$root/proto" "$root/client" "$root/tests" "$root/docs" "$root/pyproject.toml" "$work/"
+find "$work" -name __pycache__ -prune -exec rm -rf {} +
+for pkg in proto daemon client tiers; do ln -s "$work/$pkg" "$work/_import/kvpark/$pkg"; done
+cd "$work"
+export PYTHONPATH="$work/_import" PATH="$root/.venv/bin:$PATH"
+"$py" -c "import kvpark.daemon.engine as e, sys; sys.exit(0 if e.__file__.startswith('$work') else 'kvpark is not imported from the scratch copy: ' + e.__file__)"
+
+db="$out/session.sqlite"
+rm -f "$db"
+cosmic-ray init "$root/tools/mutate.toml" "$db"
+"$py" "$root/tools/mutate_sample.py" sample "$db" "$sample" "$seed"
+# The baseline: the unmutated tree must pass the fast tests, or every mutant looks killed.
+eval "$(sed -n 's/^test-command = "\(.*\)"$/\1/p' "$root/tools/mutate.toml")" > "$out/baseline.log" 2>&1 \
+  || { echo "baseline failed: see $out/baseline.log" >&2; exit 1; }
+start=$(date +%s)
+cosmic-ray exec "$root/tools/mutate.toml" "$db"
+echo "mutation pass: $(( $(date +%s) - start )) s for $sample mutants"
+"$py" "$root/tools/mutate_sample.py" report "$db" | tee "$out/report.txt"
