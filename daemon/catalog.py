@@ -8,8 +8,9 @@ lease table shares it; see ``leases.py``).
 Primitives:
 - ``Catalog(tiers)``; ``load(manifests)`` rebuilds the index from disk manifests.
 - ``lock``; ``changed`` (a condition: notified whenever memory may have become
-  available: a free, a reader leaving, a copy ending); ``wake`` (the maintenance
-  thread's condition).
+  available: a free, a reader leaving, a copy ending) and ``version`` (bumped with each
+  such notice, so a waiter sees what happened while it was not waiting); ``wake`` (the
+  maintenance thread's condition).
 - Lookups (REQUIRES: lock): ``find``, ``get`` (``NotFound``), ``present``, ``sequences``,
   ``refcount``.
 - ``next_gen()``: generations order every commit, drop and disk write of an id.
@@ -54,6 +55,7 @@ class Catalog:
         self._refcount: dict[str, int] = {}  # shared block id -> sequences using it (and commits pinning it)
         self._orphans: list[Seq] = []  # retired shared blocks whose disk copies still need deleting
         self._gen = 0
+        self.version = 0  # bumped by every change that may make room (see ``notify``)
 
     def load(self, manifests: Iterable[Manifest]) -> int:
         """Index sequences found on disk; returns their payload bytes."""
@@ -236,10 +238,12 @@ class Catalog:
 
     def free(self, tier: str, alloc: Allocation) -> None:
         self.tiers[tier].alloc.free(alloc)
+        self.version += 1
         self.changed.notify_all()
 
     def notify(self) -> None:
         """Something that may make room happened; wake waiters and, past a high mark, demotion."""
+        self.version += 1
         self.changed.notify_all()
         if self.over_high():
             self.wake.notify_all()

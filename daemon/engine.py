@@ -2,8 +2,8 @@
 
 Speaks dataclasses only (protobuf stops at the servicer). The jobs around it live in
 their own modules: the index (``catalog.py``), the lease table (``leases.py``), moving
-bytes between tiers (``mover.py``), the records (``model.py``); each tier keeps its own
-accounting (``kvpark.tiers``).
+bytes between tiers (``mover.py``), opening the memory tiers (``memory.py``), the
+records (``model.py``); each tier keeps its own accounting (``kvpark.tiers``).
 
 Primitives:
 - ``Engine(config, disk_factory=DiskStore)``; ``start()``; ``close(flush=...)``; ``flush()``.
@@ -42,7 +42,6 @@ import threading
 import time
 from typing import Callable, Iterator
 
-import torch
 
 from kvpark.proto import VERSION
 from kvpark.proto.errors import (
@@ -65,12 +64,12 @@ from kvpark.tiers.copy import CopyEngine
 from kvpark.tiers.arena import Allocation
 from kvpark.tiers.disk import DiskStore, Manifest, Write
 from kvpark.tiers.memory import MemTier
-from kvpark.tiers.shm import SharedArena, remove_stale
 
 from .catalog import Catalog
 from .config import Config
 from .leases import LeaseTable
 from .model import MAX_PARTS, MEM_TIERS, Capabilities, Grant, Lease, ParkSpec, Part, ReadHandle, Reservation, Seq
+from .memory import MemoryTiers
 from .mover import ROOM_WAIT_S, Mover
 
 log = logging.getLogger("kvpark.engine")
@@ -92,10 +91,11 @@ class Engine:
         # another daemon, permissions), and it holds no memory to give back.
         self.disk = disk_factory(config.tiers.disk.path, config.disk_capacity, writemap=config.tiers.disk.writemap)
         try:
-            self._open_memory(config)
+            self.memory = MemoryTiers.open(config.tiers, config.policy)
         except BaseException:
             self.disk.close()
             raise
+        self.tiers, self.arena = self.memory.tiers, self.memory.arena
         # The tier a restore that reads any CPU-readable copy (streamed or small) promotes
         # into, or None. "auto": such a reader copies from host memory; a device copy would
         # be paid for (an H2D copy, device room) and then not read. (A reader of one tier,
@@ -109,42 +109,9 @@ class Engine:
         self.mover = Mover(self.catalog, self.leases, self.disk, self.copy, config.policy, self.slot_size)
         self._load_index()
 
-    def _open_memory(self, config: Config) -> None:
-        host, pol = config.tiers.host, config.policy
-        self.tiers: dict[str, MemTier] = {}
-        self._ipc_handle = b""
-        dev = config.tiers.device
-        device = torch.device(dev.device)
-        if dev.enabled == "true" or (dev.enabled == "auto" and device.type == "cuda" and cuda.cuda_available()):
-            if device.type == "cuda" and not cuda.cuda_available():
-                raise RuntimeError(f"tiers.device.device is {dev.device} but CUDA is not available")
-            cap = (dev.capacity // host.slot_size) * host.slot_size
-            pool = torch.empty(cap, dtype=torch.uint8, device=device)
-            self.tiers["device"] = MemTier("device", pool, host.slot_size, dev.high_watermark or pol.high_watermark,
-                                           dev.low_watermark or pol.low_watermark)
-            log.info("device tier: %d MiB on %s", cap >> 20, device)
-            if device.type == "cuda":
-                # Exported once, not per Hello: each export takes an IPC reference on the
-                # pool's storage that is never given back.
-                self._ipc_handle = cuda.ipc_handle(pool)
-
-        removed = remove_stale(host.shm_dir)
-        if removed:
-            log.info("removed %d stale arena file(s) from %s", len(removed), host.shm_dir)
-        cap = config.host_capacity
-        self.arena = SharedArena.create(host.shm_dir, cap, prefault=host.prefault)
-        log.info("host arena: %d MiB in %d slots of %d KiB, %s (%.2fs to map)", cap >> 20, cap // host.slot_size,
-                 host.slot_size >> 10, self.arena.path or "private memory", self.arena.prefault_s)
-        # Page-locking only pays off for copies to and from a GPU pool; without one it
-        # would create a CUDA context for nothing.
-        gpu = self.tiers.get("device")
-        took = cuda.pin_host(self.arena.tensor) if gpu is not None and gpu.device.type == "cuda" else None
-        self.arena_pinned = took is not None
-        if took is not None:
-            log.info("host arena page-locked in %.2fs", took)
-        self.tiers["host"] = MemTier("host", self.arena.tensor, host.slot_size,
-                                     host.high_watermark or pol.high_watermark, host.low_watermark or pol.low_watermark,
-                                     view=self.arena.view)
+    @property
+    def arena_pinned(self) -> bool:
+        return self.memory.arena_pinned
 
     @property
     def host(self) -> MemTier:
@@ -179,10 +146,7 @@ class Engine:
         self.leases.close()
         self.copy.close()
         self.disk.close()
-        if self.arena_pinned:
-            cuda.unpin_host(self.arena.tensor)
-        self.tiers.clear()
-        self.arena.close(unlink=True)
+        self.memory.close()
 
     def flush(self) -> int:
         """Write every memory-only sequence to disk (keeping its memory copies)."""
@@ -594,7 +558,7 @@ class Engine:
         if self.arena.path:
             transports.insert(0, "shm")
         dev = self.tiers.get("device")
-        handle = self._ipc_handle
+        handle = self.memory.ipc_handle
         if handle:
             transports.insert(0, "cuda_ipc")
         return Capabilities(

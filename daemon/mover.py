@@ -283,10 +283,14 @@ class Mover:
         False when waiting cannot help: nothing is demotable and nothing in flight
         (a copy, a read, a reservation) will free space before ``deadline``.
         """
+        with self.catalog.lock:
+            seen = self.catalog.version
         if self.make_room(tier, need, exclude):
             return True
         with self.catalog.lock:
-            if self.tiers[tier].alloc.fits(need):
+            # Room now, or something changed since make_room chose its victims (a reader
+            # left, a copy landed): look again at once rather than wait for the next change.
+            if self.tiers[tier].alloc.fits(need) or self.catalog.version != seen:
                 return True
             left = deadline - time.monotonic()
             if left <= 0 or self.closed or not (self.leases.transient() or self.catalog.busy(exclude)):
@@ -417,7 +421,9 @@ class Mover:
                 if written and not stale:
                     seq.on_disk = True
                 self.catalog.release_dropped(seq)
-                self.catalog.notify()
+                # Waiters may demote it now. No version bump: a write that failed (disk
+                # full) must not send a make_room loop straight back to the same victim.
+                self.catalog.changed.notify_all()
         if written and stale:
             self.disk.delete(seq.manifest)  # remove what we wrote
         return written and not stale

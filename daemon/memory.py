@@ -1,0 +1,73 @@
+"""The daemon's memory tiers: the optional device pool and the shared host arena.
+
+Primitives:
+- ``MemoryTiers.open(TiersConfig, PolicyConfig)``: the device pool (when enabled; its
+  CUDA IPC handle exported once) and the host arena (stale arena files removed first;
+  page-locked once when the device pool is on a GPU).
+- ``tiers``: name -> ``MemTier``, fastest first; ``arena``; ``ipc_handle`` (empty
+  without a CUDA pool); ``arena_pinned``; ``close()``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvpark.tiers import cuda
+from kvpark.tiers.memory import MemTier
+from kvpark.tiers.shm import SharedArena, remove_stale
+
+from .config import PolicyConfig, TiersConfig
+
+log = logging.getLogger("kvpark.engine")
+
+
+class MemoryTiers:
+    def __init__(self, tiers: dict[str, MemTier], arena: SharedArena, ipc_handle: bytes, arena_pinned: bool) -> None:
+        self.tiers = tiers
+        self.arena = arena
+        self.ipc_handle = ipc_handle
+        self.arena_pinned = arena_pinned
+
+    @classmethod
+    def open(cls, config: TiersConfig, pol: PolicyConfig) -> "MemoryTiers":
+        host, dev = config.host, config.device
+        tiers: dict[str, MemTier] = {}
+        ipc_handle = b""
+        device = torch.device(dev.device)
+        if dev.enabled == "true" or (dev.enabled == "auto" and device.type == "cuda" and cuda.cuda_available()):
+            if device.type == "cuda" and not cuda.cuda_available():
+                raise RuntimeError(f"tiers.device.device is {dev.device} but CUDA is not available")
+            cap = (dev.capacity // host.slot_size) * host.slot_size
+            pool = torch.empty(cap, dtype=torch.uint8, device=device)
+            tiers["device"] = MemTier("device", pool, host.slot_size, dev.high_watermark or pol.high_watermark,
+                                      dev.low_watermark or pol.low_watermark)
+            log.info("device tier: %d MiB on %s", cap >> 20, device)
+            if device.type == "cuda":
+                # Exported once, not per Hello: each export takes an IPC reference on the
+                # pool's storage that is never given back.
+                ipc_handle = cuda.ipc_handle(pool)
+
+        removed = remove_stale(host.shm_dir)
+        if removed:
+            log.info("removed %d stale arena file(s) from %s", len(removed), host.shm_dir)
+        cap = int(host.capacity)
+        arena = SharedArena.create(host.shm_dir, cap, prefault=host.prefault)
+        log.info("host arena: %d MiB in %d slots of %d KiB, %s (%.2fs to map)", cap >> 20, cap // host.slot_size,
+                 host.slot_size >> 10, arena.path or "private memory", arena.prefault_s)
+        # Page-locking only pays off for copies to and from a GPU pool; without one it
+        # would create a CUDA context for nothing.
+        gpu = tiers.get("device")
+        took = cuda.pin_host(arena.tensor) if gpu is not None and gpu.device.type == "cuda" else None
+        if took is not None:
+            log.info("host arena page-locked in %.2fs", took)
+        tiers["host"] = MemTier("host", arena.tensor, host.slot_size, host.high_watermark or pol.high_watermark,
+                                host.low_watermark or pol.low_watermark, view=arena.view)
+        return cls(tiers, arena, ipc_handle, took is not None)
+
+    def close(self) -> None:
+        if self.arena_pinned:
+            cuda.unpin_host(self.arena.tensor)
+        self.tiers.clear()
+        self.arena.close(unlink=True)
