@@ -210,6 +210,7 @@ class Servers:
             # Host transports only: no device pool (on a GPU machine "auto" would add one
             # and inline parks / restores could land there).
             "tiers.device.enabled": "false",
+            "metrics.listen": "",  # a bench daemon next to a running one must not fight over the port
         }
         if mode == "inprocess":
             from kvpark.daemon.config import load

@@ -2,7 +2,7 @@
 
 Primitives:
 - ``Config`` and its sections (``ServerConfig``, ``DeviceTierConfig``, ``HostTierConfig``,
-  ``DiskTierConfig``, ``PolicyConfig``, ``LeaseConfig``, ``CopyConfig``); each field
+  ``DiskTierConfig``, ``PolicyConfig``, ``LeaseConfig``, ``CopyConfig``, ``MetricsConfig``); each field
   carries its default and description.
 - ``load(path=None, env=os.environ, overrides={}) -> Config``.
 - ``parse_size("64MiB") -> int``.
@@ -76,6 +76,8 @@ class ServerConfig:
     grace_s: float = _f(5.0, "seconds in-flight calls get to finish on a graceful stop")
     chunk_size: int = _f(1 << 20, "inline transport message payload size", size=True)
     log_level: str = _f("info", "log level", choices=("debug", "info", "warning", "error"))
+    log_format: str = _f("text", "log lines: text for people, json (one object per line) for log shippers",
+                         choices=("text", "json"))
 
 
 @dataclass(frozen=True)
@@ -143,12 +145,19 @@ class LeaseConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    listen: str = _f("127.0.0.1:9851", 'Prometheus /metrics address, host:port (port 0 picks one); "" = off. '
+                     "A busy port stops the start-up with an error; nothing is ever sent, only scraped")
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     tiers: TiersConfig = field(default_factory=TiersConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     leases: LeaseConfig = field(default_factory=LeaseConfig)
     copy: CopyConfig = field(default_factory=CopyConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
     def host_capacity(self) -> int:
@@ -306,6 +315,10 @@ def _resolve(cfg: Config) -> Config:
         raise ConfigError(f"leases.ttl_s: must be > 0, got {cfg.leases.ttl_s}")
     if cfg.server.max_workers < 2:
         raise ConfigError(f"server.max_workers: must be >= 2, got {cfg.server.max_workers}")
+    if cfg.metrics.listen:
+        m_host, sep, m_port = cfg.metrics.listen.rpartition(":")
+        if not sep or not m_host or not m_port.isdigit() or int(m_port) > 65535:
+            raise ConfigError(f'metrics.listen: expected host:port or "", got {cfg.metrics.listen!r}')
     if not (4 << 10) <= cfg.server.chunk_size <= (16 << 20):
         raise ConfigError(f"server.chunk_size: must be between 4KiB and 16MiB, got {cfg.server.chunk_size}")
     return dataclasses.replace(cfg, tiers=TiersConfig(device=dev, host=host, disk=disk))

@@ -46,7 +46,7 @@ def test_env_then_overrides(tmp_path: Path) -> None:
     "overrides,match",
     [
         ({"tiers.host.capcity": "1GiB"}, r"tiers\.host\.capcity.*valid keys: capacity, high_watermark, low_watermark, prefault, shm_dir, slot_size"),
-        ({"polcy.write": "x"}, r"unknown key polcy.*valid keys: copy, leases, policy, server, tiers"),
+        ({"polcy.write": "x"}, r"unknown key polcy.*valid keys: copy, leases, metrics, policy, server, tiers"),
         ({"policy.write": "sometimes"}, r"policy\.write.*write_back, write_through"),
         ({"policy.eviction": "mru"}, r"policy\.eviction.*lru"),
         ({"tiers.host.capacity": "lots"}, r"tiers\.host\.capacity.*64MiB"),

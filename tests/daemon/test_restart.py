@@ -138,6 +138,7 @@ def test_a_second_daemon_on_the_same_data_dir_is_refused(proc: Callable[..., Pro
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK")}
     r = subprocess.run([sys.executable, "-m", "kvpark.daemon.cli", "serve", "--listen", "127.0.0.1:0",
                         "--data-dir", str(tmp_path / "disk"), "--set", "tiers.host.capacity=16MiB",
+                        "--set", "metrics.listen=",
                         "--set", f"tiers.host.shm_dir={tmp_path / 'shm2'}"],
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 1
