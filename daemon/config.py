@@ -8,6 +8,10 @@ Primitives:
 - ``parse_size("64MiB") -> int``.
 - ``ConfigError``: a start-up error naming the key and the valid choices.
 - ``reference() -> list[(key, default, help)]``: feeds docs/config.md.
+- ``to_toml(config=None) -> str``: the whole tree as TOML that ``load`` reads back (sizes
+  as strings like "8GiB", each key preceded by its description and, for enumerated keys,
+  its choices); without ``config``, the defaults.
+- ``format_size(n) -> str``: bytes as the largest exact binary unit ("8GiB", else bytes).
 
 Environment overrides are ``KVPARK__<SECTION>__<KEY>``, upper case, with ``__``
 between levels: ``KVPARK__TIERS__HOST__CAPACITY=2GiB``. Overrides from the CLI use
@@ -17,6 +21,7 @@ dotted keys: ``{"tiers.disk.path": "/data"}``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -360,3 +365,49 @@ def reference() -> list[tuple[str, Any, str]]:
 
     walk(Config, "")
     return rows
+
+
+def format_size(n: int) -> str:
+    """``8 << 30`` -> "8GiB"; a count that no binary unit divides stays a plain integer string."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def _toml_value(f: dataclasses.Field, value: Any) -> str:
+    if f.metadata.get("size") and isinstance(value, int) and not isinstance(value, bool):
+        return f'"{format_size(value)}"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    # A TOML basic string: JSON's escapes are valid TOML escapes.
+    return json.dumps(str(value), ensure_ascii=False)
+
+
+def to_toml(config: Config | None = None) -> str:
+    """The config (or the defaults) as commented TOML that ``load(path)`` reads back."""
+    lines = ["# kvpark configuration. Every key is optional; a missing one takes its default.",
+             "# Environment: KVPARK__<SECTION>__<KEY>; command line: kvpark serve --set section.key=value."]
+
+    def walk(cls: type, obj: Any, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        plain = [f for f in dataclasses.fields(cls) if not _is_section(hints[f.name])]
+        if plain:
+            lines.extend(["", f"[{prefix.rstrip('.')}]"])
+            for f in plain:
+                value = getattr(obj, f.name) if obj is not None else f.default
+                help_ = f.metadata.get("help", "")
+                if help_:
+                    lines.append(f"# {help_}")
+                choices = f.metadata.get("choices")
+                if choices:
+                    lines.append(f"# one of: {', '.join(map(str, choices))}")
+                lines.append(f"{f.name} = {_toml_value(f, value)}")
+        for f in dataclasses.fields(cls):
+            if _is_section(hints[f.name]):
+                walk(hints[f.name], getattr(obj, f.name) if obj is not None else None, prefix + f.name + ".")
+
+    walk(Config, config, "")
+    return "\n".join(lines) + "\n"
