@@ -334,7 +334,9 @@ def run(opts: Options) -> int:
             progress.update(task, advance=1, description=f"done: {label}")
 
         res = run_suite(opts, step)
-    Console().print(table(res))
+    out = Console()
+    # Piped into a file or a CI log, rich would wrap at 80 columns; the table needs about 100.
+    (out if out.is_terminal else Console(width=110)).print(table(res))
     for s in res.skipped:
         print(f"skipped: {s}")
     print("limit rows: what the machine allows; peer rows: other stores; kvpark rows: kvpark itself")
