@@ -68,6 +68,7 @@ from kvpark.tiers.memory import MemTier
 from .catalog import Catalog
 from .config import Config
 from .leases import LeaseTable
+from .metrics import Metrics
 from .model import MAX_PARTS, MEM_TIERS, Capabilities, Grant, Lease, ParkSpec, Part, ReadHandle, Reservation, Seq
 from .memory import MemoryTiers
 from .mover import ROOM_WAIT_S, Mover
@@ -80,8 +81,10 @@ __all__ = ["DiskFactory", "Engine", "MAX_PARTS", "ROOM_WAIT_S"]
 
 
 class Engine:
-    def __init__(self, config: Config, *, disk_factory: DiskFactory = DiskStore) -> None:
+    def __init__(self, config: Config, *, disk_factory: DiskFactory = DiskStore,
+                 metrics: Metrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics
         self.slot_size = config.tiers.host.slot_size
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -103,10 +106,12 @@ class Engine:
         pol = config.policy
         self.restore_to = None if not pol.promote_on_restore else "host" if pol.restore_to == "auto" else pol.restore_to
         self.catalog = Catalog(self.tiers)
-        self.leases = LeaseTable(self.catalog, config.leases)
+        self.leases = LeaseTable(self.catalog, config.leases, metrics)
+        if metrics is not None:
+            self.disk.on_corrupt = metrics.checksum_failure
         dev = self.tiers.get("device")
         self.copy = CopyEngine(config.copy.max_inflight_bytes, device=dev.device if dev is not None else None)
-        self.mover = Mover(self.catalog, self.leases, self.disk, self.copy, config.policy, self.slot_size)
+        self.mover = Mover(self.catalog, self.leases, self.disk, self.copy, config.policy, self.slot_size, metrics)
         self._load_index()
 
     @property

@@ -50,14 +50,15 @@ class Daemon:
         self.metrics_address = ""
 
     def start(self) -> "Daemon":
-        engine = Engine(self.config, disk_factory=self._disk_factory)
+        self.metrics = Metrics()
+        engine = Engine(self.config, disk_factory=self._disk_factory, metrics=self.metrics)
         metrics_server = MetricsServer(self.metrics, self.config.metrics.listen)
         try:
             server = grpc.server(
                 ThreadPoolExecutor(max_workers=self.config.server.max_workers, thread_name_prefix="kvpark-rpc"),
                 options=grpc_options(),
             )
-            self.metrics = Metrics(engine.stat)
+            self.metrics.watch(engine.stat)
             rpc = handlers(engine, self.config.server, socket.gethostname(), boot_id(), self.metrics)
             server.add_generic_rpc_handlers((rpc,))
             self._health = health.HealthServicer()

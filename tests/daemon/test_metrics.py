@@ -5,17 +5,21 @@ from __future__ import annotations
 import urllib.request
 from typing import Callable
 
+import lmdb
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpark.client import Client, NotFound
+from kvpark.client import Client, DataLoss, NotFound
 from kvpark.daemon.config import ConfigError
 from kvpark.daemon.metrics import NAMES
+from kvpark.daemon.model import ParkSpec
 from kvpark.daemon.server import Daemon
 from kvpark.proto.errors import StartupError
+from kvpark.proto.layout import TensorMeta
+from kvpark.tiers.disk import HEADER
 
-from ..conftest import make_config
+from ..conftest import make_config, wait_until
 
 MiB = 1 << 20
 
@@ -97,3 +101,47 @@ def test_empty_listen_serves_nothing_and_a_bad_address_is_a_config_error(tmp_pat
         make_config(tmp_path, **{"metrics.listen": "9851"})
     with Daemon(make_config(tmp_path, **{"metrics.listen": ""})) as d:
         assert d.metrics_address == ""
+
+
+def test_moves_evictions_lease_expiries_and_checksum_failures(daemon: Callable[..., Daemon], tmp_path) -> None:
+    d = daemon(**{"metrics.listen": "127.0.0.1:0", "leases.ttl_s": 0.5})
+    four = [torch.full((MiB,), 7.0)]  # 4 MiB; the host tier holds 16 MiB
+    # Step 1: parking 6 x 4 MiB into a 16 MiB host tier demotes the oldest to disk.
+    with Client(d.address, transport="shm") as c:
+        for i in range(6):
+            c.park(f"s{i}", four)
+        assert wait_until(lambda: c.info("s0").tier == "disk", timeout=30)
+        # Step 2: restoring a disk-only sequence promotes it back (disk -> host).
+        assert torch.equal(c.restore("s0")[0], four[0])
+    m = scrape(d)
+    evicted = m.get(("kvpark_evictions_total", (("tier", "host"),)), 0)
+    written = m.get(("kvpark_moves_total", (("dst", "disk"), ("src", "host"))), 0)
+    assert evicted >= 1 and written >= evicted, "every eviction from host wrote its sequence to disk first"
+    assert m[("kvpark_moves_total", (("dst", "host"), ("src", "disk")))] >= 1
+    assert m[("kvpark_move_seconds_count", (("dst", "host"), ("src", "disk")))] >= 1
+    # Step 3: a reservation nobody commits expires and is counted.
+    spec = ParkSpec("never", (TensorMeta("uint8", (4096,), 4096),), 4096)
+    d.engine.reserve(spec, tier="host")
+    assert wait_until(lambda: scrape(d).get(("kvpark_lease_expiries_total", ()), 0) == 1, timeout=30)
+
+
+def test_a_corrupt_disk_record_counts_one_checksum_failure(daemon: Callable[..., Daemon], tmp_path) -> None:
+    d = daemon(**{"policy.write": "write_through"})
+    with Client(d.address) as c:
+        c.park("x", [torch.full((4096,), 3.0)])
+    d.stop()
+    # Flip one payload byte of the record on disk, with the daemon stopped.
+    env = lmdb.open(str(tmp_path / "disk"), max_dbs=4)
+    db = env.open_db(b"blocks")
+    with env.begin(write=True) as txn:
+        key, raw = next(iter(txn.cursor(db=db)))
+        raw = bytearray(raw)
+        raw[HEADER.size + 10] ^= 0x01
+        txn.put(key, bytes(raw), db=db)
+    env.close()
+    d2 = daemon(**{"metrics.listen": "127.0.0.1:0"})
+    with Client(d2.address) as c, pytest.raises(DataLoss):
+        c.restore("x")
+    m = scrape(d2)
+    assert m[("kvpark_checksum_failures_total", ())] == 1
+    assert m[("kvpark_errors_total", (("code", "DATA_LOSS"),))] == 1
