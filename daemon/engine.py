@@ -555,8 +555,23 @@ class Engine:
     def stat(self) -> Stat:
         used = self.disk.used
         with self.catalog.lock:
-            return Stat(tiers=self.catalog.tier_stats(self.disk.capacity, used), sequences=len(self.catalog),
-                        leases=self.leases.count)
+            tiers = self.catalog.tier_stats(self.disk.capacity, used, self.mover.evictions, self.slot_size)
+            return Stat(tiers=tiers, sequences=len(self.catalog), leases=self.leases.count)
+
+    def pin(self, seq_id: str, pinned: bool = True) -> SeqInfo:
+        """Pin (never demoted below the tier it is in) or unpin ``seq_id``; kept on disk too."""
+        validate_seq_id(seq_id)
+        self._check_open()
+        with self.catalog.lock:
+            seq = self.catalog.get(seq_id)
+            seq.manifest.pinned = pinned
+            on_disk, manifest = seq.on_disk, seq.manifest
+        if on_disk:
+            # A later commit of the id replaced this generation: its own manifest stands.
+            self.disk.update_manifest(manifest, sync=self._write_through)
+        with self.catalog.lock:
+            self.catalog.notify()  # an unpinned copy may be demoted now
+            return self.catalog.info(seq)
 
     def hello(self) -> Capabilities:
         transports = ["inline"]

@@ -301,6 +301,14 @@ class Servicer:
     def Stat(self, req: pb.StatRequest, context: grpc.ServicerContext) -> pb.StatResponse:
         return convert.stat_to_pb(self.engine.stat())
 
+    @_typed
+    def Pin(self, req: pb.PinRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
+        return convert.info_to_pb(self.engine.pin(req.seq_id, req.pinned))
+
+    @_typed
+    def Flush(self, req: pb.FlushRequest, context: grpc.ServicerContext) -> pb.FlushResponse:
+        return pb.FlushResponse(written=self.engine.flush())
+
 
 def _identity(b: bytes) -> bytes:
     return b
@@ -337,5 +345,7 @@ def handlers(engine: Engine, config: ServerConfig, hostname: str, boot_id: str,
             "Info": unary(s.Info, pb.InfoRequest),
             "List": unary(s.List, pb.ListRequest),
             "Stat": unary(s.Stat, pb.StatRequest),
+            "Pin": unary(s.Pin, pb.PinRequest),
+            "Flush": unary(s.Flush, pb.FlushRequest),
         },
     )

@@ -33,6 +33,7 @@ Primitives:
 - ``delete(manifest)``: its generation's blocks, and its manifest if still current.
 - ``read_txn()``: a read transaction whose ``read_block`` returns zero-copy verified views.
   ``DiskStore.on_corrupt`` (optional) is called for every record that fails verification.
+- ``update_manifest(m, sync=False) -> bool``: rewrite one generation's manifest (a pin).
 
 Thread safety: LMDB serialises write transactions itself; the accounting has its own
 small lock, never held across I/O.
@@ -372,6 +373,18 @@ class DiskStore:
     def _delete_blocks(self, txn: lmdb.Transaction, m: Manifest) -> None:
         for i in range(len(m.block_lengths)):
             txn.delete(block_key(m.seq_id, m.gen, i), db=self._blocks)
+
+    def update_manifest(self, m: Manifest, sync: bool = False) -> bool:
+        """Rewrite the manifest of generation ``m.gen`` (a pin changed); False if that
+        generation is no longer the one on disk."""
+        with self.env.begin(write=True) as txn:
+            cur = txn.get(m.seq_id.encode(), db=self._manifests)
+            if cur is None or Manifest.decode(cur).gen != m.gen:
+                return False
+            txn.put(m.seq_id.encode(), m.encode(), db=self._manifests)
+        if sync:
+            self.sync()
+        return True
 
     def delete(self, m: Manifest, sync: bool = False) -> None:
         with self.env.begin(write=True) as txn:
