@@ -61,7 +61,7 @@ bench: $(STAMP)
 
 # The side-by-side suite with its table and plot (bench-out/bench.json, bench-out/bench.png).
 bench-plot: $(STAMP)
-	$(BIN)/python -m kvpark.client.bench --out bench-out
+	$(BIN)/kvpark bench --out bench-out
 
 # A bounded mutation pass (cosmic-ray) over daemon/ and tiers/ with the fast tests; not part of
 # `make test`. MUTATE_SAMPLE=N mutants (default 60), MUTATE_SEED; see docs/testing.md.

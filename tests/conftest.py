@@ -148,7 +148,7 @@ class Proc:
             seen.append(line)
             if line == "":
                 break
-            m = re.search(r"listening on (\S+)", line)
+            m = re.search(r'listening on ([^\s"]+)', line)  # a text line, or a JSON one
             if m:
                 return cls(p, m.group(1), lines, seen)
         p.kill()
