@@ -17,7 +17,9 @@ second, best of ``--reps`` timed runs after one untimed. Rows:
 - peers: Redis SET / GET through redis-py when a ``redis-server`` binary is on PATH;
 - kvpark: shm and inline park / restore(into) against an in-process daemon; disk:
   write-through parks (acknowledged once on disk) and restores served from disk after a
-  restart (nothing promoted); cuda_ipc when CUDA is there.
+  restart (nothing promoted); cuda_ipc (device tensors, device to device) when CUDA is
+  there (written for GPU machines; the development machine has none, so that row has
+  not been run).
 Everything runs on loopback; the daemon's metrics endpoint is off and temp dirs are removed.
 """
 
@@ -201,18 +203,26 @@ def run_suite(opts: Options, step: Callable[[str], None]) -> Result:
             "tiers.disk.path": os.path.join(tmp, "disk"),
             "tiers.disk.capacity": f"{4 * opts.n + 64}MiB",
             "tiers.device.enabled": "true" if torch.cuda.is_available() else "false",
+            "tiers.device.capacity": f"{max(256, 4 * opts.n)}MiB",
             "server.log_level": "warning",
         }
         try:
             with Daemon(load(env={}, overrides={**base, "policy.flush_on_shutdown": "false"})) as d:
                 transports = ["shm", "inline"] + (["cuda_ipc"] if torch.cuda.is_available() else [])
                 for transport in transports:
+                    # cuda_ipc moves tensors that live on the daemon's GPU, device to device.
+                    gpu = transport == "cuda_ipc"
+                    s_t = [t.to("cuda:0") for t in src] if gpu else src
+                    d_t = [torch.empty_like(t) for t in s_t] if gpu else dst
                     with Client(d.address, transport=transport) as c:
                         sid = f"bench-{transport}"
                         r = Row(f"kvpark {transport}", "kvpark", "park", "restore(into)", nbytes=nbytes)
-                        r.write_s = timed(lambda: c.park(sid, src), reps, warm, after=lambda: c.drop(sid))
-                        c.park(sid, src)
-                        r.read_s = timed(lambda: c.restore(sid, into=dst), reps, warm)
+                        r.write_s = timed(lambda: c.park(sid, s_t), reps, warm, after=lambda: c.drop(sid))
+                        c.park(sid, s_t)
+                        r.read_s = timed(lambda: c.restore(sid, into=d_t), reps, warm)
+                        if gpu:
+                            for d_, g in zip(dst, d_t):
+                                d_.copy_(g)
                         check(f"kvpark {transport}")
                         c.drop(sid)
                         rows.append(r)
