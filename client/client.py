@@ -5,6 +5,7 @@ Primitives:
 - ``park(seq_id, tensors, ...) -> SeqInfo``; ``park_batch(items) -> int``.
 - ``restore(seq_id, *, device=None, into=None, layerwise=False)``; ``restore_many(seq_ids, ...)``.
 - ``present``, ``lookup``, ``prefetch``, ``drop``, ``info``, ``list``, ``stat``.
+- ``pin(seq_id, pinned=True) -> SeqInfo``; ``flush() -> int`` (sequences written to disk).
 - ``deadline(seconds)``: bound every call the calling thread makes inside the block.
 - ``transport``: the path negotiated at connect: "cuda_ipc" (only when forced), "shm"
   (same host, arena file mapped once) or "inline".
@@ -257,3 +258,12 @@ class Client:
 
     def stat(self) -> Stat:
         return convert.stat_from_pb(self.rpc.call(self.rpc.stat, pb.StatRequest()))
+
+    def pin(self, seq_id: str, pinned: bool = True) -> SeqInfo:
+        """Pin ``seq_id`` (never demoted below the tier it is in), or unpin it."""
+        validate_seq_id(seq_id)
+        return convert.info_from_pb(self.rpc.call(self.rpc.pin, pb.PinRequest(seq_id=seq_id, pinned=pinned)))
+
+    def flush(self) -> int:
+        """Write every sequence that is only in memory to disk now; returns how many were written."""
+        return int(self.rpc.call(self.rpc.flush, pb.FlushRequest()).written)

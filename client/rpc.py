@@ -67,6 +67,8 @@ class Rpc:
         self.info = u("Info", pb.SeqInfo)
         self.list = u("List", pb.ListResponse)
         self.stat = u("Stat", pb.StatResponse)
+        self.pin = u("Pin", pb.SeqInfo)
+        self.flush = u("Flush", pb.FlushResponse)
         self.park = ch.stream_unary(_SVC + "Park", request_serializer=_identity,
                                     response_deserializer=pb.SeqInfo.FromString)
         self.restore = ch.unary_stream(_SVC + "Restore", request_serializer=_ser, response_deserializer=_identity)

@@ -291,19 +291,28 @@ class Catalog:
             refs=top.refs,
             shared=top.shared,
             refcount=self._refcount.get(top.seq_id, 0),
+            pinned=top.pinned,
+            expires_at=top.expires_at or 0.0,
         )
 
     def infos(self) -> list[SeqInfo]:
         return [self.info(s) for s in sorted(self._seqs.values(), key=lambda s: s.seq_id)]
 
-    def tier_stats(self, disk_capacity: int, disk_used: int) -> dict[str, TierStat]:
+    def tier_stats(self, disk_capacity: int, disk_used: int, evictions: dict[str, int] | None = None,
+                   slot_size: int = 1) -> dict[str, TierStat]:
         out: dict[str, TierStat] = {}
+        ev = evictions or {}
         for name, mem in self.tiers.items():
             held = [s.res[name] for s in self._seqs.values() if name in s.res]
-            out[name] = TierStat(mem.alloc.capacity, mem.alloc.used_bytes, sum(len(a.extents) for a in held),
-                                 len(held))
+            a = mem.alloc
+            state = ("full" if not a.fits(slot_size) else
+                     "demoting" if policy.over_high(a.used_bytes, a.capacity, mem.high) else "ok")
+            out[name] = TierStat(a.capacity, a.used_bytes, sum(len(x.extents) for x in held), len(held),
+                                 ev.get(name, 0), state)
         disk = [s for s in self._seqs.values() if s.on_disk]
-        out["disk"] = TierStat(disk_capacity, disk_used, sum(len(s.manifest.block_lengths) for s in disk), len(disk))
+        # Nothing is evicted from disk: when it cannot take one more slot, it refuses.
+        out["disk"] = TierStat(disk_capacity, disk_used, sum(len(s.manifest.block_lengths) for s in disk), len(disk),
+                               0, "full" if disk_capacity - disk_used < slot_size else "ok")
         return out
 
     def check(self, disk_used: int, write_leases: list[list[tuple[str, Allocation]]],

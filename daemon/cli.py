@@ -2,9 +2,12 @@
 ``kvpark.client.cli``, which is also the ``kvpark`` entry point and hands these over).
 
 Commands:
-- ``kvpark serve [--config FILE] [--listen ADDR] [--data-dir DIR] [--log-level LEVEL] [--set KEY=VALUE]``
-  runs the daemon until SIGTERM/SIGINT, then drains gracefully and exits 0.
-- ``kvpark config`` prints every config key with its default and description.
+- ``kvpark serve [--config FILE] [--listen ADDR] [--data-dir DIR] [--log-level LEVEL]
+  [--log-format text|json] [--set KEY=VALUE]`` runs the daemon until SIGTERM/SIGINT, then
+  drains gracefully and exits 0.
+- ``kvpark config [--config FILE] [--set KEY=VALUE]`` prints the config as TOML that
+  ``--config`` reads back: every key with its description and, for enumerated keys, the
+  choices. Without options, the defaults; with them, the resolved config they give.
 """
 
 from __future__ import annotations
@@ -17,37 +20,43 @@ import threading
 
 from kvpark.proto.errors import StartupError
 
-from .config import ConfigError, load, reference
+from . import logs
+from .config import ConfigError, load, to_toml
 
 log = logging.getLogger("kvpark")
 
 
-def _serve(args: argparse.Namespace) -> int:
+def _overrides(args: argparse.Namespace) -> dict[str, str] | None:
     overrides: dict[str, str] = {}
+    for item in args.set or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            print(f"kvpark: --set expects KEY=VALUE, got {item!r}", file=sys.stderr)
+            return None
+        overrides[key.strip()] = value.strip()
+    return overrides
+
+
+def _serve(args: argparse.Namespace) -> int:
+    overrides = _overrides(args)
+    if overrides is None:
+        return 2
     if args.listen:
         overrides["server.listen"] = args.listen
     if args.data_dir:
         overrides["tiers.disk.path"] = args.data_dir
     if args.log_level:
         overrides["server.log_level"] = args.log_level
-    for item in args.set or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            print(f"kvpark: --set expects KEY=VALUE, got {item!r}", file=sys.stderr)
-            return 2
-        overrides[key.strip()] = value.strip()
+    if args.log_format:
+        overrides["server.log_format"] = args.log_format
     # Logging first, so what resolving the config decides (an auto-sized arena) is seen.
-    logging.basicConfig(
-        level=getattr(logging, (args.log_level or "info").upper()),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    logs.setup(args.log_level or "info", args.log_format or "text")
     try:
         cfg = load(args.config, overrides=overrides)
     except ConfigError as e:
         print(f"kvpark: config error: {e}", file=sys.stderr)
         return 2
-    logging.getLogger().setLevel(getattr(logging, cfg.server.log_level.upper()))
+    logs.setup(cfg.server.log_level, cfg.server.log_format)
     from .server import Daemon  # after logging is set up
 
     stop = threading.Event()
@@ -72,9 +81,19 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config(_args: argparse.Namespace) -> int:
-    for key, default, help_ in reference():
-        print(f"{key} = {default!r}\n    {help_}")
+def _config(args: argparse.Namespace) -> int:
+    overrides = _overrides(args)
+    if overrides is None:
+        return 2
+    if args.config is None and not overrides:
+        sys.stdout.write(to_toml())
+        return 0
+    try:
+        cfg = load(args.config, overrides=overrides)
+    except ConfigError as e:
+        print(f"kvpark: config error: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(to_toml(cfg))
     return 0
 
 
@@ -86,10 +105,13 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--listen", help="address: host:port or unix:///path (overrides server.listen)")
     s.add_argument("--data-dir", help="disk tier directory (overrides tiers.disk.path)")
     s.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    s.add_argument("--log-format", choices=("text", "json"), help="json: one object per line (server.log_format)")
     s.add_argument("--set", action="append", metavar="KEY=VALUE", help="override any config key, e.g. "
                    "tiers.host.capacity=1GiB (repeatable)")
     s.set_defaults(fn=_serve)
-    c = sub.add_parser("config", help="list every config key with its default")
+    c = sub.add_parser("config", help="print the config as TOML (defaults, or what --config/--set give)")
+    c.add_argument("--config", help="TOML config file to resolve and print")
+    c.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key (repeatable)")
     c.set_defaults(fn=_config)
     args = p.parse_args(argv)
     return int(args.fn(args))

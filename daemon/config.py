@@ -2,12 +2,16 @@
 
 Primitives:
 - ``Config`` and its sections (``ServerConfig``, ``DeviceTierConfig``, ``HostTierConfig``,
-  ``DiskTierConfig``, ``PolicyConfig``, ``LeaseConfig``, ``CopyConfig``); each field
+  ``DiskTierConfig``, ``PolicyConfig``, ``LeaseConfig``, ``CopyConfig``, ``MetricsConfig``); each field
   carries its default and description.
 - ``load(path=None, env=os.environ, overrides={}) -> Config``.
 - ``parse_size("64MiB") -> int``.
 - ``ConfigError``: a start-up error naming the key and the valid choices.
 - ``reference() -> list[(key, default, help)]``: feeds docs/config.md.
+- ``to_toml(config=None) -> str``: the whole tree as TOML that ``load`` reads back (sizes
+  as strings like "8GiB", each key preceded by its description and, for enumerated keys,
+  its choices); without ``config``, the defaults.
+- ``format_size(n) -> str``: bytes as the largest exact binary unit ("8GiB", else bytes).
 
 Environment overrides are ``KVPARK__<SECTION>__<KEY>``, upper case, with ``__``
 between levels: ``KVPARK__TIERS__HOST__CAPACITY=2GiB``. Overrides from the CLI use
@@ -17,6 +21,7 @@ dotted keys: ``{"tiers.disk.path": "/data"}``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -76,6 +81,8 @@ class ServerConfig:
     grace_s: float = _f(5.0, "seconds in-flight calls get to finish on a graceful stop")
     chunk_size: int = _f(1 << 20, "inline transport message payload size", size=True)
     log_level: str = _f("info", "log level", choices=("debug", "info", "warning", "error"))
+    log_format: str = _f("text", "log lines: text for people, json (one object per line) for log shippers",
+                         choices=("text", "json"))
 
 
 @dataclass(frozen=True)
@@ -143,12 +150,19 @@ class LeaseConfig:
 
 
 @dataclass(frozen=True)
+class MetricsConfig:
+    listen: str = _f("127.0.0.1:9851", 'Prometheus /metrics address, host:port (port 0 picks one); "" = off. '
+                     "A busy port stops the start-up with an error; nothing is ever sent, only scraped")
+
+
+@dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     tiers: TiersConfig = field(default_factory=TiersConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     leases: LeaseConfig = field(default_factory=LeaseConfig)
     copy: CopyConfig = field(default_factory=CopyConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     @property
     def host_capacity(self) -> int:
@@ -306,6 +320,10 @@ def _resolve(cfg: Config) -> Config:
         raise ConfigError(f"leases.ttl_s: must be > 0, got {cfg.leases.ttl_s}")
     if cfg.server.max_workers < 2:
         raise ConfigError(f"server.max_workers: must be >= 2, got {cfg.server.max_workers}")
+    if cfg.metrics.listen:
+        m_host, sep, m_port = cfg.metrics.listen.rpartition(":")
+        if not sep or not m_host or not m_port.isdigit() or int(m_port) > 65535:
+            raise ConfigError(f'metrics.listen: expected host:port or "", got {cfg.metrics.listen!r}')
     if not (4 << 10) <= cfg.server.chunk_size <= (16 << 20):
         raise ConfigError(f"server.chunk_size: must be between 4KiB and 16MiB, got {cfg.server.chunk_size}")
     return dataclasses.replace(cfg, tiers=TiersConfig(device=dev, host=host, disk=disk))
@@ -347,3 +365,49 @@ def reference() -> list[tuple[str, Any, str]]:
 
     walk(Config, "")
     return rows
+
+
+def format_size(n: int) -> str:
+    """``8 << 30`` -> "8GiB"; a count that no binary unit divides stays a plain integer string."""
+    for unit, shift in (("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n and n % (1 << shift) == 0:
+            return f"{n >> shift}{unit}"
+    return str(n)
+
+
+def _toml_value(f: dataclasses.Field, value: Any) -> str:
+    if f.metadata.get("size") and isinstance(value, int) and not isinstance(value, bool):
+        return f'"{format_size(value)}"'
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    # A TOML basic string: JSON's escapes are valid TOML escapes.
+    return json.dumps(str(value), ensure_ascii=False)
+
+
+def to_toml(config: Config | None = None) -> str:
+    """The config (or the defaults) as commented TOML that ``load(path)`` reads back."""
+    lines = ["# kvpark configuration. Every key is optional; a missing one takes its default.",
+             "# Environment: KVPARK__<SECTION>__<KEY>; command line: kvpark serve --set section.key=value."]
+
+    def walk(cls: type, obj: Any, prefix: str) -> None:
+        hints = typing.get_type_hints(cls)
+        plain = [f for f in dataclasses.fields(cls) if not _is_section(hints[f.name])]
+        if plain:
+            lines.extend(["", f"[{prefix.rstrip('.')}]"])
+            for f in plain:
+                value = getattr(obj, f.name) if obj is not None else f.default
+                help_ = f.metadata.get("help", "")
+                if help_:
+                    lines.append(f"# {help_}")
+                choices = f.metadata.get("choices")
+                if choices:
+                    lines.append(f"# one of: {', '.join(map(str, choices))}")
+                lines.append(f"{f.name} = {_toml_value(f, value)}")
+        for f in dataclasses.fields(cls):
+            if _is_section(hints[f.name]):
+                walk(hints[f.name], getattr(obj, f.name) if obj is not None else None, prefix + f.name + ".")
+
+    walk(Config, config, "")
+    return "\n".join(lines) + "\n"

@@ -68,6 +68,7 @@ from kvpark.tiers.memory import MemTier
 from .catalog import Catalog
 from .config import Config
 from .leases import LeaseTable
+from .metrics import Metrics
 from .model import MAX_PARTS, MEM_TIERS, Capabilities, Grant, Lease, ParkSpec, Part, ReadHandle, Reservation, Seq
 from .memory import MemoryTiers
 from .mover import ROOM_WAIT_S, Mover
@@ -80,8 +81,10 @@ __all__ = ["DiskFactory", "Engine", "MAX_PARTS", "ROOM_WAIT_S"]
 
 
 class Engine:
-    def __init__(self, config: Config, *, disk_factory: DiskFactory = DiskStore) -> None:
+    def __init__(self, config: Config, *, disk_factory: DiskFactory = DiskStore,
+                 metrics: Metrics | None = None) -> None:
         self.config = config
+        self.metrics = metrics
         self.slot_size = config.tiers.host.slot_size
         self._closed = False
         self._thread: threading.Thread | None = None
@@ -103,10 +106,12 @@ class Engine:
         pol = config.policy
         self.restore_to = None if not pol.promote_on_restore else "host" if pol.restore_to == "auto" else pol.restore_to
         self.catalog = Catalog(self.tiers)
-        self.leases = LeaseTable(self.catalog, config.leases)
+        self.leases = LeaseTable(self.catalog, config.leases, metrics)
+        if metrics is not None:
+            self.disk.on_corrupt = metrics.checksum_failure
         dev = self.tiers.get("device")
         self.copy = CopyEngine(config.copy.max_inflight_bytes, device=dev.device if dev is not None else None)
-        self.mover = Mover(self.catalog, self.leases, self.disk, self.copy, config.policy, self.slot_size)
+        self.mover = Mover(self.catalog, self.leases, self.disk, self.copy, config.policy, self.slot_size, metrics)
         self._load_index()
 
     @property
@@ -550,8 +555,23 @@ class Engine:
     def stat(self) -> Stat:
         used = self.disk.used
         with self.catalog.lock:
-            return Stat(tiers=self.catalog.tier_stats(self.disk.capacity, used), sequences=len(self.catalog),
-                        leases=self.leases.count)
+            tiers = self.catalog.tier_stats(self.disk.capacity, used, self.mover.evictions, self.slot_size)
+            return Stat(tiers=tiers, sequences=len(self.catalog), leases=self.leases.count)
+
+    def pin(self, seq_id: str, pinned: bool = True) -> SeqInfo:
+        """Pin (never demoted below the tier it is in) or unpin ``seq_id``; kept on disk too."""
+        validate_seq_id(seq_id)
+        self._check_open()
+        with self.catalog.lock:
+            seq = self.catalog.get(seq_id)
+            seq.manifest.pinned = pinned
+            on_disk, manifest = seq.on_disk, seq.manifest
+        if on_disk:
+            # A later commit of the id replaced this generation: its own manifest stands.
+            self.disk.update_manifest(manifest, sync=self._write_through)
+        with self.catalog.lock:
+            self.catalog.notify()  # an unpinned copy may be demoted now
+            return self.catalog.info(seq)
 
     def hello(self) -> Capabilities:
         transports = ["inline"]

@@ -33,14 +33,16 @@ from kvpark.tiers.arena import Allocation
 
 from .catalog import Catalog
 from .config import LeaseConfig
+from .metrics import Metrics
 from .model import Lease, ParkSpec, Seq
 
 log = logging.getLogger("kvpark.leases")
 
 
 class LeaseTable:
-    def __init__(self, catalog: Catalog, config: LeaseConfig) -> None:
+    def __init__(self, catalog: Catalog, config: LeaseConfig, metrics: Metrics | None = None) -> None:
         self.catalog = catalog
+        self.metrics = metrics
         self.ttl_s = config.ttl_s
         self._leases: dict[str, Lease] = {}
 
@@ -125,6 +127,8 @@ class LeaseTable:
         for lease in expired:
             if self.end(lease):
                 log.warning("%s lease %s expired; freeing what it held", lease.kind, lease.lease_id[:8])
+                if self.metrics is not None:
+                    self.metrics.lease_expired()
 
     def close(self) -> None:
         with self.catalog.lock:

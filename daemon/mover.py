@@ -12,7 +12,10 @@ other cannot deadlock). Metadata changes happen under the index lock
 (``Catalog.lock``), which is never held across I/O. Lock order: ``move_lock`` -> index lock.
 
 Primitives:
-- ``Mover(catalog, leases, disk, copy, PolicyConfig, slot_size)``.
+- ``Mover(catalog, leases, disk, copy, PolicyConfig, slot_size, metrics=None)``; ``evictions``:
+  per memory tier, copies freed to make room (demotions); with ``metrics``, every copy
+  between tiers is counted and timed (``kvpark_moves_total``, ``kvpark_move_seconds``) and
+  every eviction counted.
 - ``promote(seq, to, make_room, lease=None) -> bool``: bring a copy into memory tier
   ``to`` (disk blocks are verified on the way; a disk sequence bound for the device is
   staged through host). With ``lease``, the copy is leased in the same step that finds
@@ -45,6 +48,7 @@ from kvpark.tiers.disk import DiskStore
 from .catalog import Catalog
 from .config import PolicyConfig
 from .leases import LeaseTable
+from .metrics import Metrics
 from .model import MEM_TIERS, Lease, Seq
 
 log = logging.getLogger("kvpark.mover")
@@ -56,8 +60,10 @@ ROOM_WAIT_S = 10.0
 
 class Mover:
     def __init__(self, catalog: Catalog, leases: LeaseTable, disk: DiskStore, copy: CopyEngine,
-                 config: PolicyConfig, slot_size: int) -> None:
+                 config: PolicyConfig, slot_size: int, metrics: Metrics | None = None) -> None:
         self.catalog = catalog
+        self.metrics = metrics
+        self.evictions: dict[str, int] = {}  # REQUIRES: index lock to change
         self.tiers = catalog.tiers
         self.leases = leases
         self.disk = disk
@@ -181,10 +187,12 @@ class Mover:
                 raise
             job.wait()  # the completion path attached the copy (or freed the slots on failure)
             return
+        t0 = time.perf_counter()
         try:
             with self.disk.read_txn() as r:
                 for i, (off, n) in enumerate(a.extents):
                     mem.write(off, r.read_block(seq.manifest, i, n))
+            self._moved("disk", to, t0)
         except BaseException:
             with self.catalog.lock:
                 self.catalog.free(to, a)
@@ -215,6 +223,7 @@ class Mover:
         sequence's ``dst`` copy, or frees it (failed copy, or the sequence was dropped
         meanwhile), then calls ``then(attached)``.
         """
+        t0 = time.perf_counter()
         with self.catalog.lock:
             src_alloc = seq.res.get(src)
             if src_alloc is None:  # dropped (its copies freed) since the caller looked
@@ -231,6 +240,8 @@ class Mover:
                     self.catalog.free(dst, dst_alloc)
                 self.catalog.release_dropped(seq)
                 self.catalog.notify()
+            if job.error is None:
+                self._moved(src, dst, t0)
             if then is not None:
                 then(attached)
 
@@ -337,7 +348,7 @@ class Mover:
                     def finished(attached: bool) -> None:  # on the copy engine's completion path
                         try:
                             if attached:
-                                self._drop_copy(seq, tier)
+                                self._evicted(seq, tier)
                         finally:
                             seq.move_lock.release()
                             with self.catalog.lock:
@@ -364,7 +375,21 @@ class Mover:
         finally:
             if not handed_off:
                 seq.move_lock.release()
-        return self._drop_copy(seq, tier)
+        return self._evicted(seq, tier)
+
+    def _evicted(self, seq: Seq, tier: str) -> bool:
+        """Drop a demoted sequence's copy in ``tier``; count it as an eviction when freed."""
+        if not self._drop_copy(seq, tier):
+            return False
+        with self.catalog.lock:
+            self.evictions[tier] = self.evictions.get(tier, 0) + 1
+        if self.metrics is not None:
+            self.metrics.evicted(tier)
+        return True
+
+    def _moved(self, src: str, dst: str, t0: float) -> None:
+        if self.metrics is not None:
+            self.metrics.moved(src, dst, time.perf_counter() - t0)
 
     def _drop_copy(self, seq: Seq, tier: str) -> bool:
         """Free ``seq``'s copy in ``tier`` if another copy remains and nobody reads it."""
@@ -412,8 +437,11 @@ class Mover:
             alloc = seq.res[src]
             seq.moving += 1  # pins the memory copy while we read it
         written = False
+        t0 = time.perf_counter()
         try:
             written = self.disk.write(seq.manifest, self.tiers[src].views(alloc))
+            if written:
+                self._moved(src, "disk", t0)
         finally:
             with self.catalog.lock:
                 seq.moving -= 1

@@ -4,7 +4,8 @@ Primitives:
 - ``Daemon(config, disk_factory=DiskStore)``: ``start()`` binds (port 0 picks a free port) and begins serving;
   ``address`` is then the resolved address; ``stop(grace)`` stops taking calls, lets
   in-flight ones finish for ``grace`` seconds, flushes per policy and closes the tiers.
-  Usable as a context manager (tests run real daemons this way).
+  Usable as a context manager (tests run real daemons this way). ``metrics`` is its
+  ``Metrics``; ``metrics_address`` the bound ``/metrics`` address ("" when off).
 - ``grpc_options()``: the server's channel options (the shared ``kvpark.proto.GRPC_OPTIONS``).
 """
 
@@ -26,6 +27,7 @@ from kvpark.tiers.shm import boot_id
 
 from .config import Config
 from .engine import DiskFactory, Engine
+from .metrics import Metrics, MetricsServer
 from .servicer import SERVICE, handlers
 
 log = logging.getLogger("kvpark")
@@ -43,15 +45,21 @@ class Daemon:
         self._server: grpc.Server | None = None
         self._health: health.HealthServicer | None = None
         self.address = ""
+        self.metrics = Metrics()
+        self._metrics_server: MetricsServer | None = None
+        self.metrics_address = ""
 
     def start(self) -> "Daemon":
-        engine = Engine(self.config, disk_factory=self._disk_factory)
+        self.metrics = Metrics()
+        engine = Engine(self.config, disk_factory=self._disk_factory, metrics=self.metrics)
+        metrics_server = MetricsServer(self.metrics, self.config.metrics.listen)
         try:
             server = grpc.server(
                 ThreadPoolExecutor(max_workers=self.config.server.max_workers, thread_name_prefix="kvpark-rpc"),
                 options=grpc_options(),
             )
-            rpc = handlers(engine, self.config.server, socket.gethostname(), boot_id())
+            self.metrics.watch(engine.stat)
+            rpc = handlers(engine, self.config.server, socket.gethostname(), boot_id(), self.metrics)
             server.add_generic_rpc_handlers((rpc,))
             self._health = health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -68,12 +76,18 @@ class Daemon:
                     raise OSError(f"cannot listen on {listen} (address in use or invalid)")
                 listen = re.sub(r":0$", f":{port}", listen)
             self.address = listen
+            # Bound before serving: a busy metrics port refuses the start instead of
+            # leaving a daemon that operators cannot see.
+            metrics_server.metrics = self.metrics
+            metrics_server.start()
             engine.start()
             server.start()
         except BaseException:
+            metrics_server.stop()
             engine.close(flush=False)
             raise
         self.engine, self._server = engine, server
+        self._metrics_server, self.metrics_address = metrics_server, metrics_server.address
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         log.info("kvpark listening on %s", self.address)
@@ -87,6 +101,9 @@ class Daemon:
             self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
         self.engine.close()
+        if self._metrics_server is not None:
+            self._metrics_server.stop()
+            self._metrics_server = None
         log.info("kvpark stopped")
         self._server = None
         self.engine = None

@@ -1,7 +1,10 @@
 """The gRPC servicer: protobuf in, engine call, protobuf out. Nothing else lives here.
 
 Primitives:
-- ``handlers(engine, ServerConfig, hostname, boot_id) -> grpc.GenericRpcHandler`` for service ``kvpark.v1.KVPark``.
+- ``handlers(engine, ServerConfig, hostname, boot_id, metrics=None) -> grpc.GenericRpcHandler`` for service
+  ``kvpark.v1.KVPark``. With ``metrics``, parks and restores are counted and timed by
+  transport (inline for the streamed and one-message RPCs, shm or cuda_ipc for
+  reserve/commit and acquire), and every error by its status code.
 
 ``Park`` and ``Restore`` use identity (de)serializers: their ``DataChunk`` messages are
 framed by ``kvpark.proto.wire`` so payload bytes go from the wire straight into arena
@@ -14,6 +17,8 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
+import time
 from typing import Any, Callable, Iterator, Sequence
 
 import grpc
@@ -26,6 +31,7 @@ from kvpark.proto.wire import decode_chunk, encode_chunk
 
 from .config import ServerConfig
 from .engine import Engine
+from .metrics import Metrics
 from .model import ParkSpec, ReadHandle
 
 log = logging.getLogger("kvpark.servicer")
@@ -37,17 +43,18 @@ def _abort(context: grpc.ServicerContext, err: KVParkError) -> None:
     context.abort(err.code, err.message or type(err).__name__)
 
 
-def _guard(context: grpc.ServicerContext, name: str, e: BaseException) -> None:
+def _guard(context: grpc.ServicerContext, name: str, e: BaseException, metrics: Metrics | None = None) -> None:
     """Turn any failure into a typed status; the daemon must survive its own bugs."""
-    if isinstance(e, KVParkError):
-        _abort(context, e)
-    elif isinstance(e, DecodeError):
-        _abort(context, InvalidArgument(f"malformed message: {e}"))
-    elif isinstance(e, grpc.RpcError) or context.code() is not None or not isinstance(e, Exception):
-        raise e
-    else:
+    if isinstance(e, DecodeError):
+        e = InvalidArgument(f"malformed message: {e}")
+    elif not isinstance(e, KVParkError):
+        if isinstance(e, grpc.RpcError) or context.code() is not None or not isinstance(e, Exception):
+            raise e
         log.exception("internal error in %s", name, exc_info=e)
-        _abort(context, Internal(f"internal error in {name}: {type(e).__name__}: {e}"))
+        e = Internal(f"internal error in {name}: {type(e).__name__}: {e}")
+    if metrics is not None:
+        metrics.error(e.code.name)
+    _abort(context, e)
 
 
 def _typed(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -56,7 +63,7 @@ def _typed(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(self, request, context)
         except BaseException as e:  # noqa: BLE001 - sorted by _guard
-            _guard(context, fn.__name__, e)
+            _guard(context, fn.__name__, e, self.metrics)
 
     return wrapper
 
@@ -67,7 +74,7 @@ def _typed_stream(fn: Callable[..., Iterator[bytes]]) -> Callable[..., Iterator[
         try:
             yield from fn(self, request, context)
         except BaseException as e:  # noqa: BLE001 - sorted by _guard
-            _guard(context, fn.__name__, e)
+            _guard(context, fn.__name__, e, self.metrics)
 
     return wrapper
 
@@ -94,12 +101,29 @@ def _segments(segs: Sequence[tuple[int, int]]) -> list[pb.Segment]:
     return [pb.Segment(offset=o, length=n) for o, n in segs]
 
 
+_TRANSPORT = {"host": "shm", "device": "cuda_ipc"}  # the tier of a reservation or lease -> its data path
+_MAX_PENDING = 100_000  # reservations timed at once; beyond it the oldest (expired, surely) are forgotten
+
+
 class Servicer:
-    def __init__(self, engine: Engine, config: ServerConfig, hostname: str, boot_id: str) -> None:
+    def __init__(self, engine: Engine, config: ServerConfig, hostname: str, boot_id: str,
+                 metrics: Metrics | None = None) -> None:
         self.engine = engine
         self.chunk_size = config.chunk_size
         self.hostname = hostname
         self.boot_id = boot_id
+        self.metrics = metrics
+        # Reserve -> Commit of the shm / cuda_ipc park path: lease id -> (start, transport).
+        self._pending: dict[str, tuple[float, str]] = {}
+        self._pending_lock = threading.Lock()
+
+    def _parked(self, transport: str, nbytes: int, t0: float) -> None:
+        if self.metrics is not None:
+            self.metrics.parked(transport, nbytes, time.perf_counter() - t0)
+
+    def _restored(self, transport: str, nbytes: int, t0: float) -> None:
+        if self.metrics is not None:
+            self.metrics.restored(transport, nbytes, time.perf_counter() - t0)
 
     @_typed
     def Hello(self, req: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloResponse:
@@ -120,6 +144,7 @@ class Servicer:
     @_typed
     def Park(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> pb.SeqInfo:
         lease: str | None = None
+        t0 = time.perf_counter()
         try:
             first = next(requests, None)
             if first is None:
@@ -138,7 +163,9 @@ class Servicer:
                 if kind != "commit":
                     raise InvalidArgument(f"unexpected {kind or 'empty'} message inside a park stream")
                 lease_id, lease = lease, None
-                return convert.info_to_pb(self.engine.commit(lease_id, expect_nbytes=msg.commit.nbytes))
+                info = self.engine.commit(lease_id, expect_nbytes=msg.commit.nbytes)
+                self._parked("inline", info.nbytes, t0)
+                return convert.info_to_pb(info)
             raise InvalidArgument("park stream ended before its commit message; nothing was stored")
         finally:
             if lease is not None:
@@ -147,6 +174,7 @@ class Servicer:
     @_typed_stream
     def Restore(self, req: pb.RestoreRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         ids = list(req.seq_ids) or req.seq_id
+        t0 = time.perf_counter()
         handle = self.engine.acquire(ids, stream=True, expect_layout=req.expect_layout)
         try:
             yield pb.RestoreResponse(header=pb.RestoreHeader(info=convert.info_to_pb(handle.info))).SerializeToString()
@@ -154,19 +182,23 @@ class Servicer:
                 if not context.is_active():
                     return
                 yield encode_chunk(offset, *views)
+            self._restored("inline", handle.info.nbytes, t0)
         finally:
             if handle.lease_id:
                 self.engine.release(handle.lease_id)
 
     @_typed
     def ParkSmall(self, req: pb.ParkSmallRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
+        t0 = time.perf_counter()
         lease_id = self.engine.reserve(_spec(req.header), inline=True).lease_id
         committing = False
         try:
             if req.data:
                 self.engine.write_chunk(lease_id, 0, memoryview(req.data))
             committing = True  # commit frees the slots itself when it fails
-            return convert.info_to_pb(self.engine.commit(lease_id, expect_nbytes=len(req.data)))
+            info = self.engine.commit(lease_id, expect_nbytes=len(req.data))
+            self._parked("inline", info.nbytes, t0)
+            return convert.info_to_pb(info)
         finally:
             if not committing:
                 self.engine.release(lease_id)
@@ -174,13 +206,16 @@ class Servicer:
     @_typed
     def Get(self, req: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetResponse:
         ids = list(req.seq_ids) or req.seq_id
+        t0 = time.perf_counter()
         handle = self.engine.acquire(ids, stream=True, expect_layout=req.expect_layout)
         try:
             info = convert.info_to_pb(handle.info)
             # The client's limit, never above one message's worth (the daemon builds it in memory).
             if handle.info.nbytes > min(req.max_bytes, self.chunk_size):
                 return pb.GetResponse(info=info, too_large=True)
-            return pb.GetResponse(info=info, data=self._join(handle))
+            out = pb.GetResponse(info=info, data=self._join(handle))
+            self._restored("inline", handle.info.nbytes, t0)
+            return out
         finally:
             if handle.lease_id:
                 self.engine.release(handle.lease_id)
@@ -190,31 +225,51 @@ class Servicer:
 
     @_typed
     def Reserve(self, req: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
-        r = self.engine.reserve(_spec(req.header), tier=req.tier or "host")
+        t0 = time.perf_counter()
+        tier = req.tier or "host"
+        r = self.engine.reserve(_spec(req.header), tier=tier)
+        if self.metrics is not None:
+            with self._pending_lock:
+                if len(self._pending) >= _MAX_PENDING:
+                    self._pending.pop(next(iter(self._pending)))
+                self._pending[r.lease_id] = (t0, _TRANSPORT.get(tier, tier))
         return pb.ReserveResponse(lease_id=r.lease_id, segments=_segments(r.segments), expires_in_s=r.expires_in_s)
 
     @_typed
     def Commit(self, req: pb.CommitRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
-        return convert.info_to_pb(self.engine.commit(req.lease_id))
+        info = self.engine.commit(req.lease_id)
+        with self._pending_lock:
+            started = self._pending.pop(req.lease_id, None)
+        if started is not None:
+            self._parked(started[1], info.nbytes, started[0])
+        return convert.info_to_pb(info)
 
     @_typed
     def Acquire(self, req: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireResponse:
         ids = list(req.seq_ids) or req.seq_id
         small = min(req.inline_max, self.chunk_size)
-        h = self.engine.acquire(ids, need=req.tier or "host", expect_layout=req.expect_layout, inline_max=small)
+        t0 = time.perf_counter()
+        need = req.tier or "host"
+        h = self.engine.acquire(ids, need=need, expect_layout=req.expect_layout, inline_max=small)
         if h.info.nbytes <= small:
             # Small: one round trip, bytes in the reply, no lease left behind.
             try:
-                return pb.AcquireResponse(info=convert.info_to_pb(h.info), data=self._join(h), inlined=True)
+                out = pb.AcquireResponse(info=convert.info_to_pb(h.info), data=self._join(h), inlined=True)
+                self._restored("inline", h.info.nbytes, t0)
+                return out
             finally:
                 if h.lease_id:
                     self.engine.release(h.lease_id)
         g = self.engine.grant(h)
+        # Counted when the bytes are leased to the reader; its copy out is its own time.
+        self._restored(_TRANSPORT.get(need, need), g.info.nbytes, t0)
         return pb.AcquireResponse(lease_id=g.lease_id, info=convert.info_to_pb(g.info), segments=_segments(g.segments),
                                   expires_in_s=g.expires_in_s)
 
     @_typed
     def Release(self, req: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        with self._pending_lock:
+            self._pending.pop(req.lease_id, None)  # a park the client gave up
         return pb.ReleaseResponse(released=self.engine.release(req.lease_id))
 
     @_typed
@@ -246,13 +301,22 @@ class Servicer:
     def Stat(self, req: pb.StatRequest, context: grpc.ServicerContext) -> pb.StatResponse:
         return convert.stat_to_pb(self.engine.stat())
 
+    @_typed
+    def Pin(self, req: pb.PinRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
+        return convert.info_to_pb(self.engine.pin(req.seq_id, req.pinned))
+
+    @_typed
+    def Flush(self, req: pb.FlushRequest, context: grpc.ServicerContext) -> pb.FlushResponse:
+        return pb.FlushResponse(written=self.engine.flush())
+
 
 def _identity(b: bytes) -> bytes:
     return b
 
 
-def handlers(engine: Engine, config: ServerConfig, hostname: str, boot_id: str) -> grpc.GenericRpcHandler:
-    s = Servicer(engine, config, hostname, boot_id)
+def handlers(engine: Engine, config: ServerConfig, hostname: str, boot_id: str,
+             metrics: Metrics | None = None) -> grpc.GenericRpcHandler:
+    s = Servicer(engine, config, hostname, boot_id, metrics)
 
     def unary(fn: Callable[..., Any], req_cls: Any) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
@@ -281,5 +345,7 @@ def handlers(engine: Engine, config: ServerConfig, hostname: str, boot_id: str) 
             "Info": unary(s.Info, pb.InfoRequest),
             "List": unary(s.List, pb.ListRequest),
             "Stat": unary(s.Stat, pb.StatRequest),
+            "Pin": unary(s.Pin, pb.PinRequest),
+            "Flush": unary(s.Flush, pb.FlushRequest),
         },
     )

@@ -33,6 +33,8 @@ def info_to_pb(i: SeqInfo) -> pb.SeqInfo:
         refs=list(i.refs),
         shared=i.shared,
         refcount=i.refcount,
+        pinned=i.pinned,
+        expires_at=i.expires_at,
     )
 
 
@@ -52,6 +54,8 @@ def info_from_pb(p: pb.SeqInfo) -> SeqInfo:
         refs=tuple(p.refs),
         shared=p.shared,
         refcount=p.refcount,
+        pinned=p.pinned,
+        expires_at=p.expires_at,
     )
 
 
@@ -64,6 +68,8 @@ def stat_to_pb(s: Stat) -> pb.StatResponse:
                 used_bytes=t.used_bytes,
                 blocks=t.blocks,
                 sequences=t.sequences,
+                evictions=t.evictions,
+                state=t.state,
             )
             for name, t in s.tiers.items()
         ],
@@ -74,7 +80,8 @@ def stat_to_pb(s: Stat) -> pb.StatResponse:
 
 def stat_from_pb(p: pb.StatResponse) -> Stat:
     return Stat(
-        tiers={t.name: TierStat(t.capacity_bytes, t.used_bytes, t.blocks, t.sequences) for t in p.tiers},
+        tiers={t.name: TierStat(t.capacity_bytes, t.used_bytes, t.blocks, t.sequences, t.evictions, t.state)
+               for t in p.tiers},
         sequences=p.sequences,
         leases=p.leases,
     )

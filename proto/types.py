@@ -25,6 +25,8 @@ class SeqInfo:
     refs: tuple[str, ...] = ()
     shared: bool = False
     refcount: int = 0
+    pinned: bool = False
+    expires_at: float = 0.0  # unix seconds; 0 = no TTL
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,6 +35,8 @@ class TierStat:
     used_bytes: int
     blocks: int
     sequences: int
+    evictions: int = 0  # copies moved out to make room, since the daemon started
+    state: str = "ok"  # "ok" | "demoting" (past its high watermark) | "full"
 
 
 @dataclass(frozen=True, slots=True)

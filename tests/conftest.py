@@ -54,6 +54,9 @@ def make_config(tmp_path: Path, **overrides: Any) -> Config:
         "tiers.host.shm_dir": str(tmp_path / "shm"),
         "tiers.disk.path": str(tmp_path / "disk"),
         "tiers.disk.capacity": "256MiB",
+        # Off: the default port is one per host, and suites run side by side. Metrics
+        # tests turn it on at port 0.
+        "metrics.listen": "",
     }
     base.update({k.replace("__", "."): v for k, v in overrides.items()})
     return load(env={}, overrides=base)
@@ -121,6 +124,7 @@ class Proc:
             "--set", f"tiers.host.shm_dir={tmp_path / 'shm'}",
             "--set", "tiers.disk.capacity=256MiB",
             "--set", "server.grace_s=1",
+            "--set", "metrics.listen=",
             *args,
         ]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK")}
@@ -144,7 +148,7 @@ class Proc:
             seen.append(line)
             if line == "":
                 break
-            m = re.search(r"listening on (\S+)", line)
+            m = re.search(r'listening on ([^\s"]+)', line)  # a text line, or a JSON one
             if m:
                 return cls(p, m.group(1), lines, seen)
         p.kill()

@@ -32,6 +32,8 @@ Primitives:
   commits, drops and demotions without a lock around the I/O.
 - ``delete(manifest)``: its generation's blocks, and its manifest if still current.
 - ``read_txn()``: a read transaction whose ``read_block`` returns zero-copy verified views.
+  ``DiskStore.on_corrupt`` (optional) is called for every record that fails verification.
+- ``update_manifest(m, sync=False) -> bool``: rewrite one generation's manifest (a pin).
 
 Thread safety: LMDB serialises write transactions itself; the accounting has its own
 small lock, never held across I/O.
@@ -47,7 +49,7 @@ import struct
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import lmdb
 import xxhash
@@ -180,9 +182,16 @@ def _lock_dir(path: str) -> int:
 class ReadTxn:
     """A read transaction; views it returns are valid until the ``with`` block ends."""
 
-    def __init__(self, txn: lmdb.Transaction, db: lmdb._Database) -> None:
+    def __init__(self, txn: lmdb.Transaction, db: lmdb._Database,
+                 on_corrupt: Callable[[], None] | None = None) -> None:
         self._txn = txn
         self._db = db
+        self._on_corrupt = on_corrupt
+
+    def _corrupt(self, message: str) -> DataLoss:
+        if self._on_corrupt is not None:
+            self._on_corrupt()
+        return DataLoss(message)
 
     def read_block(self, m: Manifest, index: int, length: int) -> memoryview:
         key = block_key(m.seq_id, m.gen, index)
@@ -192,17 +201,17 @@ class ReadTxn:
             raise DataLoss(f"{where}: record missing from the disk tier")
         view = memoryview(raw)
         if len(view) < HEADER.size:
-            raise DataLoss(f"{where}: record truncated ({len(view)} bytes)")
+            raise self._corrupt(f"{where}: record truncated ({len(view)} bytes)")
         magic, version, _flags, _res, fp, ln, ck = HEADER.unpack_from(view)
         if magic != MAGIC or version != FORMAT_VERSION:
-            raise DataLoss(f"{where}: bad record header (magic {magic!r}, version {version})")
+            raise self._corrupt(f"{where}: bad record header (magic {magic!r}, version {version})")
         if fp != m.fingerprint:
-            raise DataLoss(f"{where}: layout fingerprint {fp:#x} != manifest {m.fingerprint:#x}")
+            raise self._corrupt(f"{where}: layout fingerprint {fp:#x} != manifest {m.fingerprint:#x}")
         payload = view[HEADER.size :]
         if ln != length or len(payload) != length:
-            raise DataLoss(f"{where}: length {len(payload)} (header {ln}) != expected {length}")
+            raise self._corrupt(f"{where}: length {len(payload)} (header {ln}) != expected {length}")
         if checksum(payload) != ck:
-            raise DataLoss(f"{where}: checksum mismatch")
+            raise self._corrupt(f"{where}: checksum mismatch")
         return payload
 
 
@@ -211,6 +220,9 @@ class DiskStore:
         os.makedirs(path, exist_ok=True)
         self.path = path
         self.capacity = capacity
+        # Called once per record that fails verification (a metrics counter); never for a
+        # record that is simply missing (a sequence dropped under a reader).
+        self.on_corrupt: Callable[[], None] | None = None
         self._acct = threading.Lock()
         self._held: dict[tuple[str, int], int] = {}  # (seq_id, gen) -> payload bytes stored
         self._used = 0  # sum of _held
@@ -362,6 +374,18 @@ class DiskStore:
         for i in range(len(m.block_lengths)):
             txn.delete(block_key(m.seq_id, m.gen, i), db=self._blocks)
 
+    def update_manifest(self, m: Manifest, sync: bool = False) -> bool:
+        """Rewrite the manifest of generation ``m.gen`` (a pin changed); False if that
+        generation is no longer the one on disk."""
+        with self.env.begin(write=True) as txn:
+            cur = txn.get(m.seq_id.encode(), db=self._manifests)
+            if cur is None or Manifest.decode(cur).gen != m.gen:
+                return False
+            txn.put(m.seq_id.encode(), m.encode(), db=self._manifests)
+        if sync:
+            self.sync()
+        return True
+
     def delete(self, m: Manifest, sync: bool = False) -> None:
         with self.env.begin(write=True) as txn:
             self._delete_blocks(txn, m)
@@ -376,4 +400,4 @@ class DiskStore:
     @contextmanager
     def read_txn(self) -> Iterator[ReadTxn]:
         with self.env.begin(buffers=True) as txn:
-            yield ReadTxn(txn, self._blocks)
+            yield ReadTxn(txn, self._blocks, self.on_corrupt)

@@ -302,7 +302,7 @@ class InfoRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
 
 class SeqInfo(_message.Message):
-    __slots__ = ("seq_id", "nbytes", "tier", "tensors", "priority", "created_at", "last_access", "num_blocks", "attrs", "refs", "shared", "refcount")
+    __slots__ = ("seq_id", "nbytes", "tier", "tensors", "priority", "created_at", "last_access", "num_blocks", "attrs", "refs", "shared", "refcount", "pinned", "expires_at")
     class AttrsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -322,6 +322,8 @@ class SeqInfo(_message.Message):
     REFS_FIELD_NUMBER: _ClassVar[int]
     SHARED_FIELD_NUMBER: _ClassVar[int]
     REFCOUNT_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     nbytes: int
     tier: str
@@ -334,7 +336,27 @@ class SeqInfo(_message.Message):
     refs: _containers.RepeatedScalarFieldContainer[str]
     shared: bool
     refcount: int
-    def __init__(self, seq_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., tier: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., priority: _Optional[int] = ..., created_at: _Optional[float] = ..., last_access: _Optional[float] = ..., num_blocks: _Optional[int] = ..., attrs: _Optional[_Mapping[str, str]] = ..., refs: _Optional[_Iterable[str]] = ..., shared: _Optional[bool] = ..., refcount: _Optional[int] = ...) -> None: ...
+    pinned: bool
+    expires_at: float
+    def __init__(self, seq_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., tier: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., priority: _Optional[int] = ..., created_at: _Optional[float] = ..., last_access: _Optional[float] = ..., num_blocks: _Optional[int] = ..., attrs: _Optional[_Mapping[str, str]] = ..., refs: _Optional[_Iterable[str]] = ..., shared: _Optional[bool] = ..., refcount: _Optional[int] = ..., pinned: _Optional[bool] = ..., expires_at: _Optional[float] = ...) -> None: ...
+
+class PinRequest(_message.Message):
+    __slots__ = ("seq_id", "pinned")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    PINNED_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    pinned: bool
+    def __init__(self, seq_id: _Optional[str] = ..., pinned: _Optional[bool] = ...) -> None: ...
+
+class FlushRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FlushResponse(_message.Message):
+    __slots__ = ("written",)
+    WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    written: int
+    def __init__(self, written: _Optional[int] = ...) -> None: ...
 
 class ListRequest(_message.Message):
     __slots__ = ()
@@ -351,18 +373,22 @@ class StatRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TierStat(_message.Message):
-    __slots__ = ("name", "capacity_bytes", "used_bytes", "blocks", "sequences")
+    __slots__ = ("name", "capacity_bytes", "used_bytes", "blocks", "sequences", "evictions", "state")
     NAME_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
     name: str
     capacity_bytes: int
     used_bytes: int
     blocks: int
     sequences: int
-    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., sequences: _Optional[int] = ...) -> None: ...
+    evictions: int
+    state: str
+    def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., sequences: _Optional[int] = ..., evictions: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
 class StatResponse(_message.Message):
     __slots__ = ("tiers", "sequences", "leases")

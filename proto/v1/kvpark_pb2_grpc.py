@@ -109,6 +109,16 @@ class KVParkStub:
                 request_serializer=kvpark_dot_v1_dot_kvpark__pb2.StatRequest.SerializeToString,
                 response_deserializer=kvpark_dot_v1_dot_kvpark__pb2.StatResponse.FromString,
                 _registered_method=True)
+        self.Pin = channel.unary_unary(
+                '/kvpark.v1.KVPark/Pin',
+                request_serializer=kvpark_dot_v1_dot_kvpark__pb2.PinRequest.SerializeToString,
+                response_deserializer=kvpark_dot_v1_dot_kvpark__pb2.SeqInfo.FromString,
+                _registered_method=True)
+        self.Flush = channel.unary_unary(
+                '/kvpark.v1.KVPark/Flush',
+                request_serializer=kvpark_dot_v1_dot_kvpark__pb2.FlushRequest.SerializeToString,
+                response_deserializer=kvpark_dot_v1_dot_kvpark__pb2.FlushResponse.FromString,
+                _registered_method=True)
 
 
 class KVParkServicer:
@@ -216,6 +226,20 @@ class KVParkServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pin(self, request, context):
+        """Pins (never demoted below the tier it is in) or unpins one sequence.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Flush(self, request, context):
+        """Writes every sequence that is only in memory to disk now (copies stay in memory).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVParkServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -293,6 +317,16 @@ def add_KVParkServicer_to_server(servicer, server):
                     servicer.Stat,
                     request_deserializer=kvpark_dot_v1_dot_kvpark__pb2.StatRequest.FromString,
                     response_serializer=kvpark_dot_v1_dot_kvpark__pb2.StatResponse.SerializeToString,
+            ),
+            'Pin': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pin,
+                    request_deserializer=kvpark_dot_v1_dot_kvpark__pb2.PinRequest.FromString,
+                    response_serializer=kvpark_dot_v1_dot_kvpark__pb2.SeqInfo.SerializeToString,
+            ),
+            'Flush': grpc.unary_unary_rpc_method_handler(
+                    servicer.Flush,
+                    request_deserializer=kvpark_dot_v1_dot_kvpark__pb2.FlushRequest.FromString,
+                    response_serializer=kvpark_dot_v1_dot_kvpark__pb2.FlushResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -700,6 +734,60 @@ class KVPark:
             '/kvpark.v1.KVPark/Stat',
             kvpark_dot_v1_dot_kvpark__pb2.StatRequest.SerializeToString,
             kvpark_dot_v1_dot_kvpark__pb2.StatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pin(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpark.v1.KVPark/Pin',
+            kvpark_dot_v1_dot_kvpark__pb2.PinRequest.SerializeToString,
+            kvpark_dot_v1_dot_kvpark__pb2.SeqInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Flush(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpark.v1.KVPark/Flush',
+            kvpark_dot_v1_dot_kvpark__pb2.FlushRequest.SerializeToString,
+            kvpark_dot_v1_dot_kvpark__pb2.FlushResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpark.daemon.config import ConfigError, load, parse_size, reference
+from kvpark.daemon.config import ConfigError, load, parse_size, reference, to_toml
 
 
 def test_embedded_defaults() -> None:
@@ -46,7 +46,7 @@ def test_env_then_overrides(tmp_path: Path) -> None:
     "overrides,match",
     [
         ({"tiers.host.capcity": "1GiB"}, r"tiers\.host\.capcity.*valid keys: capacity, high_watermark, low_watermark, prefault, shm_dir, slot_size"),
-        ({"polcy.write": "x"}, r"unknown key polcy.*valid keys: copy, leases, policy, server, tiers"),
+        ({"polcy.write": "x"}, r"unknown key polcy.*valid keys: copy, leases, metrics, policy, server, tiers"),
         ({"policy.write": "sometimes"}, r"policy\.write.*write_back, write_through"),
         ({"policy.eviction": "mru"}, r"policy\.eviction.*lru"),
         ({"tiers.host.capacity": "lots"}, r"tiers\.host\.capacity.*64MiB"),
@@ -93,3 +93,27 @@ def test_docs_config_lists_every_key() -> None:
     doc = (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text()
     missing = [k for k, _, _ in reference() if f"`{k}`" not in doc]
     assert not missing, f"docs/config.md lacks {missing}"
+
+
+def test_to_toml_round_trips_through_load(tmp_path: Path) -> None:
+    # The defaults, and a resolved config with non-default values, both read back equal.
+    defaults = tmp_path / "defaults.toml"
+    defaults.write_text(to_toml())
+    assert load(defaults, env={}) == load(env={})
+    cfg = load(env={}, overrides={"tiers.host.capacity": "96MiB", "policy.eviction": "lfu",
+                                   "server.chunk_size": 200001, "metrics.listen": ""})
+    again = tmp_path / "cfg.toml"
+    again.write_text(to_toml(cfg))
+    assert load(again, env={}) == cfg
+    text = to_toml(cfg)
+    assert 'capacity = "96MiB"' in text and 'chunk_size = "200001"' in text
+    assert "# one of: write_back, write_through" in text
+
+
+def test_the_example_config_in_deploy_loads_and_lists_every_key() -> None:
+    example = Path(__file__).resolve().parents[2] / "deploy" / "kvpark.toml"
+    cfg = load(example, env={})
+    assert cfg.tiers.disk.path == "/var/lib/kvpark"
+    text = example.read_text()
+    missing = [k for k, _, _ in reference() if f"\n{k.rsplit('.', 1)[1]} = " not in text]
+    assert not missing, f"deploy/kvpark.toml lacks {missing}"

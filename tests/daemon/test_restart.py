@@ -100,13 +100,15 @@ def test_cli_stat_and_bad_config(proc: Callable[..., Proc], tmp_path: Path) -> N
         c.park("one", [torch.zeros(1000)])
     cli = [sys.executable, "-m", "kvpark.client.cli"]  # the `kvpark` entry point
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK")}
-    out = subprocess.run([*cli, "stat", "--address", p.address], capture_output=True, text=True, env=env, timeout=60)
+    out = subprocess.run([*cli, "stat", "--all", "--address", p.address], capture_output=True, text=True, env=env,
+                         timeout=60)
     assert out.returncode == 0, out.stderr
-    assert "host" in out.stdout and "disk" in out.stdout and "one" in out.stdout
+    assert "host" in out.stdout and "disk" in out.stdout
+    assert any(line.startswith("one ") for line in out.stdout.splitlines())
     js = subprocess.run([*cli, "stat", "--json"], capture_output=True, text=True, timeout=60,
                         env={**env, "KVPARK_ADDRESS": p.address})
     doc = json.loads(js.stdout)
-    assert doc["tiers"]["host"]["sequences"] == 1 and doc["sequences"][0]["seq_id"] == "one"
+    assert doc["tiers"]["host"]["sequences"] == 1 and doc["sequence_list"][0]["seq_id"] == "one"
     down = subprocess.run([*cli, "stat", "--address", "127.0.0.1:1"], capture_output=True, text=True, env=env,
                           timeout=60)
     assert down.returncode == 1 and "Unavailable" in down.stderr
@@ -138,6 +140,7 @@ def test_a_second_daemon_on_the_same_data_dir_is_refused(proc: Callable[..., Pro
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK")}
     r = subprocess.run([sys.executable, "-m", "kvpark.daemon.cli", "serve", "--listen", "127.0.0.1:0",
                         "--data-dir", str(tmp_path / "disk"), "--set", "tiers.host.capacity=16MiB",
+                        "--set", "metrics.listen=",
                         "--set", f"tiers.host.shm_dir={tmp_path / 'shm2'}"],
                        capture_output=True, text=True, env=env, timeout=60)
     assert r.returncode == 1

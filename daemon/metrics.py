@@ -1,0 +1,186 @@
+"""Prometheus metrics: one registry per daemon, and the ``/metrics`` HTTP endpoint.
+
+Primitives:
+- ``Metrics(stat_fn=None)``: a private ``CollectorRegistry`` (never the process-global one,
+  so several daemons in one test process keep separate counts) holding the counters and
+  histograms below; the per-tier gauges are read from ``stat_fn()`` at scrape time, so the
+  engine needs no hook to keep them current.
+- Recording functions the servicer and the engine call: ``parked``, ``restored``, ``moved``,
+  ``evicted``, ``checksum_failure``, ``lease_expired``, ``error``.
+- ``Metrics.render() -> bytes``: the text exposition format (what a scrape returns).
+- ``MetricsServer(metrics, listen)``: ``start()`` serves ``/metrics`` on ``listen``
+  ("host:port", port 0 picks one; "" serves nothing); ``address`` is then the bound
+  address; ``stop()``. A busy port is a ``StartupError`` naming the key to change.
+- ``NAMES``: every metric name this module exports (docs/operations.md lists them).
+
+Nothing here sends data anywhere: the endpoint only answers scrapes on the address it
+is given, which is loopback by default.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Iterator
+from wsgiref.simple_server import WSGIServer
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from kvpark.proto.errors import StartupError
+from kvpark.proto.types import Stat
+
+log = logging.getLogger("kvpark.metrics")
+
+# Transfers of KV blocks take from about 100 us (a small shm park) to tens of seconds (GBs
+# streamed or read back from disk); the default buckets stop at 10 s and start at 5 ms.
+_SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                    1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+NAMES = (
+    "kvpark_tier_capacity_bytes", "kvpark_tier_used_bytes", "kvpark_tier_sequences", "kvpark_tier_blocks",
+    "kvpark_sequences", "kvpark_leases",
+    "kvpark_parks_total", "kvpark_restores_total", "kvpark_park_bytes_total", "kvpark_restore_bytes_total",
+    "kvpark_moves_total", "kvpark_evictions_total", "kvpark_checksum_failures_total",
+    "kvpark_lease_expiries_total", "kvpark_errors_total",
+    "kvpark_park_seconds", "kvpark_restore_seconds", "kvpark_move_seconds",
+)
+
+
+class _TierCollector(Collector):
+    """Per-tier gauges, read from the engine's ``stat()`` when Prometheus scrapes."""
+
+    def __init__(self, stat_fn: Callable[[], Stat]) -> None:
+        self._stat_fn = stat_fn
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        try:
+            st = self._stat_fn()
+        except Exception as e:  # a closing engine: a scrape must not fail the daemon or show stale numbers
+            log.debug("metrics: stat unavailable: %s", e)
+            return
+        cap = GaugeMetricFamily("kvpark_tier_capacity_bytes", "Bytes the tier may hold", labels=["tier"])
+        used = GaugeMetricFamily("kvpark_tier_used_bytes", "Bytes the tier holds now", labels=["tier"])
+        seqs = GaugeMetricFamily("kvpark_tier_sequences", "Parked sequences (and shared blocks) with a copy "
+                                 "in the tier", labels=["tier"])
+        blocks = GaugeMetricFamily("kvpark_tier_blocks", "Slot extents (memory tiers) or block records (disk) "
+                                   "in the tier", labels=["tier"])
+        for name, t in st.tiers.items():
+            cap.add_metric([name], t.capacity_bytes)
+            used.add_metric([name], t.used_bytes)
+            seqs.add_metric([name], t.sequences)
+            blocks.add_metric([name], t.blocks)
+        yield cap
+        yield used
+        yield seqs
+        yield blocks
+        yield GaugeMetricFamily("kvpark_sequences", "Parked sequences and shared blocks", value=st.sequences)
+        yield GaugeMetricFamily("kvpark_leases", "Open write reservations and read leases", value=st.leases)
+
+
+class Metrics:
+    def __init__(self, stat_fn: Callable[[], Stat] | None = None) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self._parks = Counter("kvpark_parks", "Committed parks", ["transport"], registry=r)
+        self._restores = Counter("kvpark_restores", "Completed restores", ["transport"], registry=r)
+        self._park_bytes = Counter("kvpark_park_bytes", "Payload bytes parked", registry=r)
+        self._restore_bytes = Counter("kvpark_restore_bytes", "Payload bytes restored", registry=r)
+        self._moves = Counter("kvpark_moves", "Copies between tiers (promotions and demotions)", ["src", "dst"],
+                              registry=r)
+        self._evictions = Counter("kvpark_evictions", "Sequences removed from a tier to make room", ["tier"],
+                                  registry=r)
+        self._checksum = Counter("kvpark_checksum_failures", "Disk records whose checksum did not match",
+                                 registry=r)
+        self._expiries = Counter("kvpark_lease_expiries", "Reservations and read leases that expired unreleased",
+                                 registry=r)
+        self._errors = Counter("kvpark_errors", "RPCs that ended in an error, by gRPC status code", ["code"],
+                               registry=r)
+        self._park_s = Histogram("kvpark_park_seconds", "Park duration, reserve to commit", ["transport"],
+                                 buckets=_SECONDS_BUCKETS, registry=r)
+        self._restore_s = Histogram("kvpark_restore_seconds", "Restore duration, request to last byte or lease",
+                                    ["transport"], buckets=_SECONDS_BUCKETS, registry=r)
+        self._move_s = Histogram("kvpark_move_seconds", "Copy duration between tiers", ["src", "dst"],
+                                 buckets=_SECONDS_BUCKETS, registry=r)
+        if stat_fn is not None:
+            self.watch(stat_fn)
+
+    def watch(self, stat_fn: Callable[[], Stat]) -> None:
+        """Export the per-tier gauges from ``stat_fn()`` at every scrape."""
+        self.registry.register(_TierCollector(stat_fn))
+
+    def parked(self, transport: str, nbytes: int, seconds: float) -> None:
+        self._parks.labels(transport).inc()
+        self._park_bytes.inc(nbytes)
+        self._park_s.labels(transport).observe(seconds)
+
+    def restored(self, transport: str, nbytes: int, seconds: float) -> None:
+        self._restores.labels(transport).inc()
+        self._restore_bytes.inc(nbytes)
+        self._restore_s.labels(transport).observe(seconds)
+
+    def moved(self, src: str, dst: str, seconds: float) -> None:
+        self._moves.labels(src, dst).inc()
+        self._move_s.labels(src, dst).observe(seconds)
+
+    def evicted(self, tier: str, n: int = 1) -> None:
+        self._evictions.labels(tier).inc(n)
+
+    def checksum_failure(self) -> None:
+        self._checksum.inc()
+
+    def lease_expired(self, n: int = 1) -> None:
+        self._expiries.inc(n)
+
+    def error(self, code: str) -> None:
+        """``code``: the gRPC status code name, e.g. "NOT_FOUND"."""
+        self._errors.labels(code).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    """ "host:port" or "[v6]:port" -> (host, port); raises ValueError."""
+    host, sep, port = listen.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ValueError(f"expected host:port, got {listen!r}")
+    return host.strip("[]"), int(port)
+
+
+class MetricsServer:
+    def __init__(self, metrics: Metrics, listen: str) -> None:
+        self.metrics = metrics
+        self.listen = listen
+        self.address = ""
+        self._server: WSGIServer | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "MetricsServer":
+        if not self.listen:
+            return self
+        try:
+            host, port = split_listen(self.listen)
+        except ValueError as e:
+            raise StartupError(f"metrics.listen: {e}") from None
+        try:
+            self._server, self._thread = start_http_server(port, addr=host, registry=self.metrics.registry)
+        except OSError as e:
+            raise StartupError(
+                f"cannot serve metrics on {self.listen}: {e.strerror or e}; set metrics.listen to a free "
+                'address, or "" to turn the endpoint off'
+            ) from None
+        bound_port = self._server.server_port
+        self.address = f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}"
+        log.info("metrics on http://%s/metrics", self.address)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+
+__all__ = ["Metrics", "MetricsServer", "NAMES", "split_listen"]
