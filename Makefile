@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# The CPU wheel of torch; an unpinned torch would pull a multi-GB CUDA build.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[dev,bench]'
+	$(BIN)/pip install -q -e '.[dev,bench,remote]'
 	touch $(STAMP)
 
 # vLLM's CPU build in a venv of its own: it pins its own torch and transformers.
@@ -37,6 +37,7 @@ serve: $(STAMP)
 
 test: test-core test-vllm
 
+# The remote tier's tests start their own redis-server processes (.ci/run installs it).
 test-core: $(STAMP)
 	$(BIN)/pytest -q
 
