@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from kvpark.proto.errors import DataLoss, DeadlineExceeded, Unavailable
+from kvpark.proto.errors import DataLoss, DeadlineExceeded, NotFound, Unavailable
 from kvpark.proto.layout import TensorMeta
 from kvpark.tiers.breaker import CLOSED, HALF_OPEN, OPEN, Breaker
 from kvpark.tiers.disk import Manifest
@@ -152,8 +152,12 @@ def test_exists_delete_and_missing(redis_server):
         st.put(m, views)
         assert st.exists(["a", "b"]) == [True, False]
         assert st.get_manifest("b") is None
+        got = st.get_manifests(["b", "a"])
+        assert got[0] is None and got[1] is not None and got[1].gen == m.gen
         st.delete(m)
         assert st.exists(["a"]) == [False]
+        with pytest.raises(NotFound):
+            st.read(m)  # gone, not corrupt
         assert redis_server.cli("keys", f"{st.opts.namespace}:*").strip() == ""
     finally:
         st.close()
