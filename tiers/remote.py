@@ -442,12 +442,27 @@ class RemoteStore:
             pass  # never served either way; a later read finds it bad again
 
     def delete(self, m: Manifest, tenant: str = "") -> None:
-        """Remove a sequence: its manifest first (so nobody finds it), then its chunks."""
+        """Remove generation ``m.gen`` of a sequence: its manifest first (so nobody finds
+        it), if that is still the current one, then its chunks.
+
+        The manifest is checked, then deleted: not atomic, so a newer generation written
+        in between by another daemon can lose its manifest (its chunks stay until their
+        TTL); it is then a miss, never wrong data.
+        """
         n = len(chunk_plan(m.block_lengths, self.opts.chunk_size))
+        mkey = self.manifest_key(m.seq_id, tenant)
 
         def run(client: Any) -> None:
+            raw = client.get(mkey)
+            cur: Manifest | None = None
+            if raw is not None:
+                try:
+                    cur = decode_manifest(raw)[0]
+                except DataLoss:
+                    cur = None  # damaged: delete it too
             pipe = client.pipeline(transaction=False)
-            pipe.delete(self.manifest_key(m.seq_id, tenant))
+            if raw is not None and (cur is None or cur.gen == m.gen):
+                pipe.delete(mkey)
             # Chunks of a store written with another chunk size are left to their TTL.
             for i in range(n):
                 pipe.delete(self.chunk_key(m, i, tenant))

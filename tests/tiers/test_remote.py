@@ -154,6 +154,11 @@ def test_exists_delete_and_missing(redis_server):
         assert st.get_manifest("b") is None
         got = st.get_manifests(["b", "a"])
         assert got[0] is None and got[1] is not None and got[1].gen == m.gen
+        newer = _manifest("a", 3000, gen=2)
+        st.put(newer, _payload(newer)[1])
+        st.delete(m)  # an older generation's delete leaves the newer manifest
+        assert st.exists(["a"]) == [True]
+        st.delete(newer)
         st.delete(m)
         assert st.exists(["a"]) == [False]
         with pytest.raises(NotFound):
