@@ -43,6 +43,7 @@ def _stat(args: argparse.Namespace) -> int:
                 for s in seqs
             ],
             "leases": st.leases,
+            "remote": asdict(st.remote) if st.remote is not None else None,
         }
         print(json.dumps(out, indent=2))
         return 0
@@ -51,13 +52,19 @@ def _stat(args: argparse.Namespace) -> int:
         pct = 100.0 * t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
         print(f"{name:<8}{_human(t.used_bytes):>12}{_human(t.capacity_bytes):>12}{pct:>6.1f}%{t.blocks:>9}"
               f"{t.sequences:>7}")
+    r = st.remote
+    if r is not None:
+        state = "ok" if r.state == "closed" else f"DEGRADED (circuit {r.state})"
+        print(f"{'remote':<8} {state}: {r.sequences} sequence(s) known there, {_human(r.bytes_written)} written, "
+              f"{_human(r.bytes_read)} read, {r.pending_writes} pending, {r.errors} error(s), "
+              f"{r.refused} refused, {r.outages} outage(s), {r.data_loss} bad value(s) deleted")
     print()
     print(f"{len(seqs)} sequence(s), {st.leases} lease(s)")
     if seqs:
         width = max(6, min(48, max(len(s.seq_id) for s in seqs)))
-        print(f"{'seq_id':<{width}}  {'tier':<5}{'size':>12}{'tensors':>9}{'prio':>6}")
+        print(f"{'seq_id':<{width}}  {'tier':<6}{'size':>12}{'tensors':>9}{'prio':>6}")
         for s in seqs:
-            print(f"{s.seq_id[:width]:<{width}}  {s.tier:<5}{_human(s.nbytes):>12}{s.num_tensors:>9}{s.priority:>6}")
+            print(f"{s.seq_id[:width]:<{width}}  {s.tier:<6}{_human(s.nbytes):>12}{s.num_tensors:>9}{s.priority:>6}")
     return 0
 
 

@@ -24,6 +24,12 @@ Primitives:
   ``changed`` condition for in-flight work to free room.
 - ``relieve() -> int``: one background pass: every tier past its high mark down to its low mark.
 - ``write_to_disk(seq) -> bool``; ``flush() -> int``.
+- The remote tier (when configured), below disk: ``fetch_remote(seq)`` brings a
+  sequence known only from remote onto the local disk (verified; ``promote`` does it
+  first); ``evict_disk(need, target=None)`` writes the disk's coldest sequences (by the
+  eviction policy; not pinned there, not being read or moved) to remote and deletes
+  them from disk, so a disk write fits (also from ``relieve`` past the disk's high
+  mark); ``copy_to_remote_later(seqs)`` queues background copies (write_through).
 - ``prefetch(seq, tier, wait, timeout) -> str``; ``quiet()`` (no demotion starts, moves
   in flight land: for invariant checks); ``close()``.
 """
@@ -36,7 +42,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from kvpark.proto.errors import DeadlineExceeded, KVParkError, NotFound, ResourceExhausted
+from kvpark.proto.errors import DataLoss, DeadlineExceeded, KVParkError, NotFound, ResourceExhausted
 from kvpark.tiers import policy
 from kvpark.tiers.arena import Allocation
 from kvpark.tiers.copy import CopyEngine, CopyJob, runs
@@ -46,6 +52,7 @@ from .catalog import Catalog
 from .config import PolicyConfig
 from .leases import LeaseTable
 from .model import MEM_TIERS, Lease, Seq
+from .remote_tier import RemoteTier
 
 log = logging.getLogger("kvpark.mover")
 
@@ -56,8 +63,11 @@ ROOM_WAIT_S = 10.0
 
 class Mover:
     def __init__(self, catalog: Catalog, leases: LeaseTable, disk: DiskStore, copy: CopyEngine,
-                 config: PolicyConfig, slot_size: int) -> None:
+                 config: PolicyConfig, slot_size: int, remote: RemoteTier | None = None) -> None:
         self.catalog = catalog
+        self.remote = remote
+        self.disk_high = config.high_watermark
+        self.disk_low = config.low_watermark
         self.tiers = catalog.tiers
         self.leases = leases
         self.disk = disk
@@ -94,9 +104,11 @@ class Mover:
 
     def promote(self, seq: Seq, to: str, make_room: bool, lease: Lease | None = None) -> bool:
         if seq.manifest.block_size != self.slot_size:
+            self.fetch_remote(seq)
             return False  # parked under another slot size; served from disk as it is
         try:
             with seq.move_lock:
+                self._fetch_remote_locked(seq)
                 if to == "device" and "host" not in seq.res and "device" not in seq.res:
                     self._promote_locked(seq, "host", make_room=False)  # stage via pinned host memory
                 self._promote_locked(seq, to, make_room)
@@ -401,10 +413,19 @@ class Mover:
                         job.wait()
                     except Exception as e:  # noqa: BLE001 - the copy's slots were freed by its completion
                         log.warning("demotion copy from %s failed: %s", name, e)
+        if self.remote is not None and not self.closed and \
+                policy.over_high(self.disk.used, self.disk.capacity, self.disk_high):
+            before = self.disk.used
+            self.evict_disk(0, policy.background_target(self.disk.capacity, self.disk_low))
+            moved += self.disk.used < before
         return moved
 
     def write_to_disk(self, seq: Seq) -> bool:
         """Make sure ``seq`` has a disk copy; its memory copies are kept."""
+        with self.catalog.lock:
+            if seq.dropped or seq.on_disk or not seq.res:
+                return seq.on_disk
+        self.evict_disk(seq.manifest.nbytes)
         with self.catalog.lock:
             if seq.dropped or seq.on_disk or not seq.res:
                 return seq.on_disk
@@ -454,3 +475,160 @@ class Mover:
         if total:
             log.info("flush: %d/%d memory-only sequence(s) written to disk", done, total)
         return done
+
+    # ------------------------------------------------------------------ the remote tier
+
+    def fetch_remote(self, seq: Seq) -> None:
+        """If ``seq`` is known only from the remote tier, bring it onto the local disk."""
+        if self.remote is None or not seq.on_remote:
+            return
+        with seq.move_lock:
+            self._fetch_remote_locked(seq)
+
+    def _fetch_remote_locked(self, seq: Seq) -> None:
+        # REQUIRES: seq.move_lock held. The store verifies every chunk; a bad or vanished
+        # value unindexes the sequence here too.
+        if self.remote is None:
+            return
+        with self.catalog.lock:
+            if seq.dropped or seq.res or seq.on_disk or not seq.on_remote:
+                return
+        m = seq.manifest
+        try:
+            data = self.remote.fetch(m)
+        except (NotFound, DataLoss):
+            with self.catalog.lock:
+                if self.catalog.find(seq.seq_id) is seq:
+                    self.catalog.retire(seq)
+                self.catalog.take_orphans()  # blocks known only from remote: nothing local to delete
+            raise
+        view = memoryview(data)
+        blocks, off = [], 0
+        for n in m.block_lengths:
+            blocks.append(view[off:off + n])
+            off += n
+        self.evict_disk(m.nbytes, exclude=seq)
+        written = self.disk.write(m, blocks)
+        with self.catalog.lock:
+            stale = seq.dropped
+            if written and not stale:
+                seq.on_disk = True
+                seq.promotions += 1
+            self.catalog.notify()
+        if written and stale:
+            self.disk.delete(m)
+
+    def evict_disk(self, need: int, target: int | None = None, exclude: Seq | None = None) -> bool:
+        """Make the disk hold at most ``target`` bytes (default: room for ``need`` more)
+        by moving its coldest sequences to the remote tier. True when it got there.
+
+        A sequence leaves the disk only once its copy is in Redis; with Redis down
+        nothing moves (the breaker makes that quick) and the caller's write fails as it
+        would without a remote tier.
+        """
+        if self.remote is None:
+            return False
+        cap = self.disk.capacity
+        goal = cap - need if target is None else target
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while True:
+            with self.catalog.lock:
+                used = self.disk.used
+                if used <= goal:
+                    return True
+                cands = [
+                    policy.SeqMeta(s.seq_id, s.manifest.nbytes, s.manifest.last_access, s.manifest.priority,
+                                   s.access_count, s.manifest.created_at, s.promotions)
+                    for s in self.catalog.sequences()
+                    if s.on_disk and s is not exclude and not s.moving and not any(s.readers.values())
+                    and not (s.pinned and s.tier == "disk")
+                ]
+                plan = policy.plan_demotion(self.eviction, cands, used, cap, goal)
+            moved = False
+            for sid in plan:
+                if self.disk.used <= goal:
+                    return True
+                if self._disk_to_remote(sid):
+                    moved = True
+                elif self.remote.store.breaker.state != "closed":
+                    return False  # Redis is down: stop here, fail fast
+            if self.disk.used <= goal:
+                return True
+            if moved:
+                continue
+            # Nothing moved: the victims were busy (another eviction or a promotion holds
+            # them, or they are being read). Wait for that to end, within the deadline.
+            with self.catalog.lock:
+                left = deadline - time.monotonic()
+                if left <= 0 or not plan:
+                    return False
+                self.catalog.changed.wait(min(0.05, left))
+
+    def _disk_to_remote(self, seq_id: str) -> bool:
+        """Write one disk-resident sequence to remote (unless it is there), then delete
+        its disk copy. True when the disk copy is gone."""
+        assert self.remote is not None
+        with self.catalog.lock:
+            seq = self.catalog.find(seq_id)
+            if seq is None or not seq.on_disk:
+                return False
+        if not seq.move_lock.acquire(blocking=False):
+            return False  # a promotion or another move owns it right now
+        try:
+            m = seq.manifest
+            if not seq.on_remote:
+                with self.disk.read_txn() as r:
+                    self.remote.put(m, [r.read_block(m, i, n) for i, n in enumerate(m.block_lengths)])
+                with self.catalog.lock:
+                    stale = seq.dropped
+                    seq.on_remote = not stale
+                if stale:
+                    self.remote.delete_later(m)
+                    return False
+            self.delete_from_disk(seq)
+            with self.catalog.lock:
+                self.catalog.notify()
+            return True
+        except KVParkError as e:
+            log.warning("eviction of %r from disk to remote failed: %s", seq_id, e)
+            return False
+        finally:
+            seq.move_lock.release()
+
+    def copy_to_remote_later(self, seqs: list[Seq]) -> None:
+        """write_through: copy each of ``seqs`` to remote in the background."""
+        if self.remote is None:
+            return
+        for s in seqs:
+            self.remote.submit(f"copy of {s.seq_id!r} to remote", lambda s=s: self._copy_to_remote(s))
+
+    def _copy_to_remote(self, seq: Seq) -> None:
+        assert self.remote is not None
+        with self.catalog.lock:
+            if seq.dropped or seq.on_remote:
+                return
+            src = next((t for t in ("host", "device") if t in seq.res), None)
+            if src is None and not seq.on_disk:
+                return
+            alloc = seq.res[src] if src is not None else None
+            if src is not None:
+                seq.moving += 1  # pins the memory copy while we read it
+        m = seq.manifest
+        try:
+            if src is not None:
+                assert alloc is not None
+                self.remote.put(m, self.tiers[src].views(alloc))
+            else:
+                with self.disk.read_txn() as r:
+                    self.remote.put(m, [r.read_block(m, i, n) for i, n in enumerate(m.block_lengths)])
+        finally:
+            if src is not None:
+                with self.catalog.lock:
+                    seq.moving -= 1
+                    self.catalog.release_dropped(seq)
+                    self.catalog.notify()
+        with self.catalog.lock:
+            stale = seq.dropped
+            seq.on_remote = not stale
+        if stale:  # dropped or overwritten while it was copied
+            self.remote.store.delete(m)
