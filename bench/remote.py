@@ -16,6 +16,15 @@ Rows, each for SET (write) and GET (read), over the same bytes (``--total``, cut
 - ``kvpark RemoteStore``: ``put`` / ``read`` of ``--seq``-sized sequences of 1 MiB blocks:
   the same SET/GET plus the chunk header, xxh3 checksums, the manifest, and verification
   into a caller's buffer. The target is >= 0.8x the best raw redis-py row.
+- Through real daemons (in this process, each with its own data dir, host tier, disk
+  tier and the same Redis namespace): ``demote to remote`` times the disk tier's
+  eviction of ``--total`` bytes of parked sequences into Redis
+  (``Mover.evict_disk``: LMDB read + remote put + disk delete); ``fetch from remote``
+  times another daemon bringing them onto its disk (``Mover.fetch_remote``: remote
+  read, verify, LMDB write: the path when memory has no room); ``restore from remote``
+  times a third daemon's client restoring them (shm transport, ``into=`` a preallocated
+  tensor): the local-miss lookup, the remote read and verification straight into the
+  host tier, and the copy out of the shared arena.
 
 Every figure is the median of ``--reps`` runs in MB/s (1e6 bytes per second).
 
@@ -186,6 +195,67 @@ def bench_store(url: str, cluster: bool, a: argparse.Namespace) -> dict[str, flo
     return {"write_MBps": w, "read_MBps": r}
 
 
+def bench_daemons(url: str, cluster: bool, a: argparse.Namespace, tmp: Path, tag: str) -> dict[str, float]:
+    import torch
+
+    from kvpark.client import Client
+    from kvpark.daemon.config import load
+    from kvpark.daemon.server import Daemon
+
+    nseq = max(1, a.total // a.seq)
+
+    def start(name: str, host: int) -> Daemon:
+        d = tmp / f"{tag}-{name}"
+        (d / "shm").mkdir(parents=True)
+        cfg = load(env={}, overrides={
+            "server.listen": "127.0.0.1:0", "tiers.device.enabled": "false",
+            "tiers.host.capacity": str(host), "tiers.host.shm_dir": str(d / "shm"),
+            "tiers.disk.path": str(d / "disk"), "tiers.disk.capacity": str(4 * a.total * a.reps),
+            "tiers.remote.url": url, "tiers.remote.cluster": cluster, "tiers.remote.namespace": f"bench-{tag}",
+            "tiers.remote.timeout_s": 20.0, "tiers.remote.chunk_size": str(a.value),
+            "tiers.remote.inflight": a.inflight, "policy.flush_on_shutdown": False,
+        })
+        return Daemon(cfg).start()
+
+    # The reader's host tier holds everything it restores, so each restore promotes
+    # straight from Redis into host memory (without room it would go through its disk).
+    owner, fetcher, reader = start("a", 2 * a.seq), start("b", 2 * a.seq), start("c", a.reps * a.total + 2 * a.seq)
+    data = torch.randint(0, 256, (a.seq,), dtype=torch.uint8)
+    out = torch.empty_like(data)
+    demote, fetch, restore = [], [], []
+    try:
+        with Client(owner.address) as c, Client(reader.address, transport="shm") as r:
+            for rep in range(a.reps):
+                ids = [f"r{rep}-{i}" for i in range(nseq)]
+                for sid in ids:
+                    c.park(sid, [data])
+                eng = owner.engine
+                assert eng is not None
+                eng.flush()
+                t0 = time.perf_counter()
+                assert eng.mover.evict_disk(0, target=0)
+                demote.append(nseq * a.seq / 1e6 / (time.perf_counter() - t0))
+                fe = fetcher.engine
+                assert fe is not None
+                fe._adopt(ids)
+                with fe.catalog.lock:
+                    seqs = [fe.catalog.get(sid) for sid in ids]
+                t0 = time.perf_counter()
+                for sq in seqs:
+                    fe.mover.fetch_remote(sq)
+                fetch.append(nseq * a.seq / 1e6 / (time.perf_counter() - t0))
+                t0 = time.perf_counter()
+                for sid in ids:
+                    r.restore(sid, into=[out])
+                restore.append(nseq * a.seq / 1e6 / (time.perf_counter() - t0))
+                assert torch.equal(out, data)
+    finally:
+        for d in (owner, fetcher, reader):
+            d.stop(0.5)
+    return {"demote_MBps": statistics.median(demote), "fetch_MBps": statistics.median(fetch),
+            "restore_MBps": statistics.median(restore)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--total", default="256MiB")
@@ -224,6 +294,8 @@ def main() -> None:
                         srv_flush(srv)
                 rows.append((f"kvpark RemoteStore x{a.inflight}", bench_store(srv.url, cluster, a)))
                 srv_flush(srv)
+                dm = bench_daemons(srv.url, cluster, a, Path(tmp), label)
+                srv_flush(srv)
                 # The limit: the best raw figure of the chosen client (redis-py), per direction.
                 best_w = max(r["write_MBps"] for n, r in rows if n.startswith("redis-py"))
                 best_r = max(r["read_MBps"] for n, r in rows if n.startswith("redis-py"))
@@ -232,6 +304,12 @@ def main() -> None:
                     print(f"{'':{len(label) + 2}}{name:<32} {r['write_MBps']:9.0f} {r['read_MBps']:9.0f} "
                           f"{r['write_MBps'] / best_w:6.2f} {r['read_MBps'] / best_r:6.2f}")
                     results["rows"].append({"server": label, "row": name, **r})
+                for name, key, base in (("kvpark demote to remote", "demote_MBps", best_w),
+                                        ("kvpark fetch from remote", "fetch_MBps", best_r),
+                                        ("kvpark restore from remote", "restore_MBps", best_r)):
+                    col = "SET" if key == "demote_MBps" else "GET"
+                    print(f"{'':{len(label) + 2}}{name:<32} {col} {dm[key]:6.0f} MB/s  {dm[key] / base:.2f}x raw {col}")
+                results["daemon"] = results.get("daemon", {}) | {label: dm}
                 srv.stop()
         finally:
             for _, srv in servers:

@@ -438,7 +438,6 @@ class Engine:
             if want:
                 self.mover.promote_batch(comps, want)
             for c in comps:
-                self.mover.fetch_remote(c)  # a sequence known only from remote comes to disk first
                 parts.append(self._acquire_part(c, need, want, lease))
         except BaseException:
             with self.catalog.lock:
@@ -457,6 +456,8 @@ class Engine:
             return part
         if want:
             self.mover.promote(seq, want, make_room=need is not None, lease=lease)
+        # Still only on remote (no promotion wanted, or no room for it): onto disk first.
+        self.mover.fetch_remote(seq)
         with self.catalog.lock:
             part = self._lease_part(seq, need, want, lease, final=True)
             assert part is not None
@@ -472,7 +473,7 @@ class Engine:
         held = next((t for s, t in lease.parts if s is seq), None)
         if held is not None:  # the promotion leased it as it made it ready
             return Part(seq.manifest, seq.res[held], held, seq)
-        if not final and want and want not in seq.res:
+        if not final and (want and want not in seq.res or not seq.res and not seq.on_disk):
             return None
         if need is not None:
             if need not in seq.res:

@@ -24,9 +24,9 @@ Primitives:
   ``changed`` condition for in-flight work to free room.
 - ``relieve() -> int``: one background pass: every tier past its high mark down to its low mark.
 - ``write_to_disk(seq) -> bool``; ``flush() -> int``.
-- The remote tier (when configured), below disk: ``fetch_remote(seq)`` brings a
-  sequence known only from remote onto the local disk (verified; ``promote`` does it
-  first); ``evict_disk(need, target=None)`` writes the disk's coldest sequences (by the
+- The remote tier (when configured), below disk: ``promote`` reads a sequence known
+  only from remote straight into memory (verified); ``fetch_remote(seq)`` brings one
+  onto the local disk instead (when memory has no room, or it is served from disk); ``evict_disk(need, target=None)`` writes the disk's coldest sequences (by the
   eviction policy; not pinned there, not being read or moved) to remote and deletes
   them from disk, so a disk write fits (also from ``relieve`` past the disk's high
   mark); ``copy_to_remote_later(seqs)`` queues background copies (write_through).
@@ -40,7 +40,7 @@ import concurrent.futures
 import logging
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 from kvpark.proto.errors import DataLoss, DeadlineExceeded, KVParkError, NotFound, ResourceExhausted
 from kvpark.tiers import policy
@@ -55,6 +55,8 @@ from .model import MEM_TIERS, Lease, Seq
 from .remote_tier import RemoteTier
 
 log = logging.getLogger("kvpark.mover")
+
+T = TypeVar("T")
 
 # How long a park or promotion waits for in-flight work (copies, reads, other
 # reservations) to free room before it gives up with RESOURCE_EXHAUSTED.
@@ -108,7 +110,6 @@ class Mover:
             return False  # parked under another slot size; served from disk as it is
         try:
             with seq.move_lock:
-                self._fetch_remote_locked(seq)
                 if to == "device" and "host" not in seq.res and "device" not in seq.res:
                     self._promote_locked(seq, "host", make_room=False)  # stage via pinned host memory
                 self._promote_locked(seq, to, make_room)
@@ -194,9 +195,18 @@ class Mover:
             job.wait()  # the completion path attached the copy (or freed the slots on failure)
             return
         try:
-            with self.disk.read_txn() as r:
-                for i, (off, n) in enumerate(a.extents):
-                    mem.write(off, r.read_block(seq.manifest, i, n))
+            if not seq.on_disk and seq.on_remote:
+                # Straight from Redis into memory: no disk write on the restore path, and
+                # into the host arena's slots themselves (no staging buffer).
+                if mem.on_cpu:
+                    self._remote_guard(seq, lambda: self.remote.fetch_into(seq.manifest, mem.views(a)))
+                else:
+                    for (off, _n), block in zip(a.extents, self._remote_blocks(seq)):
+                        mem.write(off, block)
+            else:
+                with self.disk.read_txn() as r:
+                    for i, (off, n) in enumerate(a.extents):
+                        mem.write(off, r.read_block(seq.manifest, i, n))
         except BaseException:
             with self.catalog.lock:
                 self.catalog.free(to, a)
@@ -494,19 +504,7 @@ class Mover:
             if seq.dropped or seq.res or seq.on_disk or not seq.on_remote:
                 return
         m = seq.manifest
-        try:
-            data = self.remote.fetch(m)
-        except (NotFound, DataLoss):
-            with self.catalog.lock:
-                if self.catalog.find(seq.seq_id) is seq:
-                    self.catalog.retire(seq)
-                self.catalog.take_orphans()  # blocks known only from remote: nothing local to delete
-            raise
-        view = memoryview(data)
-        blocks, off = [], 0
-        for n in m.block_lengths:
-            blocks.append(view[off:off + n])
-            off += n
+        blocks = self._remote_blocks(seq)
         self.evict_disk(m.nbytes, exclude=seq)
         written = self.disk.write(m, blocks)
         with self.catalog.lock:
@@ -517,6 +515,29 @@ class Mover:
             self.catalog.notify()
         if written and stale:
             self.disk.delete(m)
+
+    def _remote_blocks(self, seq: Seq) -> list[memoryview]:
+        """``seq``'s blocks, fetched from remote and verified. A value that is bad or gone
+        unindexes the sequence here too (the store deleted a bad one from Redis)."""
+        assert self.remote is not None
+        m = seq.manifest
+        view = memoryview(self._remote_guard(seq, lambda: self.remote.fetch(m)))
+        blocks, off = [], 0
+        for n in m.block_lengths:
+            blocks.append(view[off:off + n])
+            off += n
+        return blocks
+
+    def _remote_guard(self, seq: Seq, read: Callable[[], T]) -> T:
+        """Run a remote read of ``seq``; a value that is bad or gone unindexes it here too."""
+        try:
+            return read()
+        except (NotFound, DataLoss):
+            with self.catalog.lock:
+                if self.catalog.find(seq.seq_id) is seq:
+                    self.catalog.retire(seq)
+                self.catalog.take_orphans()  # blocks known only from remote: nothing local to delete
+            raise
 
     def evict_disk(self, need: int, target: int | None = None, exclude: Seq | None = None) -> bool:
         """Make the disk hold at most ``target`` bytes (default: room for ``need`` more)

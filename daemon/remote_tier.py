@@ -14,7 +14,8 @@ is the policy around it for one daemon:
 Primitives:
 - ``RemoteTier(opts, write)``: ``write`` is ``"on_evict"`` or ``"write_through"``.
 - ``manifests(ids) -> list[Manifest | None]``; ``present(ids) -> list[bool]``: miss-safe.
-- ``put(manifest, views)``; ``fetch(manifest) -> bytearray``: typed errors.
+- ``put(manifest, views)``; ``fetch(manifest) -> bytearray``; ``fetch_into(manifest,
+  block_views)``: typed errors.
 - ``submit(what, fn)``: run ``fn()`` in the background; failures are logged.
 - ``delete_later(manifest)``.
 - ``stat(sequences) -> RemoteStat``; ``close()``.
@@ -68,6 +69,9 @@ class RemoteTier:
 
     def fetch(self, m: Manifest) -> bytearray:
         return self.store.read(m)
+
+    def fetch_into(self, m: Manifest, outs: Sequence[memoryview]) -> None:
+        self.store.read_blocks_into(m, outs)
 
     def submit(self, what: str, fn: Callable[[], None]) -> None:
         with self._lock:

@@ -29,7 +29,8 @@ Primitives:
   pipeline_bytes, inflight, breaker settings.
 - ``RemoteStore(opts)``: ``put(manifest, blocks, tenant="")``;
   ``get_manifest(seq_id, tenant="") -> Manifest | None``; ``get_manifests(ids, tenant="")``;
-  ``read(manifest, tenant="") -> bytearray`` / ``read_into(manifest, out, tenant="")``
+  ``read(manifest, tenant="") -> bytearray`` / ``read_into(manifest, out, tenant="")`` /
+  ``read_blocks_into(manifest, outs, tenant="")`` (one view per block)
   (``NotFound`` when the sequence is gone or replaced in Redis);
   ``delete(manifest, tenant="")``; ``exists(seq_ids, tenant="") -> list[bool]``;
   ``ping()``; ``stats() -> RemoteStats``; ``close()``.
@@ -389,10 +390,22 @@ class RemoteStore:
         return out
 
     def read_into(self, m: Manifest, out: memoryview, tenant: str = "") -> None:
-        """Fetch and verify every chunk into ``out`` (``m.nbytes`` long). A chunk that
-        fails verification deletes the sequence from Redis and raises ``DataLoss``."""
+        """Fetch and verify every chunk into ``out`` (``m.nbytes`` long)."""
         if len(out) != m.nbytes:
             raise ValueError(f"output of {len(out)} bytes for a {m.nbytes}-byte sequence")
+        outs, off = [], 0
+        for n in m.block_lengths:
+            outs.append(out[off:off + n])
+            off += n
+        self.read_blocks_into(m, outs, tenant)
+
+    def read_blocks_into(self, m: Manifest, outs: Sequence[memoryview], tenant: str = "") -> None:
+        """Fetch and verify every chunk into ``outs``, one writable view per block (slots
+        of a memory tier, say: no staging buffer). A chunk that fails verification deletes
+        the sequence from Redis and raises ``DataLoss``; ``outs`` then hold garbage."""
+        lengths = m.block_lengths
+        if len(outs) != len(lengths) or any(len(o) != n for o, n in zip(outs, lengths)):
+            raise ValueError(f"{len(outs)} output views do not match the {len(lengths)} blocks of {m.seq_id!r}")
         raw_m = self._call(f"manifest of {m.seq_id!r}", lambda c: c.get(self.manifest_key(m.seq_id, tenant)))
         if raw_m is None:
             raise NotFound(f"sequence {m.seq_id!r} is gone from the remote tier (dropped, expired or evicted)")
@@ -404,7 +417,11 @@ class RemoteStore:
         if cur.gen != m.gen:
             raise NotFound(f"sequence {m.seq_id!r} was replaced in the remote tier (generation {cur.gen}, "
                            f"not {m.gen})")
-        plan = chunk_plan(m.block_lengths, chunk)
+        plan = chunk_plan(lengths, chunk)
+        # Where each chunk lands: chunks never span blocks, so each is a slice of one view.
+        targets = [memoryview(o).cast("B")[s:s + min(chunk, n - s)] for o, n in zip(outs, lengths)
+                   for s in range(0, n, chunk)]
+        assert len(targets) == len(plan)
 
         def run(idx: list[int]) -> None:
             def fetch(client: Any) -> list[Any]:
@@ -415,9 +432,8 @@ class RemoteStore:
 
             raws = self._call(f"read {m.seq_id!r}", fetch)
             for i, raw in zip(idx, raws):
-                off, ln = plan[i]
                 try:
-                    out[off:off + ln] = verify_chunk(raw, i, m.fingerprint, m.gen, ln)
+                    targets[i][:] = verify_chunk(raw, i, m.fingerprint, m.gen, len(targets[i]))
                 except DataLoss as e:
                     raise DataLoss(f"sequence {m.seq_id!r} in the remote tier: {e.message}") from None
 
