@@ -100,7 +100,12 @@ class Engine:
             # daemon that will not start.
             opts = config.remote_options
             self.remote = RemoteTier(opts, config.tiers.remote.write) if opts is not None else None
-            self.memory = MemoryTiers.open(config.tiers, config.policy)
+            try:
+                self.memory = MemoryTiers.open(config.tiers, config.policy)
+            except BaseException:
+                if self.remote is not None:
+                    self.remote.close()
+                raise
         except BaseException:
             self.disk.close()
             raise
