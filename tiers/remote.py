@@ -10,7 +10,8 @@ Keys (``NS`` = namespace, then ``t:<tenant>:`` when the sequence belongs to a te
   so a reader that finds a manifest finds its data.
 - ``NS:v:<fingerprint hex>:<seq_id>:<gen>:<i>``: chunk ``i`` of the payload:
   ``CHUNK_HEADER`` (magic ``KVPR``, version, flags, chunk index, layout fingerprint,
-  generation, length, xxh3-64 of the payload) + payload. Chunks never span blocks, and
+  generation, length, xxh3-64 of the payload) + payload. The payload is cut into
+  ``chunk_size`` pieces across block boundaries (large values, few commands), and
   each key hashes to its own cluster slot, so a large sequence spreads over the nodes.
 
 Every chunk is verified (header, index, fingerprint, generation, length, checksum)
@@ -34,7 +35,8 @@ Primitives:
   (``NotFound`` when the sequence is gone or replaced in Redis);
   ``delete(manifest, tenant="")``; ``exists(seq_ids, tenant="") -> list[bool]``;
   ``ping()``; ``stats() -> RemoteStats``; ``close()``.
-- ``chunk_plan(block_lengths, chunk_size) -> list[(offset, length)]``: pure.
+- ``chunk_plan(block_lengths, chunk_size) -> list[(offset, length)]``;
+  ``slices(views, offset, length)``: the pieces of block views a chunk covers. Pure.
 - ``encode_chunk`` / ``verify_chunk``, ``encode_manifest`` / ``decode_manifest``: pure.
 - ``require_client()``: the Redis client package, or a ``StartupError`` naming the extra.
 """
@@ -140,21 +142,38 @@ def _esc(name: str) -> str:
 
 
 def chunk_plan(block_lengths: Sequence[int], chunk_size: int) -> list[tuple[int, int]]:
-    """(payload offset, length) of every chunk: blocks cut at ``chunk_size``, never
-    merged, so a chunk is a slice of one block."""
-    out: list[tuple[int, int]] = []
-    off = 0
-    for ln in block_lengths:
-        for start in range(0, ln, chunk_size):
-            out.append((off + start, min(chunk_size, ln - start)))
-        off += ln
+    """(payload offset, length) of every chunk: the payload cut every ``chunk_size``
+    bytes, across block boundaries. (1 MiB values measured ~20% slower to SET than
+    4 MiB ones: fewer, larger values.)"""
+    total = sum(block_lengths)
+    return [(off, min(chunk_size, total - off)) for off in range(0, total, chunk_size)]
+
+
+def slices(views: Sequence[memoryview], offset: int, length: int) -> list[memoryview]:
+    """The pieces of ``views`` (laid end to end) that cover ``[offset, offset + length)``."""
+    out: list[memoryview] = []
+    pos = 0
+    end = offset + length
+    for v in views:
+        n = len(v)
+        if pos + n > offset and pos < end:
+            lo, hi = max(offset, pos) - pos, min(end, pos + n) - pos
+            out.append(v[lo:hi])
+        pos += n
+        if pos >= end:
+            break
     return out
 
 
-def encode_chunk(index: int, fingerprint: int, gen: int, payload: memoryview | bytes) -> bytes:
-    head = CHUNK_HEADER.pack(CHUNK_MAGIC, FORMAT_VERSION, 0, 0, index, fingerprint, gen, len(payload),
-                             checksum(payload))
-    return b"".join((head, payload))
+def encode_chunk(index: int, fingerprint: int, gen: int, payload: memoryview | bytes | Sequence[memoryview]) -> bytes:
+    """Header + payload as one value; ``payload`` may be several pieces (one copy: the join)."""
+    pieces = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
+    h = xxhash.xxh3_64()
+    for p in pieces:
+        h.update(p)
+    n = sum(len(p) for p in pieces)
+    head = CHUNK_HEADER.pack(CHUNK_MAGIC, FORMAT_VERSION, 0, 0, index, fingerprint, gen, n, h.intdigest())
+    return b"".join((head, *pieces))
 
 
 def verify_chunk(raw: bytes | None, index: int, fingerprint: int, gen: int, length: int) -> memoryview:
@@ -317,19 +336,16 @@ class RemoteStore:
         if len(blocks) != len(lengths):
             raise ValueError(f"{len(blocks)} block views for {len(lengths)} blocks")
         chunk = self.opts.chunk_size
-        views: list[memoryview] = []
-        for b in blocks:
-            b = memoryview(b).cast("B")
-            views.extend(b[s:s + chunk] for s in range(0, len(b), chunk))
+        views = [memoryview(b).cast("B") for b in blocks]
         plan = chunk_plan(lengths, chunk)
-        assert len(views) == len(plan)
         px = self._ttl_ms()
 
         def run(idx: list[int]) -> None:
             def send(client: Any) -> None:
                 pipe = client.pipeline(transaction=False)
                 for i in idx:
-                    pipe.set(self.chunk_key(m, i, tenant), encode_chunk(i, m.fingerprint, m.gen, views[i]), px=px)
+                    value = encode_chunk(i, m.fingerprint, m.gen, slices(views, *plan[i]))
+                    pipe.set(self.chunk_key(m, i, tenant), value, px=px)
                 pipe.execute()
 
             self._call(f"put {m.seq_id!r}", send)
@@ -418,10 +434,8 @@ class RemoteStore:
             raise NotFound(f"sequence {m.seq_id!r} was replaced in the remote tier (generation {cur.gen}, "
                            f"not {m.gen})")
         plan = chunk_plan(lengths, chunk)
-        # Where each chunk lands: chunks never span blocks, so each is a slice of one view.
-        targets = [memoryview(o).cast("B")[s:s + min(chunk, n - s)] for o, n in zip(outs, lengths)
-                   for s in range(0, n, chunk)]
-        assert len(targets) == len(plan)
+        views = [memoryview(o).cast("B") for o in outs]
+        targets = [slices(views, off, ln) for off, ln in plan]  # where each chunk lands
 
         def run(idx: list[int]) -> None:
             def fetch(client: Any) -> list[Any]:
@@ -433,7 +447,11 @@ class RemoteStore:
             raws = self._call(f"read {m.seq_id!r}", fetch)
             for i, raw in zip(idx, raws):
                 try:
-                    targets[i][:] = verify_chunk(raw, i, m.fingerprint, m.gen, len(targets[i]))
+                    payload = verify_chunk(raw, i, m.fingerprint, m.gen, plan[i][1])
+                    pos = 0
+                    for t in targets[i]:
+                        t[:] = payload[pos:pos + len(t)]
+                        pos += len(t)
                 except DataLoss as e:
                     raise DataLoss(f"sequence {m.seq_id!r} in the remote tier: {e.message}") from None
 
@@ -465,22 +483,24 @@ class RemoteStore:
         in between by another daemon can lose its manifest (its chunks stay until their
         TTL); it is then a miss, never wrong data.
         """
-        n = len(chunk_plan(m.block_lengths, self.opts.chunk_size))
         mkey = self.manifest_key(m.seq_id, tenant)
 
         def run(client: Any) -> None:
             raw = client.get(mkey)
             cur: Manifest | None = None
+            chunk = self.opts.chunk_size
             if raw is not None:
                 try:
-                    cur = decode_manifest(raw)[0]
+                    cur, written = decode_manifest(raw)
+                    if cur.gen == m.gen:
+                        chunk = written  # the writer's chunk size (another daemon's, maybe)
                 except DataLoss:
                     cur = None  # damaged: delete it too
             pipe = client.pipeline(transaction=False)
             if raw is not None and (cur is None or cur.gen == m.gen):
                 pipe.delete(mkey)
-            # Chunks of a store written with another chunk size are left to their TTL.
-            for i in range(n):
+            # Without the manifest, chunks written with another chunk size are left to their TTL.
+            for i in range(len(chunk_plan(m.block_lengths, chunk))):
                 pipe.delete(self.chunk_key(m, i, tenant))
             pipe.execute()
 

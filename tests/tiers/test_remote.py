@@ -23,6 +23,7 @@ from kvpark.tiers.remote import (
     decode_manifest,
     encode_chunk,
     encode_manifest,
+    slices,
     verify_chunk,
 )
 
@@ -60,10 +61,20 @@ def _store(url: str, cluster: bool = False, **kw) -> RemoteStore:
 # -- pure ---------------------------------------------------------------------------
 
 
-def test_chunk_plan_cuts_blocks_never_merges_them():
-    assert chunk_plan([10, 10, 3], 4) == [(0, 4), (4, 4), (8, 2), (10, 4), (14, 4), (18, 2), (20, 3)]
+def test_chunk_plan_cuts_the_payload_across_blocks():
+    assert chunk_plan([10, 10, 3], 4) == [(0, 4), (4, 4), (8, 4), (12, 4), (16, 4), (20, 3)]
     assert chunk_plan([8, 5], 8) == [(0, 8), (8, 5)]
     assert chunk_plan([], 8) == []
+
+
+def test_slices_cover_a_range_of_block_views():
+    views = [memoryview(b"abcd"), memoryview(b"efg"), memoryview(b"hi")]
+    assert [bytes(v) for v in slices(views, 0, 9)] == [b"abcd", b"efg", b"hi"]
+    assert [bytes(v) for v in slices(views, 2, 4)] == [b"cd", b"ef"]
+    assert [bytes(v) for v in slices(views, 4, 3)] == [b"efg"]
+    assert [bytes(v) for v in slices(views, 8, 1)] == [b"i"]
+    raw = encode_chunk(0, 1, 2, slices(views, 2, 6))
+    assert bytes(verify_chunk(raw, 0, 1, 2, 6)) == b"cdefgh"  # one checksum over the pieces
 
 
 def test_chunk_record_verifies_every_field():
@@ -140,6 +151,20 @@ def test_put_read_bit_exact(redis_server, nbytes):
         assert bytes(st.read(back)) == data
         s = st.stats()
         assert s.bytes_written == nbytes and s.bytes_read == nbytes and s.state == "closed"
+    finally:
+        st.close()
+
+
+def test_chunks_spanning_blocks_read_back_into_block_views(redis_server):
+    # Chunks of 100000 bytes over 64 KiB blocks: most chunks cover parts of two blocks.
+    st = _store(redis_server.url, chunk_size=100_000)
+    try:
+        m = _manifest("span", (1 << 16) * 5 + 123)
+        data, views = _payload(m)
+        st.put(m, views)
+        outs = [bytearray(n) for n in m.block_lengths]
+        st.read_blocks_into(m, [memoryview(o) for o in outs])
+        assert b"".join(outs) == data
     finally:
         st.close()
 
