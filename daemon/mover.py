@@ -26,7 +26,8 @@ Primitives:
 - ``write_to_disk(seq) -> bool``; ``flush() -> int``.
 - The remote tier (when configured), below disk: ``promote`` reads a sequence known
   only from remote straight into memory (verified); ``fetch_remote(seq)`` brings one
-  onto the local disk instead (when memory has no room, or it is served from disk); ``evict_disk(need, target=None)`` writes the disk's coldest sequences (by the
+  onto the local disk instead (when memory has no room, or it is served from disk);
+  ``evict_disk(need, target=None)`` writes the disk's coldest sequences (by the
   eviction policy; not pinned there, not being read or moved) to remote and deletes
   them from disk, so a disk write fits (also from ``relieve`` past the disk's high
   mark); ``copy_to_remote_later(seqs)`` queues background copies (write_through).
