@@ -576,6 +576,9 @@ class Engine:
         self._adopt([seq_id])
         with self.catalog.lock:
             seq = self.catalog.get(seq_id)
+            # About to be read: not the first victim of the demotion its own promotion may
+            # start (a cold sequence prefetched to a full tier would leave it again at once).
+            seq.manifest.last_access = time.time()
         return self.mover.prefetch(seq, tier, wait, timeout)
 
     # ------------------------------------------------------------------ queries
