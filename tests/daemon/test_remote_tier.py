@@ -231,3 +231,20 @@ def test_namespace_isolation(tmp_path: Path, daemon: Callable[..., Daemon], redi
         assert cb.present(["mine"]) == [False]
         with pytest.raises(NotFound):
             cb.restore("mine")
+
+
+def test_overwrite_on_one_daemon_is_what_another_restores(tmp_path: Path, daemon: Callable[..., Daemon],
+                                                          redis_server: RedisServer) -> None:
+    a, b, ns = _share(tmp_path, daemon, redis_server.url, False)
+    with Client(a.address) as ca, Client(b.address, transport="inline") as cb:
+        # Step 1: two versions in quick succession; the old one's remote delete and the
+        # new one's copy are queued in that order.
+        ca.park("v", [blob(1, 2 * MiB)])
+        ca.park("v", [blob(2, 2 * MiB + 7)], overwrite=True)
+        assert wait_until(lambda: _synced(ca))
+        # Step 2: the other daemon gets the new version, never the old one.
+        assert torch.equal(cb.restore("v")[0], blob(2, 2 * MiB + 7))
+        # Step 3: a drop on A removes it fleet-wide (B's own copy stays B's until dropped).
+        assert ca.drop("v")
+        assert wait_until(lambda: _synced(ca))
+        assert _keys(redis_server, ns) == 0
