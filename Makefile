@@ -28,7 +28,7 @@ $(SERVE_STAMP): pyproject.toml
 # (the HF adapter's tests), redis-py, rich and matplotlib (kvpark bench, stat --watch).
 $(STAMP): $(SERVE_STAMP)
 	@echo "== installing the test and bench extras (transformers is the large one; a minute or two)"
-	$(BIN)/pip install -e '.[dev,bench,ui]'
+	$(BIN)/pip install -e '.[dev,bench,ui,remote]'
 	touch $(STAMP)
 
 # vLLM's CPU build in a venv of its own: it pins its own torch and transformers.
@@ -50,6 +50,7 @@ serve: $(SERVE_STAMP)
 
 test: test-core test-vllm
 
+# The remote tier's tests start their own redis-server processes (.ci/run installs it).
 test-core: $(STAMP)
 	$(BIN)/pytest -q
 

@@ -120,6 +120,12 @@ def _print_summary(address: str, st: Stat, seqs: list[SeqInfo]) -> None:
         pct = 100.0 * t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
         print(f"{name:<8}{t.state:<10}{_human(t.used_bytes):>11}{_human(t.capacity_bytes):>11}{pct:>6.1f}%"
               f"{t.sequences:>8}{t.evictions:>11}")
+    r = st.remote
+    if r is not None:
+        state = "ok" if r.state == "closed" else f"DEGRADED (circuit {r.state})"
+        print(f"{'remote':<8} {state}: {r.sequences} sequence(s) known there, {_human(r.bytes_written)} written, "
+              f"{_human(r.bytes_read)} read, {r.pending_writes} pending, {r.errors} error(s), "
+              f"{r.refused} refused, {r.outages} outage(s), {r.data_loss} bad value(s) deleted")
     print()
     print("held: sequences and shared blocks with a copy in the tier (one may be in several tiers)")
 
@@ -145,6 +151,7 @@ def _stat(args: argparse.Namespace) -> int:
         if args.json:
             out = {"version": c.server.server_version, "address": c.address, **_summary(st, seqs),
                    "tiers": {k: asdict(v) for k, v in st.tiers.items()},
+                   "remote": asdict(st.remote) if st.remote is not None else None,
                    "sequence_list": [_seq_json(s, now) for s in seqs]}
             print(json.dumps(out, indent=2))
             return 0

@@ -19,7 +19,10 @@ Primitives:
   references when it validates, so the blocks it names cannot be retired while it
   writes to disk without a lock.
 - ``publish_blocks``, ``publish_commit``, ``publish``: make committed sequences visible.
-- ``expired(wall, grace_s)``: ids past their TTL, and shared blocks nobody took up.
+- ``expired(wall, grace_s) -> (ttl, unused)``: ids past their TTL, and shared blocks
+  nobody took up.
+- ``adopt(manifests)``: index sequences found in the remote tier on a local miss;
+  ``on_remote()``: how many indexed sequences have a remote copy.
 - ``retire(seq)``: unlink a sequence (drop, overwrite, expiry); memory is freed now or
   by the last reader or copy (``release_dropped``); shared blocks left unreferenced
   retire with it and are returned by ``take_orphans()`` for their disk copies.
@@ -42,7 +45,7 @@ from kvpark.tiers.memory import MemTier
 
 from .model import MEM_TIERS, Lease, ParkSpec, Seq
 
-_RANK = {"device": 0, "host": 1, "disk": 2}
+_RANK = {"device": 0, "host": 1, "disk": 2, "remote": 3}
 
 
 class Catalog:
@@ -218,12 +221,30 @@ class Catalog:
                 self.retire(block)  # its last user is gone
                 self._orphans.append(block)
 
-    def expired(self, wall: float, grace_s: float) -> list[str]:
-        """Ids past their TTL, and shared blocks nobody took up within ``grace_s`` of their park."""
-        out = [s.seq_id for s in self._seqs.values() if s.expires_at is not None and s.expires_at <= wall]
-        out += [s.seq_id for s in self._seqs.values()
-                if s.shared and not self._refcount.get(s.seq_id) and s.manifest.created_at < wall - grace_s]
-        return out
+    def expired(self, wall: float, grace_s: float) -> tuple[list[str], list[str]]:
+        """Ids past their TTL; and shared blocks nobody took up within ``grace_s`` of their
+        park. A block known only from the remote tier holds nothing here and is left alone
+        (another daemon's sequences may use it)."""
+        ttl = [s.seq_id for s in self._seqs.values() if s.expires_at is not None and s.expires_at <= wall]
+        unused = [s.seq_id for s in self._seqs.values()
+                  if s.shared and not self._refcount.get(s.seq_id) and s.manifest.created_at < wall - grace_s
+                  and (s.res or s.on_disk) and s.seq_id not in ttl]
+        return ttl, unused
+
+    def adopt(self, manifests: Iterable[Manifest]) -> None:
+        """Index sequences found in the remote tier on a local miss (ids already indexed
+        are left as they are). Later local generations stay above theirs."""
+        for m in manifests:
+            if m.seq_id in self._seqs:
+                continue
+            seq = Seq(manifest=m, on_remote=True)
+            self._seqs[m.seq_id] = seq
+            self._gen = max(self._gen, m.gen)
+            for r in seq.refs:
+                self._refcount[r] = self._refcount.get(r, 0) + 1
+
+    def on_remote(self) -> int:
+        return sum(1 for s in self._seqs.values() if s.on_remote)
 
     def take_orphans(self) -> list[Seq]:
         todo, self._orphans = self._orphans, []
@@ -342,7 +363,7 @@ class Catalog:
         refs: dict[str, int] = {}
         for s in self._seqs.values():
             assert not s.dropped and s.moving == 0, f"{s.seq_id}: dropped={s.dropped} moving={s.moving}"
-            assert s.res or s.on_disk, f"{s.seq_id}: no copy anywhere"
+            assert s.res or s.on_disk or s.on_remote, f"{s.seq_id}: no copy anywhere"
             assert set(s.res) <= set(MEM_TIERS)
             for t, n in s.readers.items():
                 assert n == readers.get((id(s), t), 0), f"{s.seq_id}: {n} readers on {t}"

@@ -2,8 +2,9 @@
 
 Primitives:
 - ``Config`` and its sections (``ServerConfig``, ``DeviceTierConfig``, ``HostTierConfig``,
-  ``DiskTierConfig``, ``PolicyConfig``, ``LeaseConfig``, ``CopyConfig``, ``MetricsConfig``); each field
-  carries its default and description.
+  ``DiskTierConfig``, ``RemoteTierConfig``, ``PolicyConfig``, ``LeaseConfig``,
+  ``CopyConfig``, ``MetricsConfig``); each field carries its default and description.
+- ``Config.remote_options``: the remote tier's ``RemoteOptions``, or None when it is off.
 - ``load(path=None, env=os.environ, overrides={}) -> Config``.
 - ``parse_size("64MiB") -> int``.
 - ``ConfigError``: a start-up error naming the key and the valid choices.
@@ -31,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from kvpark.tiers.policy import POLICIES
+from kvpark.tiers.remote import RemoteOptions
 from kvpark.tiers.shm import free_bytes
 
 log = logging.getLogger("kvpark.config")
@@ -118,10 +120,29 @@ class DiskTierConfig:
 
 
 @dataclass(frozen=True)
+class RemoteTierConfig:
+    url: str = _f("", 'Redis URL of the remote tier below disk, e.g. "redis://127.0.0.1:6379/0" (rediss:// for '
+                  'TLS, user:password@ for ACLs); "" = no remote tier')
+    cluster: bool = _f(False, "true: Redis Cluster, and url is one seed node")
+    namespace: str = _f("kvpark", "key prefix, so several fleets can share one Redis")
+    write: str = _f("on_evict", "on_evict: what the disk evicts goes to remote instead of being dropped; "
+                    "write_through: every park is also copied to remote in the background after its ack",
+                    choices=("on_evict", "write_through"))
+    ttl_s: float = _f(0.0, "TTL on every remote key; 0 = no expiry")
+    timeout_s: float = _f(2.0, "per remote operation (connect, each socket read or write)")
+    chunk_size: int = _f(4 << 20, "largest remote value; larger blocks are split so they spread over cluster "
+                         "slots", size=True)
+    inflight: int = _f(4, "pipelines in flight at once for one sequence, each on its own connection")
+    breaker_failures: int = _f(3, "consecutive failed remote calls that open the circuit breaker")
+    breaker_cooldown_s: float = _f(5.0, "seconds an open breaker fails remote calls fast before one probe")
+
+
+@dataclass(frozen=True)
 class TiersConfig:
     device: DeviceTierConfig = field(default_factory=DeviceTierConfig)
     host: HostTierConfig = field(default_factory=HostTierConfig)
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
+    remote: RemoteTierConfig = field(default_factory=RemoteTierConfig)
 
 
 @dataclass(frozen=True)
@@ -171,6 +192,15 @@ class Config:
     @property
     def disk_capacity(self) -> int:
         return int(self.tiers.disk.capacity)
+
+    @property
+    def remote_options(self) -> RemoteOptions | None:
+        r = self.tiers.remote
+        if not r.url:
+            return None
+        return RemoteOptions(url=r.url, cluster=r.cluster, namespace=r.namespace, ttl_s=r.ttl_s,
+                             timeout_s=r.timeout_s, chunk_size=r.chunk_size, inflight=r.inflight,
+                             breaker_failures=r.breaker_failures, breaker_cooldown_s=r.breaker_cooldown_s)
 
 
 def _is_section(tp: Any) -> bool:
@@ -326,7 +356,25 @@ def _resolve(cfg: Config) -> Config:
             raise ConfigError(f'metrics.listen: expected host:port or "", got {cfg.metrics.listen!r}')
     if not (4 << 10) <= cfg.server.chunk_size <= (16 << 20):
         raise ConfigError(f"server.chunk_size: must be between 4KiB and 16MiB, got {cfg.server.chunk_size}")
-    return dataclasses.replace(cfg, tiers=TiersConfig(device=dev, host=host, disk=disk))
+    _check_remote(cfg.tiers.remote)
+    return dataclasses.replace(cfg, tiers=TiersConfig(device=dev, host=host, disk=disk, remote=cfg.tiers.remote))
+
+
+def _check_remote(r: RemoteTierConfig) -> None:
+    if r.url and not re.match(r"^(redis|rediss|unix)://", r.url):
+        raise ConfigError(f"tiers.remote.url: expected redis://, rediss:// or unix://, got {r.url!r}")
+    if r.cluster and r.url.startswith("unix://"):
+        raise ConfigError("tiers.remote.cluster: a Redis Cluster seed is a redis:// or rediss:// url")
+    if not r.namespace:
+        raise ConfigError("tiers.remote.namespace: must not be empty")
+    if r.ttl_s < 0:
+        raise ConfigError(f"tiers.remote.ttl_s: must be >= 0, got {r.ttl_s}")
+    if r.timeout_s <= 0:
+        raise ConfigError(f"tiers.remote.timeout_s: must be > 0, got {r.timeout_s}")
+    if not (64 << 10) <= r.chunk_size <= (512 << 20):
+        raise ConfigError(f"tiers.remote.chunk_size: must be between 64KiB and 512MiB, got {r.chunk_size}")
+    if r.inflight < 1 or r.breaker_failures < 1 or r.breaker_cooldown_s < 0:
+        raise ConfigError("tiers.remote.inflight and breaker_failures must be >= 1, breaker_cooldown_s >= 0")
 
 
 def load(

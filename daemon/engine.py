@@ -19,8 +19,11 @@ Primitives:
   it when the engine is quiet).
 
 Tiers, fastest first: ``device`` (optional GPU pool, or a CPU stand-in), ``host`` (the
-shared arena), ``disk`` (LMDB). A sequence may hold copies in several tiers at once:
-committed data is immutable, so copies are identical.
+shared arena), ``disk`` (LMDB), and optionally ``remote`` (Redis, shared with other
+daemons: ``remote_tier.py``). A sequence may hold copies in several tiers at once:
+committed data is immutable, so copies are identical. An id this daemon does not hold
+is looked up in the remote tier's manifests (``info``, ``restore``, ``prefetch``,
+``drop``; ``present`` only asks whether it exists); an unreachable Redis is a miss.
 
 Invariants and locks:
 - A sequence is visible only after commit; a failed or abandoned park frees its slots.
@@ -37,6 +40,7 @@ Invariants and locks:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -72,6 +76,7 @@ from .metrics import Metrics
 from .model import MAX_PARTS, MEM_TIERS, Capabilities, Grant, Lease, ParkSpec, Part, ReadHandle, Reservation, Seq
 from .memory import MemoryTiers
 from .mover import ROOM_WAIT_S, Mover
+from .remote_tier import RemoteTier
 
 log = logging.getLogger("kvpark.engine")
 
@@ -94,7 +99,16 @@ class Engine:
         # another daemon, permissions), and it holds no memory to give back.
         self.disk = disk_factory(config.tiers.disk.path, config.disk_capacity, writemap=config.tiers.disk.writemap)
         try:
-            self.memory = MemoryTiers.open(config.tiers, config.policy)
+            # Connects lazily: a Redis that is down at start is a degraded tier, not a
+            # daemon that will not start.
+            opts = config.remote_options
+            self.remote = RemoteTier(opts, config.tiers.remote.write) if opts is not None else None
+            try:
+                self.memory = MemoryTiers.open(config.tiers, config.policy)
+            except BaseException:
+                if self.remote is not None:
+                    self.remote.close()
+                raise
         except BaseException:
             self.disk.close()
             raise
@@ -111,7 +125,8 @@ class Engine:
             self.disk.on_corrupt = metrics.checksum_failure
         dev = self.tiers.get("device")
         self.copy = CopyEngine(config.copy.max_inflight_bytes, device=dev.device if dev is not None else None)
-        self.mover = Mover(self.catalog, self.leases, self.disk, self.copy, config.policy, self.slot_size, metrics)
+        self.mover = Mover(self.catalog, self.leases, self.disk, self.copy, config.policy, self.slot_size,
+                           self.remote, metrics)
         self._load_index()
 
     @property
@@ -148,6 +163,8 @@ class Engine:
             self._thread.join()
         if flush:
             self.flush()
+        if self.remote is not None:
+            self.remote.close()  # background copies read memory copies: finish them first
         self.leases.close()
         self.copy.close()
         self.disk.close()
@@ -199,10 +216,12 @@ class Engine:
     def _expire(self) -> None:
         """Drop sequences past their TTL, and shared blocks nobody took up."""
         with self.catalog.lock:
-            expired = self.catalog.expired(time.time(), self.config.leases.ttl_s)
-        for sid in expired:
+            ttl, unused = self.catalog.expired(time.time(), self.config.leases.ttl_s)
+        # A TTL is over for everyone: the remote copy goes too. A shared block nobody here
+        # took up may be used by another daemon's sequences: only the local copy goes.
+        for sid in ttl + unused:
             try:
-                if self.drop(sid):
+                if self.drop(sid, everywhere=sid not in unused):
                     log.info("sequence %r expired (TTL, or an unused shared block); dropped", sid)
             except FailedPrecondition:
                 pass  # a shared block taken up meanwhile
@@ -346,11 +365,14 @@ class Engine:
                     seq.dropped = True
                     self.catalog.release_dropped(seq)
                     gone = [seq]
-            gone += self.catalog.take_orphans()
-        for s in gone:
+            orphans = self.catalog.take_orphans()
+        for s in gone + orphans:
             self.mover.delete_from_disk(s)
+        self._forget_remote(gone)
         if failed is not None:
             raise failed
+        if self.remote is not None and self.remote.write_through:
+            self.mover.copy_to_remote_later(blocks + ([seq] if seq is not None and not seq.dropped else []))
         if seq is not None and self._write_through and not seq.on_disk and not seq.dropped:
             # Our write lost to a newer generation that then failed to publish: write it now.
             self.mover.write_to_disk(seq)
@@ -397,6 +419,7 @@ class Engine:
         self._check_open()
         if need is not None:
             self._tier_arg(need)
+        self._adopt(ids)
         with self.catalog.lock:
             tops = [self.catalog.get(sid) for sid in ids]
             for t in tops:
@@ -443,6 +466,8 @@ class Engine:
             return part
         if want:
             self.mover.promote(seq, want, make_room=need is not None, lease=lease)
+        # Still only on remote (no promotion wanted, or no room for it): onto disk first.
+        self.mover.fetch_remote(seq)
         with self.catalog.lock:
             part = self._lease_part(seq, need, want, lease, final=True)
             assert part is not None
@@ -458,7 +483,7 @@ class Engine:
         held = next((t for s, t in lease.parts if s is seq), None)
         if held is not None:  # the promotion leased it as it made it ready
             return Part(seq.manifest, seq.res[held], held, seq)
-        if not final and want and want not in seq.res:
+        if not final and (want and want not in seq.res or not seq.res and not seq.on_disk):
             return None
         if need is not None:
             if need not in seq.res:
@@ -498,6 +523,10 @@ class Engine:
                             if p.seq is not None and p.seq.dropped:  # deleted under us: gone, not corrupt
                                 raise NotFound(f"sequence {m.seq_id!r} was dropped or overwritten during the "
                                                "restore") from None
+                            if i == 0 and self._evicted(p.seq):
+                                # Moved to remote between the lease and this read: serve it from there.
+                                yield from self._remote_blocks(m)
+                                break
                             raise
 
         if all(p.alloc is not None for p in handle.parts):
@@ -506,19 +535,68 @@ class Engine:
         with self.disk.read_txn() as r:
             yield from regroup(views(r), chunk_size)
 
+    def _evicted(self, seq: Seq | None) -> bool:
+        with self.catalog.lock:
+            return seq is not None and self.remote is not None and seq.on_remote and not seq.on_disk
+
+    def _remote_blocks(self, m: Manifest) -> Iterator[memoryview]:
+        assert self.remote is not None
+        view = memoryview(self.remote.fetch(m))
+        off = 0
+        for n in m.block_lengths:
+            yield view[off:off + n]
+            off += n
+
+    def _adopt(self, seq_ids: list[str]) -> None:
+        """Index the ids this daemon lacks that the remote tier has (with the shared
+        blocks they reference). Redis unreachable: nothing is adopted."""
+        if self.remote is None:
+            return
+        with self.catalog.lock:
+            missing = [sid for sid in dict.fromkeys(seq_ids) if self.catalog.find(sid) is None]
+        if not missing:
+            return
+        found = [m for m in self.remote.manifests(missing) if m is not None]
+        names = {m.seq_id for m in found}
+        with self.catalog.lock:
+            refs = [r for m in found for r in m.refs if r not in names and self.catalog.find(r) is None]
+        if refs:
+            found += [m for m in self.remote.manifests(list(dict.fromkeys(refs))) if m is not None]
+        if found:
+            with self.catalog.lock:
+                self.catalog.adopt(found)
+
+    def _forget_remote(self, gone: list[Seq]) -> None:
+        """Delete the remote copies of dropped or replaced versions (in the background)."""
+        if self.remote is None:
+            return
+        for s in gone:
+            if s.on_remote or self.remote.write_through:
+                self.remote.delete_later(s.manifest)
+
     def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None) -> str:
         validate_seq_id(seq_id)
         self._check_open()
         self._tier_arg(tier)
+        self._adopt([seq_id])
         with self.catalog.lock:
             seq = self.catalog.get(seq_id)
+            # About to be read: not the first victim of the demotion its own promotion may
+            # start (a cold sequence prefetched to a full tier would leave it again at once).
+            seq.manifest.last_access = time.time()
         return self.mover.prefetch(seq, tier, wait, timeout)
 
     # ------------------------------------------------------------------ queries
 
-    def drop(self, seq_id: str) -> bool:
-        """Unpublish ``seq_id`` now; its disk copy is deleted after, without any lock held."""
+    def drop(self, seq_id: str, everywhere: bool = True) -> bool:
+        """Unpublish ``seq_id`` now; its disk copy is deleted after, without any lock held.
+
+        ``everywhere``: its remote copy goes too (in the background); an id only the
+        remote tier has is dropped there.
+        """
         validate_seq_id(seq_id)
+        if everywhere:
+            self._adopt([seq_id])
         with self.catalog.lock:
             seq = self.catalog.find(seq_id)
             if seq is None:
@@ -532,6 +610,8 @@ class Engine:
             todo = [seq, *self.catalog.take_orphans()]
         for s in todo:
             self.mover.delete_from_disk(s)
+        if everywhere:
+            self._forget_remote([seq])  # not the orphaned blocks: other daemons' sequences may use them
         return True
 
     def present(self, seq_ids: list[str]) -> list[bool]:
@@ -541,10 +621,16 @@ class Engine:
         for sid in seq_ids:
             validate_seq_id(sid)
         with self.catalog.lock:
-            return self.catalog.present(seq_ids)
+            out = self.catalog.present(seq_ids)
+        if self.remote is not None and not all(out):
+            ask = [sid for sid, p in zip(seq_ids, out) if not p]
+            there = dict(zip(ask, self.remote.present(ask)))
+            out = [p or there[sid] for sid, p in zip(seq_ids, out)]
+        return out
 
     def info(self, seq_id: str) -> SeqInfo:
         validate_seq_id(seq_id)
+        self._adopt([seq_id])
         with self.catalog.lock:
             return self.catalog.info(self.catalog.get(seq_id))
 
@@ -555,8 +641,12 @@ class Engine:
     def stat(self) -> Stat:
         used = self.disk.used
         with self.catalog.lock:
-            tiers = self.catalog.tier_stats(self.disk.capacity, used, self.mover.evictions, self.slot_size)
-            return Stat(tiers=tiers, sequences=len(self.catalog), leases=self.leases.count)
+            on_remote = self.catalog.on_remote()
+            st = Stat(tiers=self.catalog.tier_stats(self.disk.capacity, used, self.mover.evictions, self.slot_size),
+                      sequences=len(self.catalog), leases=self.leases.count)
+        if self.remote is None:
+            return st
+        return dataclasses.replace(st, remote=self.remote.stat(on_remote))
 
     def pin(self, seq_id: str, pinned: bool = True) -> SeqInfo:
         """Pin (never demoted below the tier it is in) or unpin ``seq_id``; kept on disk too."""

@@ -29,7 +29,7 @@ from kvpark.proto.types import SeqInfo
 from kvpark.tiers.arena import Allocation
 from kvpark.tiers.disk import Manifest
 
-Tier = Literal["device", "host", "disk"]
+Tier = Literal["device", "host", "disk", "remote"]
 MemTierName = Literal["device", "host"]
 LeaseKind = Literal["write", "read"]
 MEM_TIERS: tuple[MemTierName, ...] = ("device", "host")
@@ -107,6 +107,7 @@ class Seq:
     manifest: Manifest
     res: dict[str, Allocation] = field(default_factory=dict)  # ready memory copies
     on_disk: bool = False
+    on_remote: bool = False  # a copy in the remote tier (Redis) is known to this daemon
     readers: dict[str, int] = field(default_factory=dict)
     moving: int = 0  # copies in flight from this sequence's memory
     dropped: bool = False
@@ -127,7 +128,7 @@ class Seq:
         for t in MEM_TIERS:
             if t in self.res:
                 return t
-        return "disk"
+        return "remote" if self.on_remote and not self.on_disk else "disk"
 
     @property
     def pinned(self) -> bool:

@@ -12,8 +12,9 @@ other cannot deadlock). Metadata changes happen under the index lock
 (``Catalog.lock``), which is never held across I/O. Lock order: ``move_lock`` -> index lock.
 
 Primitives:
-- ``Mover(catalog, leases, disk, copy, PolicyConfig, slot_size, metrics=None)``; ``evictions``:
-  per memory tier, copies freed to make room (demotions); with ``metrics``, every copy
+- ``Mover(catalog, leases, disk, copy, PolicyConfig, slot_size, remote=None, metrics=None)``;
+  ``evictions``: per tier, copies freed to make room (demotions, and disk copies moved to
+  remote); with ``metrics``, every copy
   between tiers is counted and timed (``kvpark_moves_total``, ``kvpark_move_seconds``) and
   every eviction counted.
 - ``promote(seq, to, make_room, lease=None) -> bool``: bring a copy into memory tier
@@ -27,6 +28,13 @@ Primitives:
   ``changed`` condition for in-flight work to free room.
 - ``relieve() -> int``: one background pass: every tier past its high mark down to its low mark.
 - ``write_to_disk(seq) -> bool``; ``flush() -> int``.
+- The remote tier (when configured), below disk: ``promote`` reads a sequence known
+  only from remote straight into memory (verified); ``fetch_remote(seq)`` brings one
+  onto the local disk instead (when memory has no room, or it is served from disk);
+  ``evict_disk(need, target=None)`` writes the disk's coldest sequences (by the
+  eviction policy; not pinned there, not being read or moved) to remote and deletes
+  them from disk, so a disk write fits (also from ``relieve`` past the disk's high
+  mark); ``copy_to_remote_later(seqs)`` queues background copies (write_through).
 - ``prefetch(seq, tier, wait, timeout) -> str``; ``quiet()`` (no demotion starts, moves
   in flight land: for invariant checks); ``close()``.
 """
@@ -37,9 +45,9 @@ import concurrent.futures
 import logging
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
-from kvpark.proto.errors import DeadlineExceeded, KVParkError, NotFound, ResourceExhausted
+from kvpark.proto.errors import DataLoss, DeadlineExceeded, KVParkError, NotFound, ResourceExhausted
 from kvpark.tiers import policy
 from kvpark.tiers.arena import Allocation
 from kvpark.tiers.copy import CopyEngine, CopyJob, runs
@@ -50,8 +58,11 @@ from .config import PolicyConfig
 from .leases import LeaseTable
 from .metrics import Metrics
 from .model import MEM_TIERS, Lease, Seq
+from .remote_tier import RemoteTier
 
 log = logging.getLogger("kvpark.mover")
+
+T = TypeVar("T")
 
 # How long a park or promotion waits for in-flight work (copies, reads, other
 # reservations) to free room before it gives up with RESOURCE_EXHAUSTED.
@@ -60,10 +71,14 @@ ROOM_WAIT_S = 10.0
 
 class Mover:
     def __init__(self, catalog: Catalog, leases: LeaseTable, disk: DiskStore, copy: CopyEngine,
-                 config: PolicyConfig, slot_size: int, metrics: Metrics | None = None) -> None:
+                 config: PolicyConfig, slot_size: int, remote: RemoteTier | None = None,
+                 metrics: Metrics | None = None) -> None:
         self.catalog = catalog
+        self.remote = remote
         self.metrics = metrics
         self.evictions: dict[str, int] = {}  # REQUIRES: index lock to change
+        self.disk_high = config.high_watermark
+        self.disk_low = config.low_watermark
         self.tiers = catalog.tiers
         self.leases = leases
         self.disk = disk
@@ -100,6 +115,7 @@ class Mover:
 
     def promote(self, seq: Seq, to: str, make_room: bool, lease: Lease | None = None) -> bool:
         if seq.manifest.block_size != self.slot_size:
+            self.fetch_remote(seq)
             return False  # parked under another slot size; served from disk as it is
         try:
             with seq.move_lock:
@@ -189,10 +205,20 @@ class Mover:
             return
         t0 = time.perf_counter()
         try:
-            with self.disk.read_txn() as r:
-                for i, (off, n) in enumerate(a.extents):
-                    mem.write(off, r.read_block(seq.manifest, i, n))
-            self._moved("disk", to, t0)
+            if not seq.on_disk and seq.on_remote:
+                # Straight from Redis into memory: no disk write on the restore path, and
+                # into the host arena's slots themselves (no staging buffer).
+                if mem.on_cpu:
+                    self._remote_guard(seq, lambda: self.remote.fetch_into(seq.manifest, mem.views(a)))
+                else:
+                    for (off, _n), block in zip(a.extents, self._remote_blocks(seq)):
+                        mem.write(off, block)
+                self._moved("remote", to, t0)
+            else:
+                with self.disk.read_txn() as r:
+                    for i, (off, n) in enumerate(a.extents):
+                        mem.write(off, r.read_block(seq.manifest, i, n))
+                self._moved("disk", to, t0)
         except BaseException:
             with self.catalog.lock:
                 self.catalog.free(to, a)
@@ -426,10 +452,19 @@ class Mover:
                         job.wait()
                     except Exception as e:  # noqa: BLE001 - the copy's slots were freed by its completion
                         log.warning("demotion copy from %s failed: %s", name, e)
+        if self.remote is not None and not self.closed and \
+                policy.over_high(self.disk.used, self.disk.capacity, self.disk_high):
+            before = self.disk.used
+            self.evict_disk(0, policy.background_target(self.disk.capacity, self.disk_low))
+            moved += self.disk.used < before
         return moved
 
     def write_to_disk(self, seq: Seq) -> bool:
         """Make sure ``seq`` has a disk copy; its memory copies are kept."""
+        with self.catalog.lock:
+            if seq.dropped or seq.on_disk or not seq.res:
+                return seq.on_disk
+        self.evict_disk(seq.manifest.nbytes)
         with self.catalog.lock:
             if seq.dropped or seq.on_disk or not seq.res:
                 return seq.on_disk
@@ -482,3 +517,176 @@ class Mover:
         if total:
             log.info("flush: %d/%d memory-only sequence(s) written to disk", done, total)
         return done
+
+    # ------------------------------------------------------------------ the remote tier
+
+    def fetch_remote(self, seq: Seq) -> None:
+        """If ``seq`` is known only from the remote tier, bring it onto the local disk."""
+        if self.remote is None or not seq.on_remote:
+            return
+        with seq.move_lock:
+            self._fetch_remote_locked(seq)
+
+    def _fetch_remote_locked(self, seq: Seq) -> None:
+        # REQUIRES: seq.move_lock held. The store verifies every chunk; a bad or vanished
+        # value unindexes the sequence here too.
+        if self.remote is None:
+            return
+        with self.catalog.lock:
+            if seq.dropped or seq.res or seq.on_disk or not seq.on_remote:
+                return
+        m = seq.manifest
+        blocks = self._remote_blocks(seq)
+        self.evict_disk(m.nbytes, exclude=seq)
+        written = self.disk.write(m, blocks)
+        with self.catalog.lock:
+            stale = seq.dropped
+            if written and not stale:
+                seq.on_disk = True
+                seq.promotions += 1
+            self.catalog.notify()
+        if written and stale:
+            self.disk.delete(m)
+
+    def _remote_blocks(self, seq: Seq) -> list[memoryview]:
+        """``seq``'s blocks, fetched from remote and verified. A value that is bad or gone
+        unindexes the sequence here too (the store deleted a bad one from Redis)."""
+        assert self.remote is not None
+        m = seq.manifest
+        view = memoryview(self._remote_guard(seq, lambda: self.remote.fetch(m)))
+        blocks, off = [], 0
+        for n in m.block_lengths:
+            blocks.append(view[off:off + n])
+            off += n
+        return blocks
+
+    def _remote_guard(self, seq: Seq, read: Callable[[], T]) -> T:
+        """Run a remote read of ``seq``; a value that is bad or gone unindexes it here too."""
+        try:
+            return read()
+        except (NotFound, DataLoss):
+            with self.catalog.lock:
+                if self.catalog.find(seq.seq_id) is seq:
+                    self.catalog.retire(seq)
+                self.catalog.take_orphans()  # blocks known only from remote: nothing local to delete
+            raise
+
+    def evict_disk(self, need: int, target: int | None = None, exclude: Seq | None = None) -> bool:
+        """Make the disk hold at most ``target`` bytes (default: room for ``need`` more)
+        by moving its coldest sequences to the remote tier. True when it got there.
+
+        A sequence leaves the disk only once its copy is in Redis; with Redis down
+        nothing moves (the breaker makes that quick) and the caller's write fails as it
+        would without a remote tier.
+        """
+        if self.remote is None:
+            return False
+        cap = self.disk.capacity
+        goal = cap - need if target is None else target
+        deadline = time.monotonic() + ROOM_WAIT_S
+        while True:
+            with self.catalog.lock:
+                used = self.disk.used
+                if used <= goal:
+                    return True
+                cands = [
+                    policy.SeqMeta(s.seq_id, s.manifest.nbytes, s.manifest.last_access, s.manifest.priority,
+                                   s.access_count, s.manifest.created_at, s.promotions)
+                    for s in self.catalog.sequences()
+                    if s.on_disk and s is not exclude and not s.moving and not any(s.readers.values())
+                    and not (s.pinned and s.tier == "disk")
+                ]
+                plan = policy.plan_demotion(self.eviction, cands, used, cap, goal)
+            moved = False
+            for sid in plan:
+                if self.disk.used <= goal:
+                    return True
+                if self._disk_to_remote(sid):
+                    moved = True
+                elif self.remote.store.breaker.state != "closed":
+                    return False  # Redis is down: stop here, fail fast
+            if self.disk.used <= goal:
+                return True
+            if moved:
+                continue
+            # Nothing moved: the victims were busy (another eviction or a promotion holds
+            # them, or they are being read). Wait for that to end, within the deadline.
+            with self.catalog.lock:
+                left = deadline - time.monotonic()
+                if left <= 0 or not plan:
+                    return False
+                self.catalog.changed.wait(min(0.05, left))
+
+    def _disk_to_remote(self, seq_id: str) -> bool:
+        """Write one disk-resident sequence to remote (unless it is there), then delete
+        its disk copy. True when the disk copy is gone."""
+        assert self.remote is not None
+        with self.catalog.lock:
+            seq = self.catalog.find(seq_id)
+            if seq is None or not seq.on_disk:
+                return False
+        if not seq.move_lock.acquire(blocking=False):
+            return False  # a promotion or another move owns it right now
+        try:
+            m = seq.manifest
+            t0 = time.perf_counter()
+            if not seq.on_remote:
+                with self.disk.read_txn() as r:
+                    self.remote.put(m, [r.read_block(m, i, n) for i, n in enumerate(m.block_lengths)])
+                self._moved("disk", "remote", t0)
+                with self.catalog.lock:
+                    stale = seq.dropped
+                    seq.on_remote = not stale
+                if stale:
+                    self.remote.delete_later(m)
+                    return False
+            self.delete_from_disk(seq)
+            with self.catalog.lock:
+                self.evictions["disk"] = self.evictions.get("disk", 0) + 1
+                self.catalog.notify()
+            if self.metrics is not None:
+                self.metrics.evicted("disk")
+            return True
+        except KVParkError as e:
+            log.warning("eviction of %r from disk to remote failed: %s", seq_id, e)
+            return False
+        finally:
+            seq.move_lock.release()
+
+    def copy_to_remote_later(self, seqs: list[Seq]) -> None:
+        """write_through: copy each of ``seqs`` to remote in the background."""
+        if self.remote is None:
+            return
+        for s in seqs:
+            self.remote.submit(f"copy of {s.seq_id!r} to remote", lambda s=s: self._copy_to_remote(s))
+
+    def _copy_to_remote(self, seq: Seq) -> None:
+        assert self.remote is not None
+        with self.catalog.lock:
+            if seq.dropped or seq.on_remote:
+                return
+            src = next((t for t in ("host", "device") if t in seq.res), None)
+            if src is None and not seq.on_disk:
+                return
+            alloc = seq.res[src] if src is not None else None
+            if src is not None:
+                seq.moving += 1  # pins the memory copy while we read it
+        m = seq.manifest
+        try:
+            if src is not None:
+                assert alloc is not None
+                self.remote.put(m, self.tiers[src].views(alloc))
+            else:
+                with self.disk.read_txn() as r:
+                    self.remote.put(m, [r.read_block(m, i, n) for i, n in enumerate(m.block_lengths)])
+        finally:
+            if src is not None:
+                with self.catalog.lock:
+                    seq.moving -= 1
+                    self.catalog.release_dropped(seq)
+                    self.catalog.notify()
+        with self.catalog.lock:
+            stale = seq.dropped
+            seq.on_remote = not stale
+        if stale:  # dropped or overwritten while it was copied
+            self.remote.store.delete(m)

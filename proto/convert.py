@@ -7,7 +7,7 @@ Primitives: ``meta_to_pb``/``meta_from_pb``, ``info_to_pb``/``info_from_pb``,
 from __future__ import annotations
 
 from .layout import TensorMeta
-from .types import SeqInfo, Stat, TierStat
+from .types import RemoteStat, SeqInfo, Stat, TierStat
 from .v1 import kvpark_pb2 as pb
 
 
@@ -75,13 +75,21 @@ def stat_to_pb(s: Stat) -> pb.StatResponse:
         ],
         sequences=s.sequences,
         leases=s.leases,
+        remote=None if s.remote is None else pb.RemoteStat(
+            state=s.remote.state, errors=s.remote.errors, refused=s.remote.refused, data_loss=s.remote.data_loss,
+            bytes_written=s.remote.bytes_written, bytes_read=s.remote.bytes_read, outages=s.remote.outages,
+            pending_writes=s.remote.pending_writes, sequences=s.remote.sequences,
+        ),
     )
 
 
 def stat_from_pb(p: pb.StatResponse) -> Stat:
+    r = p.remote
     return Stat(
         tiers={t.name: TierStat(t.capacity_bytes, t.used_bytes, t.blocks, t.sequences, t.evictions, t.state)
                for t in p.tiers},
         sequences=p.sequences,
         leases=p.leases,
+        remote=RemoteStat(r.state, r.errors, r.refused, r.data_loss, r.bytes_written, r.bytes_read, r.outages,
+                          r.pending_writes, r.sequences) if p.HasField("remote") else None,
     )

@@ -1,6 +1,6 @@
 """Plain result types returned to users, shared by the engine and the client.
 
-Primitives: ``SeqInfo``, ``TierStat``, ``Stat``.
+Primitives: ``SeqInfo``, ``TierStat``, ``RemoteStat``, ``Stat``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from .layout import TensorMeta
 class SeqInfo:
     seq_id: str
     nbytes: int
-    tier: str  # fastest tier holding all of it: "device" | "host" | "disk"
+    tier: str  # fastest tier holding all of it: "device" | "host" | "disk" | "remote"
     num_tensors: int
     tensors: tuple[TensorMeta, ...] = ()
     priority: int = 0
@@ -40,7 +40,25 @@ class TierStat:
 
 
 @dataclass(frozen=True, slots=True)
+class RemoteStat:
+    state: str  # circuit breaker: "closed" (healthy), "open" (degraded: failing fast), "half_open"
+    errors: int = 0
+    refused: int = 0
+    data_loss: int = 0
+    bytes_written: int = 0
+    bytes_read: int = 0
+    outages: int = 0
+    pending_writes: int = 0
+    sequences: int = 0
+
+    @property
+    def degraded(self) -> bool:
+        return self.state != "closed"
+
+
+@dataclass(frozen=True, slots=True)
 class Stat:
     tiers: dict[str, TierStat] = field(default_factory=dict)
     sequences: int = 0
     leases: int = 0
+    remote: RemoteStat | None = None  # None: no remote tier configured

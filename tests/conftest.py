@@ -9,6 +9,10 @@ Primitives:
   "listening on" line and parses the address.
 - ``wait_until(pred, timeout)``: poll a condition with a deadline (no fixed sleeps).
 - ``run_threads(targets) -> errors``: run callables concurrently, collect what they raised.
+- ``redis_server`` / ``redis_cluster``: a real standalone Redis and a 3-master Redis
+  Cluster on free loopback ports, one each per test session (tests keep apart by
+  namespace); ``fresh_redis``: a standalone server of the test's own, to kill and
+  restart. They skip, with the reason, only when redis-server is not installed.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from kvpark.daemon.config import Config, load
 from kvpark.daemon.engine import DiskFactory
 from kvpark.daemon.server import Daemon
 from kvpark.tiers.disk import DiskStore
+from .redis_servers import RedisCluster, RedisServer, have_redis
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
@@ -74,6 +79,39 @@ def daemon(tmp_path: Path) -> Iterator[Callable[..., Daemon]]:
     yield start
     for d in started:
         d.stop(0.5)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    why = have_redis()
+    if why:
+        pytest.skip(why)
+    srv = RedisServer(tmp_path_factory.mktemp("redis")).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisCluster]:
+    why = have_redis()
+    if why:
+        pytest.skip(why)
+    cl = RedisCluster(tmp_path_factory.mktemp("redis-cluster"))
+    try:
+        cl.start()
+        yield cl
+    finally:
+        cl.stop()
+
+
+@pytest.fixture
+def fresh_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    why = have_redis()
+    if why:
+        pytest.skip(why)
+    srv = RedisServer(tmp_path / "redis").start()
+    yield srv
+    srv.stop()
 
 
 def run_threads(targets: list[Callable[[], None]], timeout: float = 300.0) -> list[BaseException]:

@@ -390,12 +390,36 @@ class TierStat(_message.Message):
     state: str
     def __init__(self, name: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., blocks: _Optional[int] = ..., sequences: _Optional[int] = ..., evictions: _Optional[int] = ..., state: _Optional[str] = ...) -> None: ...
 
+class RemoteStat(_message.Message):
+    __slots__ = ("state", "errors", "refused", "data_loss", "bytes_written", "bytes_read", "outages", "pending_writes", "sequences")
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    DATA_LOSS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_WRITTEN_FIELD_NUMBER: _ClassVar[int]
+    BYTES_READ_FIELD_NUMBER: _ClassVar[int]
+    OUTAGES_FIELD_NUMBER: _ClassVar[int]
+    PENDING_WRITES_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    errors: int
+    refused: int
+    data_loss: int
+    bytes_written: int
+    bytes_read: int
+    outages: int
+    pending_writes: int
+    sequences: int
+    def __init__(self, state: _Optional[str] = ..., errors: _Optional[int] = ..., refused: _Optional[int] = ..., data_loss: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., outages: _Optional[int] = ..., pending_writes: _Optional[int] = ..., sequences: _Optional[int] = ...) -> None: ...
+
 class StatResponse(_message.Message):
-    __slots__ = ("tiers", "sequences", "leases")
+    __slots__ = ("tiers", "sequences", "leases", "remote")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
+    REMOTE_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStat]
     sequences: int
     leases: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., sequences: _Optional[int] = ..., leases: _Optional[int] = ...) -> None: ...
+    remote: RemoteStat
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., sequences: _Optional[int] = ..., leases: _Optional[int] = ..., remote: _Optional[_Union[RemoteStat, _Mapping]] = ...) -> None: ...
