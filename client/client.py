@@ -2,6 +2,9 @@
 
 Primitives:
 - ``Client(address=None, *, timeout=None, transport="auto")``: connects (Hello) at once.
+  ``timeout`` is every call's deadline: ``None`` means ``KVPARK_TIMEOUT`` or 30 s,
+  ``float("inf")`` means none; a transfer also gets its size at 50 MB/s on top. Every
+  public call takes ``timeout=`` for itself alone.
 - ``park(seq_id, tensors, ...) -> SeqInfo``; ``park_batch(items) -> int``.
 - ``restore(seq_id, *, device=None, into=None, layerwise=False)``; ``restore_many(seq_ids, ...)``.
 - ``present``, ``lookup``, ``prefetch``, ``drop``, ``info``, ``list``, ``stat``.
@@ -24,9 +27,10 @@ The wire calls live in ``kvpark.client.rpc``; every gRPC failure becomes a typed
 
 from __future__ import annotations
 
+import math
 import os
 from contextlib import AbstractContextManager
-from typing import Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -120,7 +124,8 @@ class Client:
     def park(self, seq_id: str, tensors: Sequence[torch.Tensor], *, priority: int = 0,
              overwrite: bool = False, pinned: bool = False, ttl_s: float | None = None,
              attrs: Mapping[str, str] | None = None, refs: Sequence[str] = (),
-             new_blocks: Mapping[str, Sequence[torch.Tensor]] | None = None) -> SeqInfo:
+             new_blocks: Mapping[str, Sequence[torch.Tensor]] | None = None,
+             timeout: float | None = None) -> SeqInfo:
         """Store ``tensors`` under ``seq_id``. Visible to others only once this returns.
 
         ``priority``: higher is demoted later. ``pinned``: never demoted below the tier it
@@ -148,10 +153,11 @@ class Client:
             header.blocks.append(bh)
             flats.extend(byte_view(t) for t in bts)
         flats.extend(byte_view(t) for t in tensors)
-        return self._park(header, flats)
+        with self.rpc.deadline(timeout):
+            return self._park(header, flats)
 
     def park_batch(self, items: Mapping[str, Sequence[torch.Tensor]], *, priority: int = 0,
-                   attrs: Mapping[str, str] | None = None) -> int:
+                   attrs: Mapping[str, str] | None = None, timeout: float | None = None) -> int:
         """Park many independent sequences in one commit (O(1) RPCs); ids already parked
         are skipped (content-addressed stores). Returns how many bytes were new."""
         if not items:
@@ -165,7 +171,8 @@ class Client:
             bh.attrs.update(attrs or {})
             header.blocks.append(bh)
             flats.extend(byte_view(t) for t in ts)
-        return int(self._park(header, flats).nbytes)
+        with self.rpc.deadline(timeout):
+            return int(self._park(header, flats).nbytes)
 
     def _park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
         t = self._transport
@@ -176,8 +183,8 @@ class Client:
     # ------------------------------------------------------------------ restore
 
     def restore(self, seq_id: str, *, device: torch.device | str | None = None,
-                into: Sequence[torch.Tensor] | None = None, layerwise: bool = False
-                ) -> list[torch.Tensor] | Restoring:
+                into: Sequence[torch.Tensor] | None = None, layerwise: bool = False,
+                timeout: float | None = None) -> list[torch.Tensor] | Restoring:
         """Return the parked tensors (on ``device``, default CPU), or fill ``into`` in place.
 
         With ``layerwise=True``, return an iterator of ``(index, tensor)`` that yields
@@ -187,7 +194,8 @@ class Client:
         """
         validate_seq_id(seq_id)
         target = Target(device, into)
-        r = self._for(target.devices()).restore([seq_id], target)
+        with self.rpc.deadline(timeout):
+            r = self._for(target.devices()).restore([seq_id], target)
         if layerwise:
             return r  # closes itself once exhausted; close() ends the lease early
         try:
@@ -197,7 +205,8 @@ class Client:
 
     def restore_many(self, seq_ids: Sequence[str], *, device: torch.device | str | None = None,
                      into: Sequence[torch.Tensor] | None = None, into_flat: torch.Tensor | None = None,
-                     expect_layout: str = "") -> tuple[SeqInfo, list[torch.Tensor]]:
+                     expect_layout: str = "", timeout: float | None = None
+                     ) -> tuple[SeqInfo, list[torch.Tensor]]:
         """Restore several sequences (shared blocks included) as one payload, under one lease.
 
         Returns the combined ``SeqInfo`` (its ``attrs`` are the first sequence's) and
@@ -211,59 +220,69 @@ class Client:
         for sid in seq_ids:
             validate_seq_id(sid)
         target = Target(device, into, into_flat, expect_layout)
-        r = self._for(target.devices()).restore(list(seq_ids), target)
+        with self.rpc.deadline(timeout):
+            r = self._for(target.devices()).restore(list(seq_ids), target)
         try:
             return r.info, [t for _, t in r]
         finally:
             r.close()
 
-    def present(self, seq_ids: Sequence[str]) -> list[bool]:
+    def present(self, seq_ids: Sequence[str], *, timeout: float | None = None) -> list[bool]:
         """For each id, whether it is parked."""
         req = pb.LookupRequest(seq_ids=list(seq_ids))
-        return list(self.rpc.call(self.rpc.lookup, req).present)
+        return list(self._call(self.rpc.lookup, req, timeout).present)
 
-    def lookup(self, seq_ids: Sequence[str]) -> int:
+    def lookup(self, seq_ids: Sequence[str], *, timeout: float | None = None) -> int:
         """How many of ``seq_ids``, from the first, are parked (a prefix lookup)."""
-        return int(self.rpc.call(self.rpc.lookup, pb.LookupRequest(seq_ids=list(seq_ids))).prefix)
+        return int(self._call(self.rpc.lookup, pb.LookupRequest(seq_ids=list(seq_ids)), timeout).prefix)
+
+    def _call(self, stub: Any, req: Any, timeout: float | None) -> Any:
+        """One control call under ``timeout`` (``None``: the connection's default)."""
+        with self.rpc.deadline(timeout):
+            return self.rpc.call(stub, req)
 
     # ------------------------------------------------------------------ control
 
-    def prefetch(self, seq_id: str, *, tier: str = "device", wait: bool = False,
+    def prefetch(self, seq_id: str, *, tier: str | None = None, wait: bool = False,
                  timeout: float | None = None) -> str:
         """Start promoting ``seq_id`` into ``tier`` so a later restore finds it resident.
 
-        With ``wait=True``, return once it is there (raises ``DeadlineExceeded`` after
-        ``timeout`` seconds). Returns the tier the sequence is in now.
+        ``tier`` defaults to the fastest tier the daemon has ("device" when it runs a
+        device tier, else "host"). With ``wait=True``, return once it is there (raises
+        ``DeadlineExceeded`` after ``timeout`` seconds). Returns the tier the sequence is in now.
         """
         validate_seq_id(seq_id)
+        if tier is None:
+            tier = "device" if self.server.device.size else "host"
         if tier not in ("device", "host"):
             raise InvalidArgument(f"tier must be 'device' or 'host', got {tier!r}")
         if timeout is not None and timeout <= 0:
             raise InvalidArgument(f"timeout must be > 0, got {timeout}")
-        req = pb.PrefetchRequest(seq_id=seq_id, tier=tier, wait=wait, timeout_s=timeout or 0.0)
+        req = pb.PrefetchRequest(seq_id=seq_id, tier=tier, wait=wait, timeout_s=0.0 if timeout is None or math.isinf(timeout) else timeout)
         # The daemon enforces ``timeout``; the RPC deadline only guards against a hung daemon.
-        rpc_timeout = None if timeout is None else timeout + 5.0
-        return self.rpc.call(self.rpc.prefetch, req, timeout=rpc_timeout or self.rpc.timeout).tier
+        # (``inf`` waits as long as it takes, with no RPC deadline either.)
+        return self._call(self.rpc.prefetch, req, None if timeout is None else timeout + 5.0).tier
 
-    def drop(self, seq_id: str) -> bool:
+    def drop(self, seq_id: str, *, timeout: float | None = None) -> bool:
         validate_seq_id(seq_id)
-        return bool(self.rpc.call(self.rpc.drop, pb.DropRequest(seq_id=seq_id)).dropped)
+        return bool(self._call(self.rpc.drop, pb.DropRequest(seq_id=seq_id), timeout).dropped)
 
-    def info(self, seq_id: str) -> SeqInfo:
+    def info(self, seq_id: str, *, timeout: float | None = None) -> SeqInfo:
         validate_seq_id(seq_id)
-        return convert.info_from_pb(self.rpc.call(self.rpc.info, pb.InfoRequest(seq_id=seq_id)))
+        return convert.info_from_pb(self._call(self.rpc.info, pb.InfoRequest(seq_id=seq_id), timeout))
 
-    def list(self) -> list[SeqInfo]:
-        return [convert.info_from_pb(i) for i in self.rpc.call(self.rpc.list, pb.ListRequest()).sequences]
+    def list(self, *, timeout: float | None = None) -> list[SeqInfo]:
+        return [convert.info_from_pb(i) for i in self._call(self.rpc.list, pb.ListRequest(), timeout).sequences]
 
-    def stat(self) -> Stat:
-        return convert.stat_from_pb(self.rpc.call(self.rpc.stat, pb.StatRequest()))
+    def stat(self, *, timeout: float | None = None) -> Stat:
+        return convert.stat_from_pb(self._call(self.rpc.stat, pb.StatRequest(), timeout))
 
-    def pin(self, seq_id: str, pinned: bool = True) -> SeqInfo:
+    def pin(self, seq_id: str, pinned: bool = True, *, timeout: float | None = None) -> SeqInfo:
         """Pin ``seq_id`` (never demoted below the tier it is in), or unpin it."""
         validate_seq_id(seq_id)
-        return convert.info_from_pb(self.rpc.call(self.rpc.pin, pb.PinRequest(seq_id=seq_id, pinned=pinned)))
+        req = pb.PinRequest(seq_id=seq_id, pinned=pinned)
+        return convert.info_from_pb(self._call(self.rpc.pin, req, timeout))
 
-    def flush(self) -> int:
+    def flush(self, *, timeout: float | None = None) -> int:
         """Write every sequence that is only in memory to disk now; returns how many were written."""
-        return int(self.rpc.call(self.rpc.flush, pb.FlushRequest()).written)
+        return int(self._call(self.rpc.flush, pb.FlushRequest(), timeout).written)

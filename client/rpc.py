@@ -6,14 +6,21 @@ Primitives:
   server-streamed Restore).
 - ``call(stub, request, timeout=None)``: one unary call; a ``grpc.RpcError`` becomes
   its ``KVParkError``.
-- ``timeout``: the deadline every call of the calling thread gets: the connection's
-  default, or what ``deadline(seconds)`` set for this thread only (so one thread's
-  tight lookup bound never shortens another thread's save).
+- ``resolve_timeout(seconds) -> float | None``: ``None`` means the default
+  (``KVPARK_TIMEOUT``, else ``DEFAULT_TIMEOUT_S``); ``float("inf")`` means no deadline
+  (returned as ``None``, what gRPC takes for "none").
+- ``timeout``: the deadline every control call of the calling thread gets: the
+  connection's default, or what ``deadline(seconds)`` set for this thread only (so one
+  thread's tight lookup bound never shortens another thread's save).
+- ``data_timeout(nbytes)``: the deadline of a transfer: ``timeout`` plus its size at
+  ``FLOOR_RATE`` (a transfer slower than that is treated as a hung daemon).
 - ``release_quietly(lease_id)``; ``translate(error)``; ``close()``.
 """
 
 from __future__ import annotations
 
+import math
+import os
 import threading
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
@@ -21,10 +28,37 @@ from typing import Any, Callable, Iterator
 import grpc
 
 from kvpark.proto import GRPC_OPTIONS
-from kvpark.proto.errors import ERROR_KEY, KVParkError, from_code
+from kvpark.proto.errors import ERROR_KEY, InvalidArgument, KVParkError, from_code
 from kvpark.proto.v1 import kvpark_pb2 as pb
 
 _SVC = "/kvpark.v1.KVPark/"
+
+# Every call has a deadline unless the caller asks for none (``float("inf")``): an
+# inference worker must never hang on a frozen daemon.
+DEFAULT_TIMEOUT_S = 30.0
+TIMEOUT_ENV = "KVPARK_TIMEOUT"
+# A transfer gets its size at this rate on top of the control deadline: far below any
+# real path (shm copies run at GB/s, inline gRPC at hundreds of MB/s on a LAN), so only
+# a stalled daemon or link reaches it.
+FLOOR_RATE = 50e6  # bytes per second
+
+
+def resolve_timeout(seconds: float | None) -> float | None:
+    """The deadline in seconds for gRPC: ``None`` from the caller means the default,
+    ``inf`` means none (``None`` to gRPC)."""
+    if seconds is None:
+        env = os.environ.get(TIMEOUT_ENV, "").strip()
+        try:
+            seconds = float(env) if env else DEFAULT_TIMEOUT_S
+        except ValueError:
+            raise InvalidArgument(f"{TIMEOUT_ENV} must be a number of seconds, got {env!r}") from None
+    try:
+        seconds = float(seconds)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"timeout must be a number of seconds, got {seconds!r}") from None
+    if math.isnan(seconds) or seconds <= 0:
+        raise InvalidArgument(f"timeout must be > 0 seconds, got {seconds}")
+    return None if math.isinf(seconds) else seconds
 
 
 def translate(e: grpc.RpcError) -> KVParkError:
@@ -49,7 +83,7 @@ def _identity(b: bytes) -> bytes:
 class Rpc:
     def __init__(self, address: str, timeout: float | None) -> None:
         self.address = address
-        self.default_timeout = timeout
+        self.default_timeout = resolve_timeout(timeout)
         self._local = threading.local()
         self.channel = ch = grpc.insecure_channel(address, options=GRPC_OPTIONS)
         u = lambda name, resp: ch.unary_unary(_SVC + name, request_serializer=_ser,  # noqa: E731
@@ -77,11 +111,17 @@ class Rpc:
     def timeout(self) -> float | None:
         return getattr(self._local, "timeout", self.default_timeout)
 
+    def data_timeout(self, nbytes: int) -> float | None:
+        t = self.timeout
+        return None if t is None else t + max(0, nbytes) / FLOOR_RATE
+
     @contextmanager
     def deadline(self, seconds: float | None) -> Iterator[None]:
-        """Bound every call this thread makes inside the block by ``seconds``."""
+        """Bound every call this thread makes inside the block by ``seconds`` (``None``:
+        the connection's default; ``inf``: no deadline)."""
+        resolved = self.default_timeout if seconds is None else resolve_timeout(seconds)
         saved = self.timeout
-        self._local.timeout = seconds
+        self._local.timeout = resolved
         try:
             yield
         finally:

@@ -172,12 +172,17 @@ class Transport:
 
         return Restoring(info, tensors())
 
-    def _restore_stream(self, ids: list[str], target: Target) -> Restoring:
-        """A server-streamed Restore: the header, then ~1 MiB chunks written straight into the outputs."""
+    def _restore_stream(self, ids: list[str], target: Target, nbytes: int | None = None) -> Restoring:
+        """A server-streamed Restore: the header, then ~1 MiB chunks written straight into the outputs.
+
+        Its deadline covers the whole stream, so it is sized from ``nbytes`` (asked with
+        ``info`` when the caller does not know it)."""
         req = pb.RestoreRequest(expect_layout=target.expect_layout)
         set_ids(req, ids)
         what = ",".join(ids)
-        call = self.rpc.restore(req, timeout=self.rpc.timeout)
+        if nbytes is None:
+            nbytes = sum(int(self.rpc.call(self.rpc.info, pb.InfoRequest(seq_id=i)).nbytes) for i in ids)
+        call = self.rpc.restore(req, timeout=self.rpc.data_timeout(nbytes))
         try:
             it = iter(call)
             first = next(it, None)
@@ -253,7 +258,7 @@ class Inline(Transport):
             yield pb.ParkRequest(commit=pb.ParkCommit(nbytes=total)).SerializeToString()
 
         try:
-            return convert.info_from_pb(self.rpc.park(stream(), timeout=self.rpc.timeout))
+            return convert.info_from_pb(self.rpc.park(stream(), timeout=self.rpc.data_timeout(total)))
         except grpc.RpcError as e:
             raise translate(e) from None
 
@@ -263,7 +268,7 @@ class Inline(Transport):
         got = self.rpc.call(self.rpc.get, g)
         if not got.too_large:
             return self._from_bytes(got.info, got.data, target)
-        return self._restore_stream(ids, target)
+        return self._restore_stream(ids, target, int(got.info.nbytes))
 
 
 class _Pool(Transport):
