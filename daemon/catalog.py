@@ -331,9 +331,9 @@ class Catalog:
             out[name] = TierStat(a.capacity, a.used_bytes, sum(len(x.extents) for x in held), len(held),
                                  ev.get(name, 0), state)
         disk = [s for s in self._seqs.values() if s.on_disk]
-        # Nothing is evicted from disk: when it cannot take one more slot, it refuses.
+        # Disk evictions: to the remote tier, or dropped (policy.disk_full = "evict").
         out["disk"] = TierStat(disk_capacity, disk_used, sum(len(s.manifest.block_lengths) for s in disk), len(disk),
-                               0, "full" if disk_capacity - disk_used < slot_size else "ok")
+                               ev.get("disk", 0), "full" if disk_capacity - disk_used < slot_size else "ok")
         return out
 
     def check(self, disk_used: int, write_leases: list[list[tuple[str, Allocation]]],

@@ -150,6 +150,9 @@ class PolicyConfig:
     eviction: str = _f("lru", "eviction policy", choices=tuple(POLICIES))
     write: str = _f("write_back", "write_back: disk only on demotion; write_through: every park lands on disk "
                     "before it is acknowledged", choices=("write_back", "write_through"))
+    disk_full: str = _f("evict", "evict: a disk past its high watermark (or a write that does not fit) drops its "
+                        "coldest unpinned, unleased sequences (to the remote tier first when one is set); "
+                        "refuse: parks fail with RESOURCE_EXHAUSTED instead", choices=("evict", "refuse"))
     high_watermark: float = _f(0.9, "host usage fraction that starts background demotion")
     low_watermark: float = _f(0.8, "host usage fraction background demotion brings it down to")
     promote_on_restore: bool = _f(True, "restoring a disk-resident sequence copies it back to host when there is room")

@@ -338,6 +338,8 @@ class Engine:
             replace = old.manifest if old is not None and old.on_disk and seq is not None else None
         try:
             if self._write_through:
+                self.mover.evict_disk(sum(s.manifest.nbytes for s in blocks + ([seq] if seq is not None else [])),
+                                      exclude=seq)
                 self._write_through_disk(blocks, seq, replace)
         except BaseException:
             with self.catalog.lock:

@@ -35,6 +35,8 @@ Primitives:
   eviction policy; not pinned there, not being read or moved) to remote and deletes
   them from disk, so a disk write fits (also from ``relieve`` past the disk's high
   mark); ``copy_to_remote_later(seqs)`` queues background copies (write_through).
+- Without a remote tier, ``evict_disk`` drops the disk's coldest sequences instead
+  (``policy.disk_full = "evict"``, the default; "refuse" keeps a full disk full).
 - ``prefetch(seq, tier, wait, timeout) -> str``; ``quiet()`` (no demotion starts, moves
   in flight land: for invariant checks); ``close()``.
 """
@@ -84,6 +86,7 @@ class Mover:
         self.disk = disk
         self.copy = copy
         self.eviction = config.eviction
+        self.disk_evicts = config.disk_full == "evict"
         self.slot_size = slot_size
         self.closed = False
         self._paused = 0  # quiet() holders: no demotion starts
@@ -452,7 +455,7 @@ class Mover:
                         job.wait()
                     except Exception as e:  # noqa: BLE001 - the copy's slots were freed by its completion
                         log.warning("demotion copy from %s failed: %s", name, e)
-        if self.remote is not None and not self.closed and \
+        if (self.remote is not None or self.disk_evicts) and not self.closed and \
                 policy.over_high(self.disk.used, self.disk.capacity, self.disk_high):
             before = self.disk.used
             self.evict_disk(0, policy.background_target(self.disk.capacity, self.disk_low))
@@ -573,14 +576,20 @@ class Mover:
 
     def evict_disk(self, need: int, target: int | None = None, exclude: Seq | None = None) -> bool:
         """Make the disk hold at most ``target`` bytes (default: room for ``need`` more)
-        by moving its coldest sequences to the remote tier. True when it got there.
+        by moving its coldest sequences to the remote tier, or (no remote tier,
+        ``policy.disk_full = "evict"``) by dropping them. True when it got there.
 
         A sequence leaves the disk only once its copy is in Redis; with Redis down
         nothing moves (the breaker makes that quick) and the caller's write fails as it
-        would without a remote tier.
+        would without a remote tier. Without one, a sequence whose only copy is on disk
+        is dropped from the index (a later restore raises NotFound); one that also sits
+        in memory only loses its disk copy. Pinned sequences, sequences being read or
+        moved, and shared blocks still referenced are never victims.
         """
-        if self.remote is None:
+        if self.remote is None and not self.disk_evicts:
             return False
+        if need > self.disk.capacity:
+            return False  # nothing we drop makes it fit
         cap = self.disk.capacity
         goal = cap - need if target is None else target
         deadline = time.monotonic() + ROOM_WAIT_S
@@ -594,14 +603,17 @@ class Mover:
                                    s.access_count, s.manifest.created_at, s.promotions)
                     for s in self.catalog.sequences()
                     if s.on_disk and s is not exclude and not s.moving and not any(s.readers.values())
-                    and not (s.pinned and s.tier == "disk")
+                    and not (s.pinned and (self.remote is None or s.tier == "disk"))
+                    and not (s.shared and self.catalog.refcount(s.seq_id))
                 ]
                 plan = policy.plan_demotion(self.eviction, cands, used, cap, goal)
             moved = False
             for sid in plan:
                 if self.disk.used <= goal:
                     return True
-                if self._disk_to_remote(sid):
+                if self.remote is None:
+                    moved |= self._disk_drop(sid)
+                elif self._disk_to_remote(sid):
                     moved = True
                 elif self.remote.store.breaker.state != "closed":
                     return False  # Redis is down: stop here, fail fast
@@ -616,6 +628,38 @@ class Mover:
                 if left <= 0 or not plan:
                     return False
                 self.catalog.changed.wait(min(0.05, left))
+
+    def _disk_drop(self, seq_id: str) -> bool:
+        """Without a remote tier: free one sequence's disk copy, dropping the sequence
+        when the disk held its only copy. True when the disk copy is gone."""
+        with self.catalog.lock:
+            seq = self.catalog.find(seq_id)
+            if seq is None or not seq.on_disk:
+                return False
+        if not seq.move_lock.acquire(blocking=False):
+            return False  # a promotion or another move owns it right now
+        try:
+            with self.catalog.lock:
+                # Checked again under the lock: a reader, a pin or a new reference since
+                # the plan keeps it.
+                if (seq.dropped or not seq.on_disk or seq.moving or any(seq.readers.values()) or seq.pinned
+                        or (seq.shared and self.catalog.refcount(seq_id))):
+                    return False
+                todo = [seq]
+                if not seq.res:  # the disk held its only copy: it leaves the index too
+                    self.catalog.retire(seq)
+                    todo += self.catalog.take_orphans()
+                self.evictions["disk"] = self.evictions.get("disk", 0) + 1
+            for s in todo:
+                self.delete_from_disk(s)
+            with self.catalog.lock:
+                self.catalog.notify()
+            if self.metrics is not None:
+                self.metrics.evicted("disk")
+            log.debug("evicted %r from disk%s", seq_id, "" if seq.res else " (its only copy: dropped)")
+            return True
+        finally:
+            seq.move_lock.release()
 
     def _disk_to_remote(self, seq_id: str) -> bool:
         """Write one disk-resident sequence to remote (unless it is there), then delete

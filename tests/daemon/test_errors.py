@@ -184,7 +184,7 @@ def test_park_larger_than_every_tier_is_resource_exhausted(daemon: Callable[...,
 @pytest.mark.parametrize("transport", ["inline", "shm"])
 def test_disk_full_gives_resource_exhausted_and_nothing_half_written(
         daemon: Callable[..., Daemon], transport: str) -> None:
-    d = daemon(**{"tiers.host.capacity": "4MiB", "tiers.disk.capacity": "3MiB"})
+    d = daemon(**{"tiers.host.capacity": "4MiB", "tiers.disk.capacity": "3MiB", "policy.disk_full": "refuse"})
     blob = torch.zeros(1 << 20, dtype=torch.uint8)
     with Client(d.address, transport=transport) as c:
         parked = []
