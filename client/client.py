@@ -41,7 +41,7 @@ from kvpark.proto.types import SeqInfo, Stat
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.tiers import cuda
 
-from .payload import byte_view
+from .payload import as_tensors, byte_view, check_into
 from .rpc import Rpc
 from .transport import SMALL_POOL_BYTES, TRANSPORTS, CudaIpc, Restoring, Target, Transport, negotiate
 
@@ -135,8 +135,7 @@ class Client:
         the same commit (block id -> tensors); existing ones are kept (dedup).
         """
         validate_seq_id(seq_id)
-        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
-            raise InvalidArgument("tensors must be a list or tuple of torch tensors")
+        tensors = as_tensors(tensors)
         if not -(1 << 31) <= int(priority) < (1 << 31):
             raise InvalidArgument(f"priority must fit in int32, got {priority}")
         if ttl_s is not None and not ttl_s > 0:
@@ -148,6 +147,7 @@ class Client:
         header.attrs.update(attrs or {})
         flats: list[torch.Tensor] = []
         for bid, bts in (new_blocks or {}).items():
+            bts = as_tensors(bts, f"new_blocks[{bid!r}]")
             bh = _header(bid, bts)
             bh.shared = True
             header.blocks.append(bh)
@@ -160,13 +160,14 @@ class Client:
                    attrs: Mapping[str, str] | None = None, timeout: float | None = None) -> int:
         """Park many independent sequences in one commit (O(1) RPCs); ids already parked
         are skipped (content-addressed stores). Returns how many bytes were new."""
+        if not isinstance(items, Mapping):
+            raise InvalidArgument(f"items must be a mapping of seq_id -> tensors, got {type(items).__name__}")
         if not items:
             return 0
         header = pb.ParkHeader(seq_id="", priority=int(priority))
         flats: list[torch.Tensor] = []
         for sid, ts in items.items():
-            if isinstance(ts, torch.Tensor) or not isinstance(ts, (list, tuple)):
-                raise InvalidArgument(f"{sid!r}: tensors must be a list or tuple of torch tensors")
+            ts = as_tensors(ts, f"items[{sid!r}]")
             bh = _header(sid, ts)
             bh.attrs.update(attrs or {})
             header.blocks.append(bh)
@@ -193,6 +194,7 @@ class Client:
         copies are queued on a side stream up front and each yield waits on its own event.
         """
         validate_seq_id(seq_id)
+        check_into(into)
         target = Target(device, into)
         with self.rpc.deadline(timeout):
             r = self._for(target.devices()).restore([seq_id], target)
@@ -219,6 +221,9 @@ class Client:
             raise InvalidArgument("seq_ids must be a non-empty list of ids")
         for sid in seq_ids:
             validate_seq_id(sid)
+        check_into(into)
+        if into_flat is not None and not isinstance(into_flat, torch.Tensor):
+            raise InvalidArgument(f"into_flat must be a tensor, got {type(into_flat).__name__}")
         target = Target(device, into, into_flat, expect_layout)
         with self.rpc.deadline(timeout):
             r = self._for(target.devices()).restore(list(seq_ids), target)

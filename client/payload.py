@@ -1,6 +1,12 @@
 """Tensors <-> payload bytes on the client side, device-agnostic.
 
 Primitives:
+- ``as_tensors(items, what) -> list[torch.Tensor]``: a caller's list checked before
+  anything is sent: torch tensors as they are, numpy arrays through ``torch.from_numpy``
+  (sharing their memory), anything else (a nested list, a scalar, ``None``) raises
+  ``InvalidArgument`` naming the item.
+- ``check_into(into)``: the same for a restore's ``into`` (tensors only: the bytes land
+  in place).
 - ``byte_view(t) -> torch.Tensor``: a flat ``uint8`` view of ``t``'s bytes (made
   contiguous first if needed; stays on ``t``'s device).
 - ``Outputs(metas, device, into)``: destination tensors for a restore, checked against
@@ -12,14 +18,49 @@ Primitives:
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from kvpark.proto.errors import InvalidArgument
 from kvpark.proto.layout import TensorMeta, overlaps as pieces, torch_dtype
 
-__all__ = ["Outputs", "byte_view", "pieces"]
+__all__ = ["Outputs", "as_tensors", "byte_view", "check_into", "pieces"]
+
+
+def _is_list(items: Any) -> bool:
+    return isinstance(items, (list, tuple))
+
+
+def as_tensors(items: Any, what: str = "tensors") -> list[torch.Tensor]:
+    if not _is_list(items):
+        raise InvalidArgument(f"{what} must be a list or tuple of tensors, got {type(items).__name__}")
+    out = []
+    for i, t in enumerate(items):
+        if isinstance(t, np.ndarray):
+            # Accepted: numpy is how many callers hold host buffers, and from_numpy is a
+            # zero-copy view. Dtypes torch has no match for (object, strings) are refused.
+            try:
+                t = torch.from_numpy(np.ascontiguousarray(t)) if t.flags.writeable else torch.tensor(t)
+            except (TypeError, ValueError) as e:
+                raise InvalidArgument(f"{what}[{i}]: numpy array of dtype {t.dtype} has no torch dtype ({e})") from None
+        elif not isinstance(t, torch.Tensor):
+            hint = " (nested lists are not tensors: pass torch.tensor(...))" if _is_list(t) else ""
+            raise InvalidArgument(f"{what}[{i}] is a {type(t).__name__}, not a tensor{hint}")
+        out.append(t)
+    return out
+
+
+def check_into(into: Any) -> None:
+    if into is None:
+        return
+    if not _is_list(into):
+        raise InvalidArgument(f"into must be a list or tuple of tensors, got {type(into).__name__}")
+    for i, t in enumerate(into):
+        if not isinstance(t, torch.Tensor):
+            hint = " (wrap a numpy array with torch.from_numpy)" if isinstance(t, np.ndarray) else ""
+            raise InvalidArgument(f"into[{i}] is a {type(t).__name__}, not a tensor{hint}")
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:

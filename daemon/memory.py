@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from kvpark.proto.errors import StartupError
 from kvpark.tiers import cuda
 from kvpark.tiers.memory import MemTier
 from kvpark.tiers.shm import SharedArena, remove_stale
@@ -38,7 +39,8 @@ class MemoryTiers:
         device = torch.device(dev.device)
         if dev.enabled == "true" or (dev.enabled == "auto" and device.type == "cuda" and cuda.cuda_available()):
             if device.type == "cuda" and not cuda.cuda_available():
-                raise RuntimeError(f"tiers.device.device is {dev.device} but CUDA is not available")
+                raise StartupError(f"tiers.device.enabled = true and tiers.device.device = {dev.device}, but CUDA "
+                                   'is not available here; set tiers.device.enabled = "auto" or "false"')
             cap = (dev.capacity // host.slot_size) * host.slot_size
             pool = torch.empty(cap, dtype=torch.uint8, device=device)
             tiers["device"] = MemTier("device", pool, host.slot_size, dev.high_watermark or pol.high_watermark,

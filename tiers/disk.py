@@ -41,6 +41,7 @@ small lock, never held across I/O.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import logging
@@ -54,7 +55,7 @@ from typing import Callable, Iterator, Sequence
 import lmdb
 import xxhash
 
-from kvpark.proto.errors import DataLoss, ResourceExhausted
+from kvpark.proto.errors import DataLoss, ResourceExhausted, StartupError
 from kvpark.proto.layout import TensorMeta
 
 log = logging.getLogger(__name__)
@@ -160,6 +161,20 @@ def block_key(seq_id: str, gen: int, index: int) -> bytes:
     return seq_id.encode() + b"\x00" + _KEY_TAIL.pack(gen, index)
 
 
+def _usable_dir(path: str) -> None:
+    """Create the data directory if needed; a path that cannot be a writable directory
+    is a configuration that cannot work (``StartupError``: one line, exit code 2)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, "not writable by this user", path)
+    except OSError as e:
+        raise StartupError(
+            f"tiers.disk.path {path!r} cannot be the data directory: {e.strerror or e}; "
+            "give a writable directory (--data-dir or tiers.disk.path)"
+        ) from None
+
+
 def _lock_dir(path: str) -> int:
     """Hold an exclusive lock on the data directory for this process's lifetime.
 
@@ -217,7 +232,7 @@ class ReadTxn:
 
 class DiskStore:
     def __init__(self, path: str, capacity: int, writemap: bool = False) -> None:
-        os.makedirs(path, exist_ok=True)
+        _usable_dir(path)
         self.path = path
         self.capacity = capacity
         # Called once per record that fails verification (a metrics counter); never for a

@@ -1,0 +1,60 @@
+"""Every bad input gives its typed error at the client, before anything is sent, and
+the daemon stays up."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import pytest
+import torch
+
+from kvpark.client import Client, InvalidArgument
+from kvpark.daemon.server import Daemon
+
+
+@pytest.mark.parametrize("transport", ["shm", "inline"])
+def test_bad_inputs_are_invalid_argument(daemon: Callable[..., Daemon], transport: str) -> None:
+    d = daemon()
+    x = torch.arange(8, dtype=torch.float32)
+    with Client(d.address, transport=transport) as c:
+        c.park("good", [x])
+        bad_calls = {
+            "ints": lambda: c.park("x", [1, 2, 3]),
+            "nested": lambda: c.park("x", [[1.0, 2.0], [3.0]]),
+            "none": lambda: c.park("x", [x, None]),
+            "a bare tensor": lambda: c.park("x", x),
+            "object array": lambda: c.park("x", [np.array([object()], dtype=object)]),
+            "batch nested": lambda: c.park_batch({"x": [[1]]}),
+            "batch not a mapping": lambda: c.park_batch([("x", [x])]),  # type: ignore[arg-type]
+            "new_blocks": lambda: c.park("x", [x], refs=["b"], new_blocks={"b": [3]}),
+            "into shape": lambda: c.restore("good", into=[torch.empty(9)]),
+            "into dtype": lambda: c.restore("good", into=[torch.empty(8, dtype=torch.int32)]),
+            "into count": lambda: c.restore("good", into=[x.clone(), x.clone()]),
+            "into numpy": lambda: c.restore("good", into=[np.empty(8, np.float32)]),
+            "into a tensor": lambda: c.restore("good", into=torch.empty(8)),  # type: ignore[arg-type]
+            "into_flat": lambda: c.restore_many(["good"], into_flat=bytearray(32)),  # type: ignore[arg-type]
+            "timeout": lambda: c.stat(timeout=-1),
+        }
+        for name, call in bad_calls.items():
+            with pytest.raises(InvalidArgument):
+                call()
+            assert not c.present(["x"])[0], name  # nothing was half-stored
+        # The daemon is up, nothing leaked, and the good sequence is intact.
+        assert torch.equal(c.restore("good")[0], x)
+        assert c.stat().leases == 0
+    d.engine.check_invariants()
+
+
+def test_numpy_arrays_are_accepted(daemon: Callable[..., Daemon]) -> None:
+    d = daemon()
+    a = np.arange(300_000, dtype=np.float16).reshape(3, -1)  # above one round trip
+    b = np.asfortranarray(np.arange(12, dtype=np.int64).reshape(3, 4))  # not C-contiguous
+    ro = np.arange(5, dtype=np.float32)
+    ro.flags.writeable = False
+    with Client(d.address) as c:
+        c.park("np", [a, b, ro])
+        out = c.restore("np")
+    assert np.array_equal(out[0].numpy(), a)
+    assert np.array_equal(out[1].numpy(), b)
+    assert np.array_equal(out[2].numpy(), ro)
