@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import re
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -51,21 +52,15 @@ class Daemon:
 
     def start(self) -> "Daemon":
         self.metrics = Metrics()
-        engine = Engine(self.config, disk_factory=self._disk_factory, metrics=self.metrics)
         metrics_server = MetricsServer(self.metrics, self.config.metrics.listen)
+        engine: Engine | None = None
+        server = grpc.server(
+            ThreadPoolExecutor(max_workers=self.config.server.max_workers, thread_name_prefix="kvpark-rpc"),
+            options=grpc_options(),
+        )
         try:
-            server = grpc.server(
-                ThreadPoolExecutor(max_workers=self.config.server.max_workers, thread_name_prefix="kvpark-rpc"),
-                options=grpc_options(),
-            )
-            self.metrics.watch(engine.stat)
-            rpc = handlers(engine, self.config.server, socket.gethostname(), boot_id(), self.metrics)
-            server.add_generic_rpc_handlers((rpc,))
-            self._health = health.HealthServicer()
-            health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-            reflection.enable_server_reflection(
-                (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-            )
+            # The ports first: a busy one is reported at once, before the arena (GBs)
+            # is reserved and mapped. Handlers may be added until the server starts.
             listen = self.config.server.listen
             try:
                 port = server.add_insecure_port(listen)
@@ -78,13 +73,25 @@ class Daemon:
             self.address = listen
             # Bound before serving: a busy metrics port refuses the start instead of
             # leaving a daemon that operators cannot see.
-            metrics_server.metrics = self.metrics
             metrics_server.start()
+            t0 = time.perf_counter()
+            engine = Engine(self.config, disk_factory=self._disk_factory, metrics=self.metrics)
+            self.metrics.watch(engine.stat)
+            rpc = handlers(engine, self.config.server, socket.gethostname(), boot_id(), self.metrics)
+            server.add_generic_rpc_handlers((rpc,))
+            self._health = health.HealthServicer()
+            health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+            reflection.enable_server_reflection(
+                (SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+            )
             engine.start()
             server.start()
+            self._log_effective(time.perf_counter() - t0)
         except BaseException:
+            server.stop(None)
             metrics_server.stop()
-            engine.close(flush=False)
+            if engine is not None:
+                engine.close(flush=False)
             raise
         self.engine, self._server = engine, server
         self._metrics_server, self.metrics_address = metrics_server, metrics_server.address
@@ -92,6 +99,18 @@ class Daemon:
         self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
         log.info("kvpark listening on %s", self.address)
         return self
+
+    def _log_effective(self, took: float) -> None:
+        """What this daemon runs with, in one place: where each tier lives and how big it is."""
+        cfg = self.config
+        pol = cfg.policy
+        log.info("disk tier: %s, %d MiB; policy: eviction=%s write=%s disk_full=%s watermarks %.2f/%.2f",
+                 cfg.tiers.disk.path, cfg.disk_capacity >> 20, pol.eviction, pol.write, pol.disk_full,
+                 pol.high_watermark, pol.low_watermark)
+        if cfg.remote_options is not None:
+            # Not the URL itself: it may carry a password.
+            log.info("remote tier: on (write=%s)", cfg.tiers.remote.write)
+        log.info("tiers ready in %.2fs (arena reserved and mapped, index loaded)", took)
 
     def stop(self, grace: float | None = None) -> None:
         if self._server is None or self.engine is None:

@@ -58,3 +58,10 @@ def test_numpy_arrays_are_accepted(daemon: Callable[..., Daemon]) -> None:
     assert np.array_equal(out[0].numpy(), a)
     assert np.array_equal(out[1].numpy(), b)
     assert np.array_equal(out[2].numpy(), ro)
+
+
+def test_prefetch_defaults_to_the_fastest_tier_the_daemon_has(daemon: Callable[..., Daemon]) -> None:
+    d = daemon()  # no device tier
+    with Client(d.address) as c:
+        c.park("p", [torch.zeros(4)])
+        assert c.prefetch("p", wait=True) == "host"

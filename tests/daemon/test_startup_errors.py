@@ -1,15 +1,21 @@
 """Configurations that cannot work stop ``kvpark serve`` with one line and exit code 2,
 never a traceback: a device tier forced on without CUDA, a data dir that cannot be
-written."""
+written. A busy port is reported before the arena is mapped; start-up logs say what
+the daemon runs with."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from kvpark.tiers import cuda
 
+from ..conftest import wait_until
 from .test_arena_safety import serve
 
 
@@ -37,3 +43,31 @@ def test_data_dir_that_cannot_be_a_directory(tmp_path: Path) -> None:
     bad.write_text("x")
     line = _refused(tmp_path)
     assert str(bad) in line and "tiers.disk.path" in line
+
+
+def test_busy_port_is_reported_before_the_arena_is_mapped(tmp_path: Path) -> None:
+    # 1. Hold a port; 2. a daemon asked to listen on it fails at once: no arena was
+    #    reserved or mapped (nothing in shm_dir, no arena line in the log).
+    (tmp_path / "shm").mkdir()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK")}
+        r = subprocess.run(
+            [sys.executable, "-m", "kvpark.daemon.cli", "serve", "--listen", f"127.0.0.1:{port}",
+             "--data-dir", str(tmp_path / "disk"), "--set", f"tiers.host.shm_dir={tmp_path / 'shm'}",
+             "--set", "tiers.host.capacity=64MiB", "--set", "metrics.listen="],
+            capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode != 0
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
+    assert "host arena" not in r.stderr and "Traceback" not in r.stderr
+    assert list((tmp_path / "shm").iterdir()) == []
+
+
+def test_start_up_logs_the_effective_config(proc) -> None:
+    p = proc("--set", "policy.eviction=lfu")
+    wait_until(lambda: "tiers ready" in p.output(), timeout=30)
+    out = p.output()
+    assert "listening on" in out and "host arena" in out and "to map" in out
+    assert "disk tier:" in out and "eviction=lfu" in out and "write=write_back" in out and "disk_full=evict" in out
