@@ -108,3 +108,30 @@ def test_write_through_evicts_too(daemon: Callable[..., Daemon]) -> None:
         assert c.stat().tiers["disk"].evictions > 0
     with d.engine.mover.quiet():
         d.engine.check_invariants()
+
+
+def test_disk_churn_with_shared_blocks(daemon: Callable[..., Daemon]) -> None:
+    # Sequences that start with a shared block each: evicting a sequence from disk
+    # releases its block with it; a block a pinned sequence references stays.
+    d = daemon(**{"tiers.host.capacity": "4MiB", "tiers.disk.capacity": "8MiB"})
+    small = torch.arange(16, dtype=torch.int32)
+    with Client(d.address) as c:
+        c.park("keep", [small], refs=["kb"], new_blocks={"kb": [_blob(-1)]})
+        i = 0
+        while c.info("keep").tier != "disk" or c.info("kb").tier != "disk":
+            c.park(f"s{i}", [small], refs=[f"b{i}"], new_blocks={f"b{i}": [_blob(i)]})
+            i += 1
+            assert i < 400, "keep never reached the disk"
+        c.pin("keep")
+        for j in range(i, i + 200):  # 50 MiB of blocks through an 8 MiB disk
+            c.park(f"s{j}", [small], refs=[f"b{j}"], new_blocks={f"b{j}": [_blob(j)]})
+        assert c.stat().tiers["disk"].evictions > 0
+        gone = [not p for p in c.present(["s0", "b0"])]
+        assert all(gone), "the oldest sequence and its block were evicted together"
+        _, out = c.restore_many(["keep"])
+        assert torch.equal(out[0], _blob(-1)) and torch.equal(out[1], small)
+        last = i + 199
+        _, out = c.restore_many([f"s{last}"])
+        assert torch.equal(out[0], _blob(last))
+    with d.engine.mover.quiet():
+        d.engine.check_invariants()
