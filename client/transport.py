@@ -26,6 +26,7 @@ Primitives:
 from __future__ import annotations
 
 import socket
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator, Sequence
 
@@ -124,7 +125,7 @@ def _chunks(it: Iterator[bytes], nbytes: int, what: str) -> Iterator[np.ndarray]
         raise DataLoss(f"restore of {what!r}: stream ended after {pos} of {nbytes} bytes")
 
 
-class Transport:
+class Transport(ABC):
     name: ClassVar[str]
     small_limit: int
 
@@ -140,11 +141,11 @@ class Transport:
     def close(self) -> None:
         pass
 
-    def park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
-        raise NotImplementedError
+    @abstractmethod
+    def park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo: ...
 
-    def restore(self, ids: list[str], target: Target) -> Restoring:
-        raise NotImplementedError
+    @abstractmethod
+    def restore(self, ids: list[str], target: Target) -> Restoring: ...
 
     # ---------------------------------------------------------------- shared by every path
 
