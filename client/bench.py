@@ -38,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from kvpark.tiers.cuda import cuda_available
+
 MiB = 1 << 20
 KIND_COLOURS = {"limit": "#9e9e9e", "peer": "#e69f00", "kvpark": "#0072b2"}
 
@@ -202,13 +204,13 @@ def run_suite(opts: Options, step: Callable[[str], None]) -> Result:
             "tiers.host.shm_dir": shm_dir,
             "tiers.disk.path": os.path.join(tmp, "disk"),
             "tiers.disk.capacity": f"{4 * opts.n + 64}MiB",
-            "tiers.device.enabled": "true" if torch.cuda.is_available() else "false",
+            "tiers.device.enabled": "true" if cuda_available() else "false",
             "tiers.device.capacity": f"{max(256, 4 * opts.n)}MiB",
             "server.log_level": "warning",
         }
         try:
             with Daemon(load(env={}, overrides={**base, "policy.flush_on_shutdown": "false"})) as d:
-                transports = ["shm", "inline"] + (["cuda_ipc"] if torch.cuda.is_available() else [])
+                transports = ["shm", "inline"] + (["cuda_ipc"] if cuda_available() else [])
                 for transport in transports:
                     # cuda_ipc moves tensors that live on the daemon's GPU, device to device.
                     gpu = transport == "cuda_ipc"
@@ -247,7 +249,7 @@ def run_suite(opts: Options, step: Callable[[str], None]) -> Result:
             shutil.rmtree(shm_dir, ignore_errors=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    if not torch.cuda.is_available():
+    if not cuda_available():
         skipped.append("kvpark cuda_ipc: no CUDA device")
     meta = dict(
         date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), host_cpu=cpu_model(), cpus=os.cpu_count(),
@@ -338,7 +340,7 @@ def run(opts: Options) -> int:
     opts.out.mkdir(parents=True, exist_ok=True)
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeElapsedColumn(), console=console) as progress:
-        task = progress.add_task("kvpark bench", total=_steps(torch.cuda.is_available()))
+        task = progress.add_task("kvpark bench", total=_steps(cuda_available()))
 
         def step(label: str) -> None:
             progress.update(task, advance=1, description=f"done: {label}")
