@@ -410,11 +410,23 @@ class Mover:
         """Drop a demoted sequence's copy in ``tier``; count it as an eviction when freed."""
         if not self._drop_copy(seq, tier):
             return False
+        self._count_eviction(tier)
+        return True
+
+    def _count_eviction(self, tier: str) -> None:
         with self.catalog.lock:
             self.evictions[tier] = self.evictions.get(tier, 0) + 1
         if self.metrics is not None:
             self.metrics.evicted(tier)
-        return True
+
+    def _claim_on_disk(self, seq_id: str) -> Seq | None:
+        """``seq_id``'s record with its move lock held, if it is on disk and no promotion
+        or other move owns it right now; else None. The caller releases the lock."""
+        with self.catalog.lock:
+            seq = self.catalog.find(seq_id)
+            if seq is None or not seq.on_disk:
+                return None
+        return seq if seq.move_lock.acquire(blocking=False) else None
 
     def _moved(self, src: str, dst: str, t0: float) -> None:
         if self.metrics is not None:
@@ -632,12 +644,9 @@ class Mover:
     def _disk_drop(self, seq_id: str) -> bool:
         """Without a remote tier: free one sequence's disk copy, dropping the sequence
         when the disk held its only copy. True when the disk copy is gone."""
-        with self.catalog.lock:
-            seq = self.catalog.find(seq_id)
-            if seq is None or not seq.on_disk:
-                return False
-        if not seq.move_lock.acquire(blocking=False):
-            return False  # a promotion or another move owns it right now
+        seq = self._claim_on_disk(seq_id)
+        if seq is None:
+            return False
         try:
             with self.catalog.lock:
                 # Checked again under the lock: a reader, a pin or a new reference since
@@ -649,13 +658,11 @@ class Mover:
                 if not seq.res:  # the disk held its only copy: it leaves the index too
                     self.catalog.retire(seq)
                     todo += self.catalog.take_orphans()
-                self.evictions["disk"] = self.evictions.get("disk", 0) + 1
             for s in todo:
                 self.delete_from_disk(s)
             with self.catalog.lock:
                 self.catalog.notify()
-            if self.metrics is not None:
-                self.metrics.evicted("disk")
+            self._count_eviction("disk")
             log.debug("evicted %r from disk%s", seq_id, "" if seq.res else " (its only copy: dropped)")
             return True
         finally:
@@ -665,12 +672,9 @@ class Mover:
         """Write one disk-resident sequence to remote (unless it is there), then delete
         its disk copy. True when the disk copy is gone."""
         assert self.remote is not None
-        with self.catalog.lock:
-            seq = self.catalog.find(seq_id)
-            if seq is None or not seq.on_disk:
-                return False
-        if not seq.move_lock.acquire(blocking=False):
-            return False  # a promotion or another move owns it right now
+        seq = self._claim_on_disk(seq_id)
+        if seq is None:
+            return False
         try:
             m = seq.manifest
             t0 = time.perf_counter()
@@ -686,10 +690,8 @@ class Mover:
                     return False
             self.delete_from_disk(seq)
             with self.catalog.lock:
-                self.evictions["disk"] = self.evictions.get("disk", 0) + 1
                 self.catalog.notify()
-            if self.metrics is not None:
-                self.metrics.evicted("disk")
+            self._count_eviction("disk")
             return True
         except KVParkError as e:
             log.warning("eviction of %r from disk to remote failed: %s", seq_id, e)
