@@ -318,9 +318,21 @@ def handlers(engine: Engine, config: ServerConfig, hostname: str, boot_id: str,
              metrics: Metrics | None = None) -> grpc.GenericRpcHandler:
     s = Servicer(engine, config, hostname, boot_id, metrics)
 
+    def parsed(fn: Callable[..., Any], req_cls: Any) -> Callable[[bytes, grpc.ServicerContext], Any]:
+        # Parsed here, not by gRPC's request_deserializer: a message that fails to parse
+        # there becomes an untyped INTERNAL; here it is INVALID_ARGUMENT like any bad input.
+        def handle(raw: bytes, context: grpc.ServicerContext) -> Any:
+            try:
+                req = req_cls.FromString(raw)
+            except DecodeError as e:
+                _guard(context, fn.__name__, e, metrics)
+            return fn(req, context)
+
+        return handle
+
     def unary(fn: Callable[..., Any], req_cls: Any) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
-            fn, request_deserializer=req_cls.FromString, response_serializer=lambda m: m.SerializeToString()
+            parsed(fn, req_cls), request_deserializer=_identity, response_serializer=lambda m: m.SerializeToString()
         )
 
     return grpc.method_handlers_generic_handler(
@@ -331,7 +343,7 @@ def handlers(engine: Engine, config: ServerConfig, hostname: str, boot_id: str,
                 s.Park, request_deserializer=_identity, response_serializer=lambda m: m.SerializeToString()
             ),
             "Restore": grpc.unary_stream_rpc_method_handler(
-                s.Restore, request_deserializer=pb.RestoreRequest.FromString, response_serializer=_identity
+                parsed(s.Restore, pb.RestoreRequest), request_deserializer=_identity, response_serializer=_identity
             ),
             "ParkSmall": unary(s.ParkSmall, pb.ParkSmallRequest),
             "Get": unary(s.Get, pb.GetRequest),
