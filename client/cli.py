@@ -107,13 +107,16 @@ def _seq_json(s: SeqInfo, now: float) -> dict[str, Any]:
 
 def _summary(st: Stat, seqs: list[SeqInfo]) -> dict[str, int]:
     shared = sum(1 for s in seqs if s.shared)
-    return {"sequences": len(seqs) - shared, "shared_blocks": shared, "leases": st.leases}
+    return {"sequences": len(seqs) - shared, "shared_blocks": shared, "leases": st.leases, "damaged": st.damaged}
 
 
 def _print_summary(address: str, st: Stat, seqs: list[SeqInfo]) -> None:
     s = _summary(st, seqs)
     print(f"kvpark at {address}: {s['sequences']} sequence(s), {s['shared_blocks']} shared block(s), "
           f"{s['leases']} lease(s)")
+    if st.damaged:
+        print(f"DAMAGED: {st.damaged} sequence(s) failed verification on disk; reading them is DATA_LOSS "
+              "(drop or re-park them)")
     print()
     print(f"{'tier':<8}{'state':<10}{'used':>11}{'capacity':>11}{'use%':>7}{'held':>8}{'evictions':>11}")
     for name, t in st.tiers.items():

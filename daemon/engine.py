@@ -645,7 +645,7 @@ class Engine:
         with self.catalog.lock:
             on_remote = self.catalog.on_remote()
             st = Stat(tiers=self.catalog.tier_stats(self.disk.capacity, used, self.mover.evictions, self.slot_size),
-                      sequences=len(self.catalog), leases=self.leases.count)
+                      sequences=len(self.catalog), leases=self.leases.count, damaged=self.disk.damaged)
         if self.remote is None:
             return st
         return dataclasses.replace(st, remote=self.remote.stat(on_remote))

@@ -75,6 +75,7 @@ def stat_to_pb(s: Stat) -> pb.StatResponse:
         ],
         sequences=s.sequences,
         leases=s.leases,
+        damaged=s.damaged,
         remote=None if s.remote is None else pb.RemoteStat(
             state=s.remote.state, errors=s.remote.errors, refused=s.remote.refused, data_loss=s.remote.data_loss,
             bytes_written=s.remote.bytes_written, bytes_read=s.remote.bytes_read, outages=s.remote.outages,
@@ -92,4 +93,5 @@ def stat_from_pb(p: pb.StatResponse) -> Stat:
         leases=p.leases,
         remote=RemoteStat(r.state, r.errors, r.refused, r.data_loss, r.bytes_written, r.bytes_read, r.outages,
                           r.pending_writes, r.sequences) if p.HasField("remote") else None,
+        damaged=p.damaged,
     )

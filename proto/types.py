@@ -62,3 +62,4 @@ class Stat:
     sequences: int = 0
     leases: int = 0
     remote: RemoteStat | None = None  # None: no remote tier configured
+    damaged: int = 0  # held sequences whose disk record failed verification (reads are DATA_LOSS)

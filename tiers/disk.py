@@ -32,7 +32,8 @@ Primitives:
   commits, drops and demotions without a lock around the I/O.
 - ``delete(manifest)``: its generation's blocks, and its manifest if still current.
 - ``read_txn()``: a read transaction whose ``read_block`` returns zero-copy verified views.
-  ``DiskStore.on_corrupt`` (optional) is called for every record that fails verification.
+  ``DiskStore.on_corrupt`` (optional) is called for every record that fails verification;
+  ``damaged`` counts the held generations that did (until dropped or replaced).
 - ``update_manifest(m, sync=False) -> bool``: rewrite one generation's manifest (a pin).
 
 Thread safety: LMDB serialises write transactions itself; the accounting has its own
@@ -198,14 +199,18 @@ class ReadTxn:
     """A read transaction; views it returns are valid until the ``with`` block ends."""
 
     def __init__(self, txn: lmdb.Transaction, db: lmdb._Database,
-                 on_corrupt: Callable[[], None] | None = None) -> None:
+                 on_corrupt: Callable[[], None] | None = None,
+                 on_damaged: Callable[[Manifest], None] | None = None) -> None:
         self._txn = txn
         self._db = db
         self._on_corrupt = on_corrupt
+        self._on_damaged = on_damaged
 
-    def _corrupt(self, message: str) -> DataLoss:
+    def _corrupt(self, m: Manifest, message: str) -> DataLoss:
         if self._on_corrupt is not None:
             self._on_corrupt()
+        if self._on_damaged is not None:
+            self._on_damaged(m)
         return DataLoss(message)
 
     def read_block(self, m: Manifest, index: int, length: int) -> memoryview:
@@ -216,17 +221,17 @@ class ReadTxn:
             raise DataLoss(f"{where}: record missing from the disk tier")
         view = memoryview(raw)
         if len(view) < HEADER.size:
-            raise self._corrupt(f"{where}: record truncated ({len(view)} bytes)")
+            raise self._corrupt(m, f"{where}: record truncated ({len(view)} bytes)")
         magic, version, _flags, _res, fp, ln, ck = HEADER.unpack_from(view)
         if magic != MAGIC or version != FORMAT_VERSION:
-            raise self._corrupt(f"{where}: bad record header (magic {magic!r}, version {version})")
+            raise self._corrupt(m, f"{where}: bad record header (magic {magic!r}, version {version})")
         if fp != m.fingerprint:
-            raise self._corrupt(f"{where}: layout fingerprint {fp:#x} != manifest {m.fingerprint:#x}")
+            raise self._corrupt(m, f"{where}: layout fingerprint {fp:#x} != manifest {m.fingerprint:#x}")
         payload = view[HEADER.size :]
         if ln != length or len(payload) != length:
-            raise self._corrupt(f"{where}: length {len(payload)} (header {ln}) != expected {length}")
+            raise self._corrupt(m, f"{where}: length {len(payload)} (header {ln}) != expected {length}")
         if checksum(payload) != ck:
-            raise self._corrupt(f"{where}: checksum mismatch")
+            raise self._corrupt(m, f"{where}: checksum mismatch")
         return payload
 
 
@@ -241,6 +246,9 @@ class DiskStore:
         self._acct = threading.Lock()
         self._held: dict[tuple[str, int], int] = {}  # (seq_id, gen) -> payload bytes stored
         self._used = 0  # sum of _held
+        # Generations held whose record failed verification on a read: every read of them
+        # is DataLoss until they are dropped or replaced (``damaged``, shown by ``stat``).
+        self._damaged: set[tuple[str, int]] = set()
         self._lock_fd = _lock_dir(path)
         data_file = os.path.join(path, "data.mdb")
         existing = os.path.getsize(data_file) if os.path.exists(data_file) else 0
@@ -307,6 +315,18 @@ class DiskStore:
     def _forget(self, key: tuple[str, int]) -> None:
         # REQUIRES: self._acct held.
         self._used -= self._held.pop(key, 0)
+        self._damaged.discard(key)
+
+    def _mark_damaged(self, m: Manifest) -> None:
+        with self._acct:
+            if (m.seq_id, m.gen) in self._held:
+                self._damaged.add((m.seq_id, m.gen))
+
+    @property
+    def damaged(self) -> int:
+        """Held generations whose record failed verification on a read since start."""
+        with self._acct:
+            return len(self._damaged)
 
     def holds(self, m: Manifest) -> bool:
         with self._acct:
@@ -415,4 +435,4 @@ class DiskStore:
     @contextmanager
     def read_txn(self) -> Iterator[ReadTxn]:
         with self.env.begin(buffers=True) as txn:
-            yield ReadTxn(txn, self._blocks, self.on_corrupt)
+            yield ReadTxn(txn, self._blocks, self.on_corrupt, self._mark_damaged)

@@ -413,13 +413,15 @@ class RemoteStat(_message.Message):
     def __init__(self, state: _Optional[str] = ..., errors: _Optional[int] = ..., refused: _Optional[int] = ..., data_loss: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., outages: _Optional[int] = ..., pending_writes: _Optional[int] = ..., sequences: _Optional[int] = ...) -> None: ...
 
 class StatResponse(_message.Message):
-    __slots__ = ("tiers", "sequences", "leases", "remote")
+    __slots__ = ("tiers", "sequences", "leases", "remote", "damaged")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
+    DAMAGED_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStat]
     sequences: int
     leases: int
     remote: RemoteStat
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., sequences: _Optional[int] = ..., leases: _Optional[int] = ..., remote: _Optional[_Union[RemoteStat, _Mapping]] = ...) -> None: ...
+    damaged: int
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., sequences: _Optional[int] = ..., leases: _Optional[int] = ..., remote: _Optional[_Union[RemoteStat, _Mapping]] = ..., damaged: _Optional[int] = ...) -> None: ...
