@@ -81,7 +81,8 @@ class PermissionDenied(KVParkError):
 
 
 class Unavailable(KVParkError):
-    """The daemon cannot be reached, or is shutting down."""
+    """The daemon cannot be reached, or is shutting down, or its disk tier cannot be
+    written (a read-only or failing file system)."""
 
     code = grpc.StatusCode.UNAVAILABLE
 

@@ -56,7 +56,7 @@ from typing import Callable, Iterator, Sequence
 import lmdb
 import xxhash
 
-from kvpark.proto.errors import DataLoss, ResourceExhausted, StartupError
+from kvpark.proto.errors import DataLoss, ResourceExhausted, StartupError, Unavailable
 from kvpark.proto.layout import TensorMeta
 
 log = logging.getLogger(__name__)
@@ -352,9 +352,9 @@ class DiskStore:
             with self.env.begin(write=True) as txn:
                 for k, w in enumerate(writes):
                     done[k] = self._put(txn, w)
-        except lmdb.MapFullError:
+        except lmdb.Error as e:
             self._unreserve(fresh)
-            raise ResourceExhausted(f"disk tier full at {self.path} (LMDB map)") from None
+            raise self._write_error(e) from None
         except BaseException:
             self._unreserve(fresh)
             raise
@@ -369,6 +369,17 @@ class DiskStore:
         if sync and any(done):
             self.sync()
         return done
+
+    def _write_error(self, e: BaseException) -> BaseException:
+        """A failed write transaction as the typed error the caller sends on: a full map
+        is RESOURCE_EXHAUSTED; anything else LMDB reports (a read-only or failing file
+        system: EROFS, EIO, ENOSPC) is UNAVAILABLE, never an untyped INTERNAL."""
+        if isinstance(e, lmdb.MapFullError):
+            return ResourceExhausted(f"disk tier full at {self.path} (LMDB map)")
+        if isinstance(e, lmdb.Error):
+            log.error("disk tier at %s: write failed: %s", self.path, e)
+            return Unavailable(f"the disk tier at {self.path} cannot be written: {e}")
+        return e
 
     def _reserve(self, writes: Sequence[Write]) -> set[tuple[str, int]]:
         """Charge the new generations against ``capacity`` up front (all or nothing)."""
@@ -412,23 +423,33 @@ class DiskStore:
     def update_manifest(self, m: Manifest, sync: bool = False) -> bool:
         """Rewrite the manifest of generation ``m.gen`` (a pin changed); False if that
         generation is no longer the one on disk."""
-        with self.env.begin(write=True) as txn:
-            cur = txn.get(m.seq_id.encode(), db=self._manifests)
-            if cur is None or Manifest.decode(cur).gen != m.gen:
-                return False
-            txn.put(m.seq_id.encode(), m.encode(), db=self._manifests)
+        try:
+            with self.env.begin(write=True) as txn:
+                cur = txn.get(m.seq_id.encode(), db=self._manifests)
+                if cur is None or Manifest.decode(cur).gen != m.gen:
+                    return False
+                txn.put(m.seq_id.encode(), m.encode(), db=self._manifests)
+        except lmdb.Error as e:
+            raise self._write_error(e) from None
         if sync:
             self.sync()
         return True
 
     def delete(self, m: Manifest, sync: bool = False) -> None:
-        with self.env.begin(write=True) as txn:
-            self._delete_blocks(txn, m)
-            cur = txn.get(m.seq_id.encode(), db=self._manifests)
-            if cur is not None and Manifest.decode(cur).gen == m.gen:
-                txn.delete(m.seq_id.encode(), db=self._manifests)
-        with self._acct:
-            self._forget((m.seq_id, m.gen))
+        try:
+            with self.env.begin(write=True) as txn:
+                self._delete_blocks(txn, m)
+                cur = txn.get(m.seq_id.encode(), db=self._manifests)
+                if cur is not None and Manifest.decode(cur).gen == m.gen:
+                    txn.delete(m.seq_id.encode(), db=self._manifests)
+        except lmdb.Error as e:
+            raise self._write_error(e) from None
+        finally:
+            # Forgotten even when the delete failed: the caller has already let go of the
+            # generation, so the accounting follows the index. Its record stays on disk
+            # and is found again at the next start (the drop was never acknowledged).
+            with self._acct:
+                self._forget((m.seq_id, m.gen))
         if sync:
             self.sync()
 
