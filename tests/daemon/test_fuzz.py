@@ -5,7 +5,10 @@ Hypothesis generates, per RPC of ``kvpark.v1.KVPark``:
 - messages whose fields carry the wrong wire type (a string field sent as a varint, ...);
 - well-typed but hostile requests: ids with odd characters and lengths, huge declared
   sizes and shapes, unknown dtypes, wrong lease ids, wrong layout fingerprints;
-- ``Park`` streams whose chunks come out of order, overlap, overrun or stop short.
+- ``Park`` streams whose chunks come out of order, overlap, overrun or stop short;
+- nearly valid parks (``ParkSmall``, ``Park``, ``Reserve``+``Commit``): right but for one
+  thing (a size off by one, a reference to a missing or non-shared block, a block that
+  references, a batch with tensors), so the commit paths run too.
 
 Every call must end within its deadline with OK or a *typed* status: a code the daemon
 maps its errors to, with the error's class name in the trailing metadata (so never
@@ -216,13 +219,13 @@ def noise(draw: st.DrawFn, rpc: str) -> bytes:
 # ------------------------------------------------------------------ tests
 
 
-@per_test(0.3)
+@per_test(0.25)
 @given(data=st.data(), rpc=st.sampled_from(ALL_RPCS))
 def test_noise_at_every_rpc(channel: grpc.Channel, rpc: str, data: st.DataObject) -> None:
     call(channel, rpc, data.draw(noise(rpc)))
 
 
-@per_test(0.3)
+@per_test(0.25)
 @given(data=st.data(), rpc=st.sampled_from(ALL_RPCS))
 def test_hostile_values_at_every_rpc(channel: grpc.Channel, rpc: str, data: st.DataObject) -> None:
     msg = data.draw(structured(rpc))
@@ -259,13 +262,13 @@ def park_streams(draw: st.DrawFn) -> list[bytes]:
     return msgs
 
 
-@per_test(0.25)
+@per_test(0.2)
 @given(msgs=park_streams())
 def test_park_streams_out_of_order(channel: grpc.Channel, fuzz_daemon: Daemon, msgs: list[bytes]) -> None:
     call(channel, "Park", msgs)
 
 
-@per_test(0.15)
+@per_test(0.1)
 @given(lease=lease_ids, layout=layouts, commit_first=st.booleans())
 def test_wrong_leases_and_layouts(channel: grpc.Channel, lease: str, layout: str, commit_first: bool) -> None:
     # A real reservation, then someone else's (wrong) lease id at Commit and Release.
@@ -283,6 +286,57 @@ def test_wrong_leases_and_layouts(channel: grpc.Channel, lease: str, layout: str
                    ("Acquire", pb.AcquireRequest(seq_id="real", expect_layout=layout, inline_max=1 << 20)),
                    ("Restore", pb.RestoreRequest(seq_id="real", expect_layout=layout))):
         call(channel, rpc, m.SerializeToString())
+
+
+@st.composite
+def nearly_valid_headers(draw: st.DrawFn, batch: bool = False) -> tuple[pb.ParkHeader, int]:
+    """A header that is right, or off by one thing: sizes, refs, blocks, flags. Returns it
+    and the payload size it really declares (new blocks first, then the sequence)."""
+    small_ids = st.sampled_from(["n1", "n2", "blk", "blk2", "user", "real", "missing"])
+
+    def metas(n: int) -> list[pb.TensorMeta]:
+        return [pb.TensorMeta(dtype="uint8", shape=[n], nbytes=n)] if n else []
+
+    blocks = []
+    for bid in draw(st.lists(small_ids, max_size=3, unique=True)):
+        bn = draw(st.integers(0, 5000))
+        blocks.append(pb.ParkHeader(seq_id=bid, nbytes=bn + draw(st.sampled_from([0, 0, 0, 1])), tensors=metas(bn),
+                                    shared=draw(st.booleans()), refs=draw(st.lists(small_ids, max_size=1))))
+    n = 0 if batch else draw(st.integers(0, 5000))
+    refs = draw(st.lists(small_ids, max_size=3))
+    if draw(st.booleans()):
+        refs += [b.seq_id for b in blocks]
+    h = pb.ParkHeader(seq_id="" if batch else draw(small_ids), tensors=metas(n), nbytes=n, refs=refs, blocks=blocks,
+                      overwrite=draw(st.booleans()), pinned=draw(st.booleans()), shared=draw(st.booleans()),
+                      ttl_s=draw(st.sampled_from([0.0, 0.0, 0.5, 60.0])),
+                      attrs={"layout": draw(st.sampled_from(["L1", "L2"]))})
+    return h, n + sum(b.nbytes for b in blocks)
+
+
+@per_test(0.2)
+@given(data=st.data(), rpc=st.sampled_from(["ParkSmall", "Park", "Reserve"]), batch=st.booleans())
+def test_nearly_valid_parks(channel: grpc.Channel, rpc: str, batch: bool, data: st.DataObject) -> None:
+    h, total = data.draw(nearly_valid_headers(batch))
+    size = max(0, total + data.draw(st.sampled_from([0, 0, 0, -1, 1])))
+    body = bytes([7]) * size
+    if rpc == "ParkSmall":
+        call(channel, rpc, pb.ParkSmallRequest(header=h, data=body).SerializeToString())
+    elif rpc == "Park":
+        msgs = [pb.ParkRequest(header=h).SerializeToString()]
+        msgs += [encode_chunk(off, memoryview(body)[off:off + 4096]) for off in range(0, size, 4096)]
+        msgs.append(pb.ParkRequest(commit=pb.ParkCommit(nbytes=size)).SerializeToString())
+        call(channel, rpc, msgs)
+    else:  # reserve, then commit without writing the slots (the client's bytes, unchecked)
+        try:
+            raw = channel.unary_unary(SERVICE + "Reserve")(pb.ReserveRequest(header=h).SerializeToString(),
+                                                          timeout=DEADLINE_S)
+        except grpc.RpcError:
+            call(channel, "Reserve", pb.ReserveRequest(header=h).SerializeToString())  # typed, checked there
+            return
+        call(channel, "Commit", pb.CommitRequest(lease_id=pb.ReserveResponse.FromString(raw).lease_id)
+             .SerializeToString())
+    for sid in ("n1", "n2", "user"):  # whatever got in reads back whole, or is typed-absent
+        call(channel, "Get", pb.GetRequest(seq_id=sid, max_bytes=1 << 20).SerializeToString())
 
 
 def test_after_the_fuzzing_the_daemon_serves_and_its_accounting_holds(fuzz_daemon: Daemon) -> None:
