@@ -28,6 +28,7 @@ from typing import Iterator
 
 import grpc
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -78,7 +79,6 @@ def fuzz_daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     # Short leases: reservations the fuzzer opens and never commits expire between examples.
     d = Daemon(make_config(tmp, **{"leases.ttl_s": "1.0", "tiers.disk.capacity": "64MiB"})).start()
     with Client(d.address) as c:  # something real to aim at: a plain sequence and a shared block
-        import torch
         c.park("real", [torch.arange(4096, dtype=torch.float32)], attrs={"layout": "L1"})
         c.park("keep", [torch.arange(999, dtype=torch.int16)])  # an id no strategy names
         c.park("user", [torch.ones(100, dtype=torch.int8)], refs=["blk"],
@@ -341,7 +341,6 @@ def test_nearly_valid_parks(channel: grpc.Channel, rpc: str, batch: bool, data: 
 
 def test_after_the_fuzzing_the_daemon_serves_and_its_accounting_holds(fuzz_daemon: Daemon) -> None:
     # Runs last in this module (pytest keeps file order). Reservations the fuzzer left open expire.
-    import torch
     eng = fuzz_daemon.engine
     assert eng is not None
     assert wait_until(lambda: eng.leases.count == 0, timeout=30)

@@ -33,7 +33,6 @@ with ``run(kills, run_s) -> Tally``, and the worker entry point ``main``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import signal
@@ -239,11 +238,10 @@ class Torture:
     # -------------------------------------------------------------- rounds
 
     def _wait_paused(self, r: int, timeout: float = 120.0) -> None:
+        logs = [self.root / f"w{w}.log" for w in range(self.n_workers)]
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if all(f"paused {r}\n" in (self.root / f"w{w}.log").read_text() for w in range(self.n_workers)
-                   if (self.root / f"w{w}.log").exists()) and all(
-                    (self.root / f"w{w}.log").exists() for w in range(self.n_workers)):
+            if all(p.exists() and f"paused {r}\n" in p.read_text() for p in logs):
                 return
             dead = [p.args for p in self.workers if p.poll() is not None]
             if dead:
