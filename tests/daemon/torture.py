@@ -8,8 +8,9 @@ How it works:
 - A ``kvpark serve`` subprocess on a unix socket (the same address after every restart)
   with ``policy.write = "write_through"`` over one data directory.
 - ``workers`` client processes (``python -m tests.daemon.torture worker ...``), each with
-  ids of its own, park (always ``overwrite=True``, a new version each time) and drop at
-  random. A worker appends to its log *after* a call returns: ``ack park ID V``,
+  ids of its own, park (always ``overwrite=True``, a new version each time; half of the
+  versions start with one of the worker's shared prefix blocks, created in the same
+  commit when missing) and drop at random. A worker appends to its log *after* a call returns: ``ack park ID V``,
   ``ack drop ID``; a call that failed with a typed refusal from a live daemon is
   ``failed ...`` (the old state stands); one cut off by the kill is ``unknown ...`` (old or
   new state, never a mix). Then the worker pauses until the next round.
@@ -26,7 +27,8 @@ park absent or older, an acked drop undone); ``corrupt`` bytes that match no ver
 a restore that raised ``DataLoss``); ``phantom`` an id or version no client ever sent;
 ``orphans`` block records without a manifest; ``accounting`` ``stat``/``list`` mismatches.
 
-Primitives: ``payload(seq_id, version, max_bytes)``, ``Tally``, ``Torture(root, ...)``
+Primitives: ``payload(seq_id, version, max_bytes)``, ``refs_of``, ``block_payload``,
+``restored`` (what a restore of a version returns), ``Tally``, ``Torture(root, ...)``
 with ``run(kills, run_s) -> Tally``, and the worker entry point ``main``.
 """
 
@@ -51,6 +53,29 @@ KiB = 1 << 10
 # gone mid-call: UNAVAILABLE, a deadline, a cut stream) leaves the outcome unknown.
 REFUSALS = ("AlreadyExists", "NotFound", "InvalidArgument", "ResourceExhausted", "FailedPrecondition",
             "LayoutMismatch")
+
+
+BLOCKS_PER_WORKER = 2
+
+
+def refs_of(seq_id: str, version: int) -> list[str]:
+    """The shared (prefix) block version ``version`` of ``seq_id`` starts with, if any: one
+    of its worker's few blocks, so blocks are shared between ids and versions."""
+    r = random.Random(zlib.crc32(seq_id.encode()) * 31 + version)
+    worker = seq_id.split("-", 1)[0]
+    return [f"{worker}-b{r.randrange(BLOCKS_PER_WORKER)}"] if r.random() < 0.5 else []
+
+
+def block_payload(block_id: str) -> list[torch.Tensor]:
+    """A shared block's content: a function of its id alone (content-addressed)."""
+    g = torch.Generator().manual_seed(zlib.crc32(block_id.encode()))
+    return [torch.randint(0, 256, (int(torch.randint(KiB, 64 * KiB, (1,), generator=g)),), dtype=torch.uint8,
+                          generator=g)]
+
+
+def restored(seq_id: str, version: int, max_bytes: int) -> list[torch.Tensor]:
+    """What a restore of that version returns: its blocks' tensors, then its own."""
+    return [t for b in refs_of(seq_id, version) for t in block_payload(b)] + payload(seq_id, version, max_bytes)
 
 
 def payload(seq_id: str, version: int, max_bytes: int) -> list[torch.Tensor]:
@@ -98,7 +123,9 @@ def _worker(args: argparse.Namespace) -> int:
                 op, what = "drop", f"drop {sid}"
             try:
                 if op == "park":
-                    c.park(sid, payload(sid, version, args.max_bytes), overwrite=True)
+                    refs = refs_of(sid, version)  # a new block is created in the same commit
+                    c.park(sid, payload(sid, version, args.max_bytes), overwrite=True, refs=refs,
+                           new_blocks={b: block_payload(b) for b in refs})
                 else:
                     c.drop(sid)
             except KVParkError as e:
@@ -299,7 +326,8 @@ class Torture:
             st = c.stat()
             # Accounting, before any restore promotes a copy: every sequence is on disk
             # only, and the disk tier's bytes are exactly the sum of the sequences'.
-            disk_sum = sum(i.nbytes for i in infos.values())
+            # A sequence's nbytes counts the blocks it references; the disk holds them once.
+            disk_sum = sum(i.nbytes - sum(infos[r].nbytes for r in i.refs if r in infos) for i in infos.values())
             checks = [
                 (st.sequences == len(infos), f"stat.sequences {st.sequences} != {len(infos)} listed"),
                 (st.tiers["disk"].used_bytes == disk_sum, f"disk used {st.tiers['disk'].used_bytes} != {disk_sum}"),
@@ -311,7 +339,22 @@ class Torture:
                 if not ok:
                     t.accounting += 1
                     t.problems.append(f"round {self.round}: {why}")
+            blocks = {f"w{w}-b{j}" for w in range(self.n_workers) for j in range(BLOCKS_PER_WORKER)}
             for sid in sorted(set(infos) - set(self.allowed)):
+                if sid in blocks and infos[sid].shared:
+                    # A shared block: whole, or not there. (One no sequence uses any more,
+                    # left by a kill between a drop and its block's delete, is reaped later.)
+                    try:
+                        ok = all(torch.equal(a, b) for a, b in zip(c.restore(sid), block_payload(sid)))
+                    except DataLoss:
+                        ok = False
+                    except NotFound:
+                        continue
+                    t.verified += ok
+                    if not ok:
+                        t.corrupt += 1
+                        t.problems.append(f"round {self.round}: shared block {sid} differs")
+                    continue
                 t.phantom += 1
                 t.problems.append(f"round {self.round}: unknown id {sid!r} listed")
             for sid, allowed in sorted(self.allowed.items()):
@@ -319,14 +362,14 @@ class Torture:
                 if sid in infos:
                     try:
                         out = c.restore(sid)
-                        seen = int(out[0][1])
+                        seen = int(out[-3][1])  # its own tensors come last: tag, body, tail
                         if seen not in self.issued[sid]:
                             t.phantom += 1
                             t.problems.append(f"round {self.round}: {sid} version {seen} never sent")
                             c.drop(sid)
                             seen = None
                         else:
-                            want = payload(sid, seen, self.max_bytes)
+                            want = restored(sid, seen, self.max_bytes)
                             if len(out) != len(want) or not all(torch.equal(a, b) for a, b in zip(out, want)):
                                 raise DataLoss("bytes differ")
                     except NotFound:
