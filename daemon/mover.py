@@ -130,7 +130,7 @@ class Mover:
                 with self.catalog.lock:  # still under move_lock: no demotion can start on it
                     if to not in seq.res or seq.dropped:
                         return False
-                    seq.readers[to] = seq.readers.get(to, 0) + 1
+                    seq.add_reader(to)
                     lease.parts.append((seq, to))
                     return True
         finally:

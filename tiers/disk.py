@@ -58,6 +58,8 @@ import xxhash
 from kvpark.proto.errors import DataLoss, ResourceExhausted, StartupError
 from kvpark.proto.layout import TensorMeta
 
+from . import interning
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVPB"
@@ -70,7 +72,7 @@ def checksum(view: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(view)
 
 
-@dataclass
+@dataclass(slots=True)
 class Manifest:
     seq_id: str
     gen: int
@@ -126,26 +128,34 @@ class Manifest:
 
     @staticmethod
     def decode(raw: bytes) -> "Manifest":
-        d = json.loads(raw)
+        # A restart decodes every manifest: the plain decoder (no encoding sniffing), and
+        # what a million blocks share (layouts, attrs, sizes) as one object each.
+        d = _JSON.decode(str(raw, "utf-8"))
         if d.get("v") != FORMAT_VERSION:
             raise ValueError(f"manifest format version {d.get('v')} (this build reads {FORMAT_VERSION})")
-        extra = dict(d.get("extra", {}))
-        return Manifest(
-            seq_id=d["seq_id"],
-            gen=int(d["gen"]),
-            tensors=tuple(TensorMeta.from_json(t) for t in d["tensors"]),
-            nbytes=int(d["nbytes"]),
-            block_size=int(d["block_size"]),
-            fingerprint=int(d["fingerprint"]),
-            priority=int(d.get("priority", 0)),
-            created_at=float(d.get("created_at", 0.0)),
-            last_access=float(d.get("last_access", 0.0)),
-            pinned=bool(extra.get("pinned", False)),
-            expires_at=float(extra["expires_at"]) if extra.get("expires_at") else None,
-            refs=tuple(extra.get("refs", ())),
-            shared=bool(extra.get("shared", False)),
-            attrs={str(k): str(v) for k, v in dict(extra.get("attrs", {})).items()},
+        tensors, fp = interning.layout_json(d["tensors"])
+        stored_fp = int(d["fingerprint"])
+        created_at = float(d.get("created_at", 0.0))
+        last_access = float(d.get("last_access", 0.0))
+        extra = d.get("extra")
+        m = Manifest(
+            d["seq_id"], int(d["gen"]), tensors, interning.number(int(d["nbytes"])),
+            interning.number(int(d["block_size"])), fp if fp == stored_fp else stored_fp, int(d.get("priority", 0)),
+            created_at, created_at if last_access == created_at else last_access,
         )
+        if extra:
+            extra = dict(extra)
+            m.pinned = bool(extra.get("pinned", False))
+            m.expires_at = float(extra["expires_at"]) if extra.get("expires_at") else None
+            m.refs = tuple(extra.get("refs", ()))
+            m.shared = bool(extra.get("shared", False))
+            m.attrs = interning.attrs({str(k): str(v) for k, v in dict(extra.get("attrs", {})).items()})
+        else:
+            m.attrs = interning.attrs({})
+        return m
+
+
+_JSON = json.JSONDecoder()
 
 
 @dataclass(frozen=True)
