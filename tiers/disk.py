@@ -255,8 +255,11 @@ class DiskStore:
         data_file = os.path.join(path, "data.mdb")
         existing = os.path.getsize(data_file) if os.path.exists(data_file) else 0
         # Headroom over the payload capacity for LMDB pages, headers and manifests,
-        # so our accounting, not MDB_MAP_FULL, is what says "full".
-        map_size = max(capacity + capacity // 8 + (64 << 20), existing)
+        # so our accounting, not MDB_MAP_FULL, is what says "full". Small records need
+        # the most: a million 1 KiB KV blocks under random (content-hash) keys filled
+        # ~2.4x their payload in half-full B-tree pages plus a manifest each. The map is
+        # address space (and a sparse file under writemap), not disk.
+        map_size = max(capacity * 3 + (64 << 20), existing)
         self.env = lmdb.open(
             path,
             map_size=map_size,
