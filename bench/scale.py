@@ -24,7 +24,10 @@ Per size N (the index grows from one size to the next; ``--sizes 10k,100k,1M``):
   ``--tracemalloc`` the Python-allocated growth is reported too, with the top sites.
 - p50 / p99 of ``--ops`` operations each: park (one fresh block, one commit), lookup
   (``present`` of 16 random parked keys: one ``Lookup`` RPC's work), restore (one random
-  block: acquire, read its bytes, release) and drop (the blocks the park step added).
+  block: acquire, read its bytes, release) and drop (the blocks the park step added);
+  beside the p99 of wall time, the p99 of the thread's CPU time, the full garbage
+  collections and the involuntary context switches during the ops (on a shared machine a
+  wall-time p99 far above the CPU-time p99 is time spent waiting for a core).
 - at the largest size: ``close(flush=True)`` (every block written to LMDB), then the
   restart: a new ``Engine`` on the same directory, timed until it has rebuilt the index
   from disk, and its metadata per block.
@@ -43,6 +46,7 @@ import gc
 import os
 import platform
 import random
+import resource
 import shutil
 import statistics
 import sys
@@ -50,7 +54,7 @@ import tempfile
 import time
 import tracemalloc
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import xxhash
@@ -171,36 +175,70 @@ class Bench:
             self.count += n
         return time.perf_counter() - t0
 
-    def ops(self, n: int, rng: random.Random) -> dict[str, list[float]]:
+    def ops(self, n: int, rng: random.Random) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+        """``n`` timed operations of each kind: wall times, and this thread's CPU times
+        (a wall time far above its CPU time waited: on a lock, or for a core)."""
         e = self.engine
-        t: dict[str, list[float]] = {"park": [], "lookup": [], "restore": [], "drop": []}
-        parked = []
-        for _ in range(n):
-            k = key(self.fresh)
-            self.fresh += 1
-            t0 = time.perf_counter()
-            self.park([k])
-            t["park"].append(time.perf_counter() - t0)
-            parked.append(k)
-        for _ in range(n):
-            ks = [key(rng.randrange(self.count)) for _ in range(LOOKUP_KEYS)]
-            t0 = time.perf_counter()
-            assert all(e.present(ks))
-            t["lookup"].append(time.perf_counter() - t0)
-        for _ in range(n):
-            k = key(rng.randrange(self.count))
-            t0 = time.perf_counter()
+        wall: dict[str, list[float]] = {"park": [], "lookup": [], "restore": [], "drop": []}
+        cpu: dict[str, list[float]] = {op: [] for op in wall}
+
+        def timed(op: str, fn: Callable[[], None]) -> None:
+            c0, t0 = time.thread_time(), time.perf_counter()
+            fn()
+            wall[op].append(time.perf_counter() - t0)
+            cpu[op].append(time.thread_time() - c0)
+
+        def restore(k: str) -> None:
             h = e.acquire([k], inline_max=1 << 20)
             got = sum(len(v) for _, views in e.iter_chunks(h, 1 << 20) for v in views)
             if h.lease_id:
                 e.release(h.lease_id)
-            t["restore"].append(time.perf_counter() - t0)
             assert got == self.block_bytes
-        for k in parked:
-            t0 = time.perf_counter()
+
+        def drop(k: str) -> None:
             assert e.drop(k)
-            t["drop"].append(time.perf_counter() - t0)
-        return t
+
+        def lookup(ks: list[str]) -> None:
+            assert all(e.present(ks))
+
+        parked = []
+        for _ in range(n):
+            k = key(self.fresh)
+            self.fresh += 1
+            timed("park", lambda: self.park([k]))
+            parked.append(k)
+        for _ in range(n):
+            ks = [key(rng.randrange(self.count)) for _ in range(LOOKUP_KEYS)]
+            timed("lookup", lambda: lookup(ks))
+        for _ in range(n):
+            k = key(rng.randrange(self.count))
+            timed("restore", lambda: restore(k))
+        for k in parked:
+            timed("drop", lambda: drop(k))
+        return wall, cpu
+
+
+class GcWatch:
+    """Full (generation 2) collections and their pauses: with millions of live index
+    objects each one walks them all, which shows up in the p99 of whatever it lands on."""
+
+    def __init__(self) -> None:
+        self.pauses: list[float] = []
+        self._t0 = 0.0
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict[str, int]) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append(time.perf_counter() - self._t0)
+
+    def take(self) -> dict[str, float]:
+        out = {"full_gcs": len(self.pauses), "longest_ms": round(max(self.pauses, default=0.0) * 1e3, 1)}
+        self.pauses = []
+        return out
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -246,23 +284,33 @@ def main(argv: list[str] | None = None) -> int:
         if args.tracemalloc:
             tracemalloc.start()
             snap = tracemalloc.take_snapshot()
+        watch = GcWatch()
         for n in sizes:
             fill_s = b.populate(n)
             meta = (rss_anon() - base) / n
+            watch.take()
             row: dict[str, Any] = {"populate_s": round(fill_s, 2), "rss_anon_per_block": round(meta, 1)}
             if snap is not None:
                 row["traced_per_block"] = round(tracemalloc.get_traced_memory()[0] / n, 1)
-            times = b.ops(args.ops, rng)
+            ru0 = resource.getrusage(resource.RUSAGE_SELF)
+            times, cpu = b.ops(args.ops, rng)
+            ru1 = resource.getrusage(resource.RUSAGE_SELF)
+            row["gc_during_ops"] = watch.take()
+            row["preempted_during_ops"] = ru1.ru_nivcsw - ru0.ru_nivcsw  # involuntary context switches
             for op, xs in times.items():
-                row[op] = {"p50_us": round(pct(xs, 0.5) * 1e6, 1), "p99_us": round(pct(xs, 0.99) * 1e6, 1)}
+                row[op] = {"p50_us": round(pct(xs, 0.5) * 1e6, 1), "p99_us": round(pct(xs, 0.99) * 1e6, 1),
+                           "p99_cpu_us": round(pct(cpu[op], 0.99) * 1e6, 1)}
             with b.engine.catalog.lock:
                 assert len(b.engine.catalog) == n
             result["sizes"][n] = row
             print(f"{n:>9} blocks: populate {fill_s:7.1f} s, metadata {meta:7.1f} B/block (RssAnon)"
-                  + (f", {row['traced_per_block']:.1f} B/block traced" if snap is not None else ""), flush=True)
+                  + (f", {row['traced_per_block']:.1f} B/block traced" if snap is not None else "")
+                  + f"; full GCs during the ops: {row['gc_during_ops']}", flush=True)
             for op in times:
-                print(f"           {op:8s} p50 {row[op]['p50_us']:8.1f} us   p99 {row[op]['p99_us']:9.1f} us",
-                      flush=True)
+                print(f"           {op:8s} p50 {row[op]['p50_us']:8.1f} us   p99 {row[op]['p99_us']:9.1f} us"
+                      f"   (p99 of its CPU time {row[op]['p99_cpu_us']:8.1f} us)", flush=True)
+            print(f"           involuntary context switches during the ops: {row['preempted_during_ops']}",
+                  flush=True)
         if snap is not None:
             result["top_sites"] = top_sites(snap, 15)
             tracemalloc.stop()
