@@ -122,9 +122,9 @@ def restart_child(config: Config, profile: bool) -> dict[str, Any]:
         import cProfile
         prof = cProfile.Profile()
         prof.enable()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     engine = Engine(config)
-    restart_s = time.perf_counter() - t0
+    restart_s, restart_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     if prof is not None:
         prof.disable()
         import pstats
@@ -133,7 +133,8 @@ def restart_child(config: Config, profile: bool) -> dict[str, Any]:
         indexed = len(engine.catalog)
     meta = (rss_anon() - base) / max(1, indexed)
     engine.close(flush=False)
-    return {"indexed": indexed, "restart_s": round(restart_s, 2), "rss_anon_per_block": round(meta, 1)}
+    return {"indexed": indexed, "restart_s": round(restart_s, 2), "restart_cpu_s": round(restart_cpu_s, 2),
+            "rss_anon_per_block": round(meta, 1), "load": os.getloadavg()}
 
 
 class Bench:
@@ -328,7 +329,8 @@ def main(argv: list[str] | None = None) -> int:
             child = json.loads(next(l for l in out.stdout.splitlines() if l.startswith("RESULT "))[7:])
             result["restart"] = {"blocks": n, "flush_s": round(flush_s, 2), **child}
             print(f"restart at {n} blocks: flush {flush_s:.1f} s, then in a fresh process: rebuild "
-                  f"{child['restart_s']:.2f} s ({child['indexed']} indexed), metadata "
+                  f"{child['restart_s']:.2f} s, {child['restart_cpu_s']:.2f} s of CPU ({child['indexed']} indexed, "
+                  f"load average {child['load'][0]:.1f}), metadata "
                   f"{child['rss_anon_per_block']:.1f} B/block", flush=True)
             assert child["indexed"] == n, f"restart indexed {child['indexed']} of {n} blocks"
         small, big = sizes[0], sizes[-1]

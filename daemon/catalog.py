@@ -69,8 +69,10 @@ class Catalog:
         total = 0
         with self.lock:
             for m in manifests:
-                seq = Seq(manifest=m, on_disk=True)
-                self._index(seq)
+                seq = Seq(m, on_disk=True)
+                self._seqs[m.seq_id] = seq  # load_manifests yields each id once
+                if m.shared or m.expires_at is not None:
+                    self._special[seq] = None
                 total += m.nbytes
                 self._gen = max(self._gen, m.gen)
                 for r in seq.refs:

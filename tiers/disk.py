@@ -130,7 +130,12 @@ class Manifest:
     def decode(raw: bytes) -> "Manifest":
         # A restart decodes every manifest: the plain decoder (no encoding sniffing), and
         # what a million blocks share (layouts, attrs, sizes) as one object each.
-        d = _JSON.decode(str(raw, "utf-8"))
+        text = str(raw, "utf-8")
+        d, end = _JSON.raw_decode(text)
+        if end != len(text) and text[end:].strip():
+            raise ValueError(f"manifest has extra data after its JSON (at {end})")
+        if not isinstance(d, dict):
+            raise TypeError("a manifest is a JSON object")
         if d.get("v") != FORMAT_VERSION:
             raise ValueError(f"manifest format version {d.get('v')} (this build reads {FORMAT_VERSION})")
         tensors, fp = interning.layout_json(d["tensors"])
@@ -149,7 +154,7 @@ class Manifest:
             m.expires_at = float(extra["expires_at"]) if extra.get("expires_at") else None
             m.refs = tuple(extra.get("refs", ()))
             m.shared = bool(extra.get("shared", False))
-            m.attrs = interning.attrs({str(k): str(v) for k, v in dict(extra.get("attrs", {})).items()})
+            m.attrs = interning.attrs_json(dict(extra.get("attrs", {})))
         else:
             m.attrs = interning.attrs({})
         return m

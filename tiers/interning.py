@@ -16,7 +16,8 @@ Primitives:
   fingerprint (``kvpark.proto.layout.fingerprint``), computed once per distinct layout.
 - ``layout_json(raw) -> (tensors, fingerprint)``: the same from a manifest's JSON
   ``tensors`` list, without building ``TensorMeta`` objects for a layout already seen.
-- ``attrs(d) -> dict``: the shared dict equal to ``d``.
+- ``attrs(d) -> dict``: the shared dict equal to ``d``; ``attrs_json(raw)``: the same from
+  a manifest's JSON attrs object.
 - ``number(n)``: the shared int equal to ``n`` (block sizes repeat too).
 The tables are bounded (``MAX_ENTRIES`` each; full, they start over), so sequences that
 each carry unique attrs cost nothing extra here. Callers hold no lock: a race between
@@ -32,6 +33,7 @@ MAX_ENTRIES = 4096
 _layouts: dict[tuple[TensorMeta, ...], tuple[tuple[TensorMeta, ...], int]] = {}
 _json_layouts: dict[tuple, tuple[tuple[TensorMeta, ...], int]] = {}
 _attrs: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
+_json_attrs: dict[tuple, dict[str, str]] = {}
 _numbers: dict[int, int] = {}
 
 
@@ -64,6 +66,16 @@ def attrs(d: dict[str, str]) -> dict[str, str]:
     if hit is None:
         hit = dict(d)
         _put(_attrs, key, hit)
+    return hit
+
+
+def attrs_json(raw: dict) -> dict[str, str]:
+    """``attrs`` of a decoded manifest's attrs object (keys and values made strings)."""
+    key = tuple(raw.items())
+    hit = _json_attrs.get(key)
+    if hit is None:
+        hit = attrs({str(k): str(v) for k, v in raw.items()})
+        _put(_json_attrs, key, hit)
     return hit
 
 
