@@ -20,7 +20,8 @@ Primitives:
   writes to disk without a lock.
 - ``publish_blocks``, ``publish_commit``, ``publish``: make committed sequences visible.
 - ``expired(wall, grace_s) -> (ttl, unused)``: ids past their TTL, and shared blocks
-  nobody took up.
+  nobody took up (it looks only at sequences with a TTL and shared blocks, which the
+  catalog keeps apart, not at every indexed block).
 - ``adopt(manifests)``: index sequences found in the remote tier on a local miss;
   ``on_remote()``: how many indexed sequences have a remote copy.
 - ``retire(seq)``: unlink a sequence (drop, overwrite, expiry); memory is freed now or

@@ -7,7 +7,12 @@ Primitives:
   ``ParkSpec.validate()`` checks everything that needs no index; ``ParkSpec.manifest()``
   is the disk record it commits as.
 - ``Seq``: a parked sequence in memory: its typed disk record (``Manifest``), ready
-  memory copies per tier, disk presence, readers, and the flags the invariants rest on.
+  memory copies per tier (``res``), disk presence, readers, and the flags the
+  invariants rest on. Slotted, since the index holds one per parked block: the read
+  counts (``readers``, changed only through ``add_reader`` / ``drop_reader``) and the
+  ``move_lock`` are made on first use.
+- ``TierMap``: a mapping from memory tier name to value in two slots (``Seq.res`` and
+  the read counts), fastest tier first.
 - ``Lease``: a write reservation or a read lease (possibly over several sequences);
   live engine state, never handed to the servicer.
 - ``Part`` / ``ReadHandle``: what a restore reads, in payload order.

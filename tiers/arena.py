@@ -12,7 +12,12 @@ Primitives:
 - ``free(allocation)``.
 - ``used_bytes``, ``capacity``, ``free_bytes``, ``fits(nbytes)``.
 - ``Allocation.extents``: one ``(offset, length)`` per block, in payload order;
-  ``Allocation.segments()`` merges adjacent extents for clients.
+  ``Allocation.segments()`` merges adjacent extents for clients. An allocation is
+  stored as its full slots plus its tail packed into one int (the index holds one per
+  parked block, a million of them at scale); ``extents`` is derived from that.
+
+Tails are placed by first fit over the partial slots that still have a free granule
+(kept apart from the full ones), so placing one does not scan every partial slot.
 
 Pure bookkeeping: no memory is touched here, so it is unit-tested without I/O.
 Not thread-safe; the engine calls it under its lock.

@@ -17,6 +17,9 @@ mix. Every read verifies header, length, fingerprint and checksum and raises
 Primitives:
 - ``Manifest``: a sequence's typed disk record (tensors, sizes, generation, priority,
   timestamps, pin/TTL/refs/shared/attrs; the last five travel in the JSON ``extra`` map).
+  Slotted; ``decode`` shares the tensor tuples, attrs dicts and sizes that many
+  manifests repeat (``interning.py``), so a restart with a million blocks holds one
+  copy of each.
 - ``DiskStore(path, capacity, writemap)``; ``close()``; ``sync()``. The engine takes a
   ``disk_factory`` with this signature, so tests inject a subclass that records syncs,
   slows writes down or raises faults (the fault-injection seam). One daemon per directory:
