@@ -93,6 +93,7 @@ class Rpc:
         self.commit = u("Commit", pb.SeqInfo)
         self.acquire = u("Acquire", pb.AcquireResponse)
         self.release = u("Release", pb.ReleaseResponse)
+        self.window = u("Window", pb.WindowResponse)
         self.prefetch = u("Prefetch", pb.PrefetchResponse)
         self.lookup = u("Lookup", pb.LookupResponse)
         self.park_small = u("ParkSmall", pb.SeqInfo)

@@ -108,6 +108,9 @@ class HostTierConfig:
     shm_dir: str = _f("/dev/shm", "existing directory (a tmpfs) of the shared-memory arena file (mode 0600, "
                       'memory reserved at start, removed on stop); "" = private memory, no shm transport')
     prefault: bool = _f(True, "touch every arena page at start so no page fault lands in the hot path")
+    window_size: int = _f(0, "a sequence larger than its memory tier parks to disk and restores through one window "
+                          "of slots this large; 0 = auto (a quarter of the tier, at most 256MiB); whole slots",
+                          size=True)
     high_watermark: float = _f(0.0, "usage fraction that starts demotion to disk; 0 = policy.high_watermark")
     low_watermark: float = _f(0.0, "usage fraction demotion brings it down to; 0 = policy.low_watermark")
 
@@ -324,6 +327,8 @@ def _resolve(cfg: Config) -> Config:
     if slot & (slot - 1) or not (64 << 10) <= slot <= (64 << 20):
         raise ConfigError(f"tiers.host.slot_size: must be a power of two between 64KiB and 64MiB, got {slot}")
     host = dataclasses.replace(host, capacity=(int(host.capacity) // slot) * slot)
+    if host.window_size < 0:
+        raise ConfigError(f"tiers.host.window_size: must be >= 0 (0 = auto), got {host.window_size}")
     if int(host.capacity) < slot:
         raise ConfigError(f"tiers.host.capacity: must hold at least one slot ({slot} bytes)")
     disk = cfg.tiers.disk

@@ -14,10 +14,11 @@ Primitives:
 - ``LeaseTable(catalog, LeaseConfig)``.
 - ``issue_write(spec, tier, allocs) -> Lease`` and ``add(lease)`` (REQUIRES: index lock);
   ``new_read(stream) -> Lease``.
-- ``get_write(lease_id) -> Lease``; ``take_write(lease_id) -> Lease`` (REQUIRES: index
+- ``get(lease_id) -> Lease`` (any kind); ``get_write(lease_id) -> Lease``; ``take_write(lease_id) -> Lease`` (REQUIRES: index
   lock): remove a write lease for its commit.
 - ``extend(lease)``: push a write lease's idle deadline back.
-- ``end(lease)``, ``release(lease_id) -> bool``: free what a lease holds.
+- ``end(lease)``, ``release(lease_id) -> bool``: free what a lease holds (a windowed
+  park's staged disk blocks too; a windowed restore's window slots).
 - ``reap()``: end every expired lease. ``close()``: end them all.
 - ``transient()``: whether an open lease may still free room; ``count``; ``held()``.
 """
@@ -65,6 +66,12 @@ class LeaseTable:
         # REQUIRES: index lock.
         self._leases[lease.lease_id] = lease
 
+    def get(self, lease_id: str) -> Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise LeaseExpired(f"lease {lease_id!r} is gone (expired, released or never issued)")
+        return lease
+
     def get_write(self, lease_id: str) -> Lease:
         """An open write lease (a dict read: no lock needed for one lookup per chunk)."""
         lease = self._leases.get(lease_id)
@@ -103,7 +110,14 @@ class LeaseTable:
                 for a in lease.write_allocs():
                     self.catalog.free(lease.tier, a)
                 lease.alloc, lease.block_allocs = None, []
+                if lease.window is not None:
+                    lease.window.alloc = None
+            if lease.window is not None and lease.window.abort is not None:
+                lease.window.abort()  # its staged disk blocks: never published, never visible
             return True
+        if lease.window is not None:
+            with lease.lock:  # waits out a window being read into these slots right now
+                lease.ended = True
         with self.catalog.lock:
             if self._leases.pop(lease.lease_id, None) is None and not lease.parts:
                 return False
@@ -118,6 +132,10 @@ class LeaseTable:
             assert seq.readers[tier] >= 0
             self.catalog.release_dropped(seq)
         lease.parts = []
+        w = lease.window
+        if w is not None and w.alloc is not None:
+            self.catalog.free(w.tier, w.alloc)
+            w.alloc = None
         self.catalog.notify()  # a copy without readers may be demoted now
 
     def reap(self) -> None:
@@ -151,6 +169,8 @@ class LeaseTable:
         for l in self._leases.values():
             if l.kind == "write":
                 writes.append([(l.tier, a) for a in l.write_allocs()])
+            elif l.window is not None and l.window.alloc is not None:
+                writes.append([(l.window.tier, l.window.alloc)])  # a windowed restore's slots
             for seq, tier in l.parts:
                 readers[(id(seq), tier)] = readers.get((id(seq), tier), 0) + 1
                 leased[id(seq)] = seq

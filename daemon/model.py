@@ -10,6 +10,8 @@ Primitives:
   memory copies per tier, disk presence, readers, and the flags the invariants rest on.
 - ``Lease``: a write reservation or a read lease (possibly over several sequences);
   live engine state, never handed to the servicer.
+- ``Window``: a sequence larger than its memory tier, moving through one window of
+  slots at a time (``window.py``); hung on the write or read lease that holds the slots.
 - ``Part`` / ``ReadHandle``: what a restore reads, in payload order.
 - Frozen results for the servicer: ``Reservation`` (a write lease's id and slot
   segments), ``Grant`` (a read lease's id, the info and segments), ``Capabilities``
@@ -21,7 +23,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 from kvpark.proto.errors import InvalidArgument
 from kvpark.proto.layout import TensorMeta, fingerprint, validate_seq_id, validate_tensors
@@ -152,6 +154,46 @@ class Seq:
 
 
 @dataclass(eq=False)
+class Window:
+    """A windowed park or restore: payload window ``index`` sits in ``alloc`` now.
+
+    Window ``k`` is payload bytes ``[k * size, min((k + 1) * size, nbytes))``; ``size`` is
+    whole slots, so a window is whole disk blocks. REQUIRES: the lease's ``lock`` to move.
+    """
+
+    manifest: Manifest
+    tier: str
+    alloc: Allocation | None  # the window's slots (a write lease's are also its ``alloc``)
+    size: int
+    reading: bool = False
+    index: int = 0
+    staged: int = 0  # a park: payload bytes already written to disk (staged, invisible)
+    seq: "Seq | None" = None  # a restore: the sequence it reads
+    abort: Callable[[], None] | None = None  # a park: delete what was staged (the lease ended unpublished)
+
+    @property
+    def count(self) -> int:
+        return max(1, -(-self.manifest.nbytes // self.size))
+
+    def span(self, index: int) -> tuple[int, int]:
+        """(payload offset, length) of window ``index``."""
+        start = index * self.size
+        return start, min(self.size, self.manifest.nbytes - start)
+
+    def segments(self) -> list[tuple[int, int]]:
+        """Where the current window's bytes lie in the pool, in payload order."""
+        assert self.alloc is not None
+        left = self.span(self.index)[1]
+        out: list[tuple[int, int]] = []
+        for off, n in self.alloc.segments():
+            if left <= 0:
+                break
+            out.append((off, min(n, left)))
+            left -= n
+        return out
+
+
+@dataclass(eq=False)
 class Lease:
     lease_id: str
     kind: LeaseKind
@@ -163,7 +205,8 @@ class Lease:
     block_allocs: list[Allocation] = field(default_factory=list)  # write leases: spec.blocks, in order
     received: int = 0  # inline bytes written so far
     ended: bool = False  # write leases: released, committed or expired; no more writes
-    lock: threading.Lock = field(default_factory=threading.Lock)  # write leases: held while copying in
+    lock: threading.Lock = field(default_factory=threading.Lock)  # held while copying in (or a window moves)
+    window: Window | None = None  # a windowed park or restore
 
     def write_allocs(self) -> list[Allocation]:
         """Allocations in payload order (new shared blocks, then the sequence)."""
@@ -192,7 +235,13 @@ class ReadHandle:
     def lease_id(self) -> str:
         return self.lease.lease_id if self.lease is not None else ""
 
+    @property
+    def window(self) -> Window | None:
+        return self.lease.window if self.lease is not None else None
+
     def segments(self) -> list[tuple[int, int]]:
+        if self.window is not None:
+            return self.window.segments()
         out: list[tuple[int, int]] = []
         for p in self.parts:
             assert p.alloc is not None
@@ -208,6 +257,7 @@ class Reservation:
     tier: MemTierName
     segments: tuple[tuple[int, int], ...]  # (offset, length) in payload order
     expires_in_s: float
+    window_size: int = 0  # windowed: the segments hold window 0 of this many bytes each
 
 
 @dataclass(frozen=True)
@@ -218,6 +268,7 @@ class Grant:
     info: SeqInfo
     segments: tuple[tuple[int, int], ...]
     expires_in_s: float
+    window_size: int = 0  # windowed: the segments hold window 0 of this many bytes each
 
 
 @dataclass(frozen=True)

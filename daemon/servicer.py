@@ -233,7 +233,12 @@ class Servicer:
                 if len(self._pending) >= _MAX_PENDING:
                     self._pending.pop(next(iter(self._pending)))
                 self._pending[r.lease_id] = (t0, _TRANSPORT.get(tier, tier))
-        return pb.ReserveResponse(lease_id=r.lease_id, segments=_segments(r.segments), expires_in_s=r.expires_in_s)
+        return pb.ReserveResponse(lease_id=r.lease_id, segments=_segments(r.segments), expires_in_s=r.expires_in_s,
+                                  window_size=r.window_size)
+
+    @_typed
+    def Window(self, req: pb.WindowRequest, context: grpc.ServicerContext) -> pb.WindowResponse:
+        return pb.WindowResponse(segments=_segments(self.engine.window(req.lease_id, req.index)))
 
     @_typed
     def Commit(self, req: pb.CommitRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
@@ -264,7 +269,7 @@ class Servicer:
         # Counted when the bytes are leased to the reader; its copy out is its own time.
         self._restored(_TRANSPORT.get(need, need), g.info.nbytes, t0)
         return pb.AcquireResponse(lease_id=g.lease_id, info=convert.info_to_pb(g.info), segments=_segments(g.segments),
-                                  expires_in_s=g.expires_in_s)
+                                  expires_in_s=g.expires_in_s, window_size=g.window_size)
 
     @_typed
     def Release(self, req: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
@@ -339,6 +344,7 @@ def handlers(engine: Engine, config: ServerConfig, hostname: str, boot_id: str,
             "Commit": unary(s.Commit, pb.CommitRequest),
             "Acquire": unary(s.Acquire, pb.AcquireRequest),
             "Release": unary(s.Release, pb.ReleaseRequest),
+            "Window": unary(s.Window, pb.WindowRequest),
             "Prefetch": unary(s.Prefetch, pb.PrefetchRequest),
             "Lookup": unary(s.Lookup, pb.LookupRequest),
             "Drop": unary(s.Drop, pb.DropRequest),

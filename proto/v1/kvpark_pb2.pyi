@@ -194,14 +194,30 @@ class ReserveRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("lease_id", "segments", "expires_in_s")
+    __slots__ = ("lease_id", "segments", "expires_in_s", "window_size")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SIZE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     expires_in_s: float
-    def __init__(self, lease_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+    window_size: int
+    def __init__(self, lease_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., window_size: _Optional[int] = ...) -> None: ...
+
+class WindowRequest(_message.Message):
+    __slots__ = ("lease_id", "index")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    index: int
+    def __init__(self, lease_id: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
+
+class WindowResponse(_message.Message):
+    __slots__ = ("segments",)
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -224,20 +240,22 @@ class AcquireRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., tier: _Optional[str] = ..., seq_ids: _Optional[_Iterable[str]] = ..., expect_layout: _Optional[str] = ..., inline_max: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "info", "segments", "expires_in_s", "data", "inlined")
+    __slots__ = ("lease_id", "info", "segments", "expires_in_s", "data", "inlined", "window_size")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     INLINED_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SIZE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     info: SeqInfo
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     expires_in_s: float
     data: bytes
     inlined: bool
-    def __init__(self, lease_id: _Optional[str] = ..., info: _Optional[_Union[SeqInfo, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., data: _Optional[bytes] = ..., inlined: _Optional[bool] = ...) -> None: ...
+    window_size: int
+    def __init__(self, lease_id: _Optional[str] = ..., info: _Optional[_Union[SeqInfo, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., data: _Optional[bytes] = ..., inlined: _Optional[bool] = ..., window_size: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
