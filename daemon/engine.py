@@ -133,7 +133,7 @@ class Engine:
                            self.remote, metrics)
         self.catalog.disk_pressure = self.mover.disk_pressure
         self.windows = Windows(self.catalog, self.leases, self.disk, self.mover, self.tiers, self.slot_size,
-                               config.tiers.host.window_size, self._write_through)
+                               config.tiers.host.window_size, self._write_through, self._forget_remote)
         self._load_index()
 
     @property
@@ -328,7 +328,7 @@ class Engine:
                 raise LeaseExpired(f"write lease {lease_id!r} is gone (expired, aborted or never issued)")
             lease.ended = True
         if lease.window is not None:
-            return self._commit_windowed(lease, expect_nbytes)
+            return self.windows.commit(lease, expect_nbytes)
         spec, alloc, tier = lease.spec, lease.alloc, lease.tier
         assert spec is not None and alloc is not None
         with self.catalog.lock:
@@ -389,13 +389,6 @@ class Engine:
             # Our write lost to a newer generation that then failed to publish: write it now.
             self.mover.write_to_disk(seq)
             self.disk.sync()
-        return info
-
-    def _commit_windowed(self, lease: Lease, expect_nbytes: int | None) -> SeqInfo:
-        info, seq, gone = self.windows.commit(lease, expect_nbytes)
-        self._forget_remote(gone)
-        if self.remote is not None and self.remote.write_through and not seq.dropped:
-            self.mover.copy_to_remote_later([seq])
         return info
 
     def window(self, lease_id: str, index: int) -> tuple[tuple[int, int], ...]:

@@ -112,8 +112,8 @@ class LeaseTable:
                 lease.alloc, lease.block_allocs = None, []
                 if lease.window is not None:
                     lease.window.alloc = None
-            if lease.window is not None and lease.window.abort is not None:
-                lease.window.abort()  # its staged disk blocks: never published, never visible
+            if lease.window is not None and lease.window.on_end is not None:
+                lease.window.on_end()  # its staged disk blocks: never published, never visible
             return True
         if lease.window is not None:
             with lease.lock:  # waits out a window being read into these slots right now
@@ -122,6 +122,8 @@ class LeaseTable:
             if self._leases.pop(lease.lease_id, None) is None and not lease.parts:
                 return False
             self.end_read(lease)
+        if lease.window is not None and lease.window.on_end is not None:
+            lease.window.on_end()  # its read transaction
         return True
 
     def end_read(self, lease: Lease) -> None:

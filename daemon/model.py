@@ -29,7 +29,7 @@ from kvpark.proto.errors import InvalidArgument
 from kvpark.proto.layout import TensorMeta, fingerprint, validate_seq_id, validate_tensors
 from kvpark.proto.types import SeqInfo
 from kvpark.tiers.arena import Allocation
-from kvpark.tiers.disk import Manifest
+from kvpark.tiers.disk import Manifest, ReadTxn
 
 Tier = Literal["device", "host", "disk", "remote"]
 MemTierName = Literal["device", "host"]
@@ -169,7 +169,10 @@ class Window:
     index: int = 0
     staged: int = 0  # a park: payload bytes already written to disk (staged, invisible)
     seq: "Seq | None" = None  # a restore: the sequence it reads
-    abort: Callable[[], None] | None = None  # a park: delete what was staged (the lease ended unpublished)
+    txn: ReadTxn | None = None  # a restore: one snapshot for every window (a drop meanwhile changes nothing)
+    # Run once the lease ends unpublished, outside the index lock: a park deletes what it
+    # staged; a restore ends its read transaction.
+    on_end: Callable[[], None] | None = None
 
     @property
     def count(self) -> int:

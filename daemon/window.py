@@ -10,14 +10,16 @@ transaction: the sequence becomes visible whole or not at all. An aborted or exp
 park deletes what it staged. The only limit is the disk tier's capacity.
 
 A restore of such a sequence into that tier (shm, cuda_ipc) reads it back the same way:
-a read lease holds one window of slots and a reader on the sequence's disk copy (disk
-eviction skips it), and each window is read from disk (verified) into the slots before
-the client copies it out. The inline stream needs none of this: it reads disk records
+a read lease holds one window of slots, a reader on the sequence's disk copy (disk
+eviction skips it) and one LMDB read transaction (a snapshot: a drop or overwrite
+meanwhile does not change what it reads), and each window is read from that snapshot
+(verified) into the slots before the client copies it out. The inline stream needs none of this: it reads disk records
 straight into its messages. Such a sequence is never promoted into a tier it cannot fit
 (``Mover`` checks the size first); it stays on disk.
 
 Primitives:
-- ``Windows(catalog, leases, disk, mover, tiers, slot_size, window_size, write_through)``.
+- ``Windows(catalog, leases, disk, mover, tiers, slot_size, window_size, write_through,
+  forget_remote)``; ``forget_remote(seqs)`` deletes replaced versions' remote copies.
 - ``size_for(tier) -> int``: the window of ``tier``: ``window_size`` (0: a quarter of the
   tier, at most ``AUTO_MAX``), whole slots, at least one slot, at most the tier.
 - ``needed(nbytes, tier) -> bool``: a payload larger than the tier.
@@ -25,8 +27,8 @@ Primitives:
 - ``write(lease, offset, data)``: inline bytes into the window; a full window goes to disk.
 - ``move(lease, index) -> segments``: a park: stage the window the client filled and
   hand out window ``index`` (the next); a restore: read window ``index`` into the slots.
-- ``commit(lease, expect_nbytes) -> (SeqInfo, Seq, gone)``: stage the last window and
-  publish; ``gone`` are versions retired whose disk copies are deleted here.
+- ``commit(lease, expect_nbytes) -> SeqInfo``: stage the last window and publish; the
+  versions it retires lose their disk (and remote) copies.
 - ``open_read(tops, seq, tier) -> ReadHandle``: a windowed read lease with window 0 read.
 """
 
@@ -34,8 +36,10 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import ExitStack
+from typing import Callable
 
-from kvpark.proto.errors import AlreadyExists, DataLoss, InvalidArgument, KVParkError, LeaseExpired, NotFound, \
+from kvpark.proto.errors import AlreadyExists, InvalidArgument, KVParkError, LeaseExpired, NotFound, \
     ResourceExhausted
 from kvpark.proto.types import SeqInfo
 from kvpark.tiers.arena import Allocation
@@ -54,7 +58,8 @@ AUTO_MAX = 256 << 20  # an auto window never takes more than this (a quarter of 
 
 class Windows:
     def __init__(self, catalog: Catalog, leases: LeaseTable, disk: DiskStore, mover: Mover,
-                 tiers: dict[str, MemTier], slot_size: int, window_size: int, write_through: bool) -> None:
+                 tiers: dict[str, MemTier], slot_size: int, window_size: int, write_through: bool,
+                 forget_remote: Callable[[list[Seq]], None]) -> None:
         self.catalog = catalog
         self.leases = leases
         self.disk = disk
@@ -63,6 +68,7 @@ class Windows:
         self.slot_size = slot_size
         self.window_size = window_size
         self.write_through = write_through
+        self.forget_remote = forget_remote
 
     def size_for(self, tier: str) -> int:
         cap = self.tiers[tier].alloc.capacity
@@ -102,7 +108,7 @@ class Windows:
             a = self._alloc(tier, min(size, -(-m.nbytes // self.slot_size) * self.slot_size))
             with self.catalog.lock:
                 lease = self.leases.issue_write(spec, tier, [a])
-                w = lease.window = Window(m, tier, a, size, abort=lambda: self.disk.stage_abort(m))
+                w = lease.window = Window(m, tier, a, size, on_end=lambda: self.disk.stage_abort(m))
                 segs = tuple(w.segments())
         except BaseException:
             self.disk.stage_abort(m)
@@ -186,7 +192,7 @@ class Windows:
             self.leases.extend(lease)
             return w.segments()
 
-    def commit(self, lease: Lease, expect_nbytes: int | None) -> tuple[SeqInfo, Seq, list[Seq]]:
+    def commit(self, lease: Lease, expect_nbytes: int | None) -> SeqInfo:
         """Publish a windowed park. The caller took the lease and marked it ended."""
         w, spec = lease.window, lease.spec
         assert w is not None and spec is not None
@@ -224,12 +230,16 @@ class Windows:
                     info = self.catalog.info(seq) if not seq.dropped else self.catalog.info_of([seq], [seq])
                 except KVParkError as e:  # a concurrent commit or drop changed what we checked
                     failed, seq.dropped, gone = e, True, [seq]
-            gone += self.catalog.take_orphans()
-        for s in gone:
+            orphans = self.catalog.take_orphans()
+        for s in gone + orphans:
             self.mover.delete_from_disk(s)
+        self.forget_remote(gone)  # not the orphaned blocks: other daemons' sequences may use them
         if failed is not None:
             raise failed
-        return info, seq, gone
+        remote = self.mover.remote
+        if remote is not None and remote.write_through and not seq.dropped:
+            self.mover.copy_to_remote_later([seq])
+        return info
 
     def _free(self, lease: Lease) -> None:
         with self.catalog.lock:
@@ -250,10 +260,14 @@ class Windows:
             # A reader on the disk copy: disk eviction leaves it alone while the lease lasts.
             seq.readers["disk"] = seq.readers.get("disk", 0) + 1
             lease.parts.append((seq, "disk"))
+        snapshot = ExitStack()
         try:
             size = self.size_for(tier)
             a = self._alloc(tier, min(size, -(-seq.manifest.nbytes // self.slot_size) * self.slot_size))
-            lease.window = Window(seq.manifest, tier, a, size, reading=True, seq=seq)
+            # One read transaction for the whole restore: every window comes from the
+            # version leased, even if the sequence is dropped or overwritten meanwhile.
+            txn = snapshot.enter_context(self.disk.read_txn())
+            lease.window = Window(seq.manifest, tier, a, size, reading=True, seq=seq, txn=txn, on_end=snapshot.close)
             with lease.lock:
                 self._read(lease.window, 0)
             with self.catalog.lock:
@@ -262,6 +276,7 @@ class Windows:
         except BaseException:
             with self.catalog.lock:
                 self.leases.end_read(lease)
+            snapshot.close()
             raise
         return ReadHandle(info, [Part(seq.manifest, None, "disk", seq)], lease)
 
@@ -271,12 +286,7 @@ class Windows:
         m, bs, mem = w.manifest, self.slot_size, self.tiers[w.tier]
         start, length = w.span(index)
         first = start // bs
-        try:
-            with self.disk.read_txn() as r:
-                for j, n in enumerate(m.block_lengths[first:first + -(-length // bs)]):
-                    mem.write(w.alloc.extents[j][0], r.read_block(m, first + j, n))
-        except DataLoss:
-            if w.seq is not None and w.seq.dropped:
-                raise NotFound(f"sequence {m.seq_id!r} was dropped or overwritten during the restore") from None
-            raise
+        assert w.txn is not None
+        for j, n in enumerate(m.block_lengths[first:first + -(-length // bs)]):
+            mem.write(w.alloc.extents[j][0], w.txn.read_block(m, first + j, n))
         w.index = index
