@@ -105,6 +105,10 @@ class LeaseTable:
                 if lease.ended:
                     return False
                 lease.ended = True
+            if lease.window is not None and lease.window.on_end is not None:
+                # Before the slots go: waits out the window being written to disk, then
+                # deletes what was staged (never published, never visible).
+                lease.window.on_end()
             with self.catalog.lock:
                 self._leases.pop(lease.lease_id, None)
                 for a in lease.write_allocs():
@@ -112,18 +116,18 @@ class LeaseTable:
                 lease.alloc, lease.block_allocs = None, []
                 if lease.window is not None:
                     lease.window.alloc = None
-            if lease.window is not None and lease.window.on_end is not None:
-                lease.window.on_end()  # its staged disk blocks: never published, never visible
             return True
         if lease.window is not None:
-            with lease.lock:  # waits out a window being read into these slots right now
+            with lease.lock:  # waits out a window being moved right now
+                if lease.ended:
+                    return False
                 lease.ended = True
+            if lease.window.on_end is not None:
+                lease.window.on_end()  # before the slots go: the read in flight lands, the snapshot ends
         with self.catalog.lock:
             if self._leases.pop(lease.lease_id, None) is None and not lease.parts:
                 return False
             self.end_read(lease)
-        if lease.window is not None and lease.window.on_end is not None:
-            lease.window.on_end()  # its read transaction
         return True
 
     def end_read(self, lease: Lease) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
@@ -158,20 +159,24 @@ class Window:
     """A windowed park or restore: payload window ``index`` sits in ``alloc`` now.
 
     Window ``k`` is payload bytes ``[k * size, min((k + 1) * size, nbytes))``; ``size`` is
-    whole slots, so a window is whole disk blocks. REQUIRES: the lease's ``lock`` to move.
+    whole slots, so a window is whole disk blocks. With ``buffers`` = 2 the allocation
+    holds two windows and window ``k`` uses half ``k % 2``: the daemon writes one to disk
+    (or reads the next from it, ``pending``) while the client fills (or copies) the other.
+    REQUIRES: the lease's ``lock`` to move.
     """
 
     manifest: Manifest
     tier: str
     alloc: Allocation | None  # the window's slots (a write lease's are also its ``alloc``)
     size: int
+    buffers: int = 1
     reading: bool = False
     index: int = 0
-    staged: int = 0  # a park: payload bytes already written to disk (staged, invisible)
     seq: "Seq | None" = None  # a restore: the sequence it reads
     txn: ReadTxn | None = None  # a restore: one snapshot for every window (a drop meanwhile changes nothing)
-    # Run once the lease ends unpublished, outside the index lock: a park deletes what it
-    # staged; a restore ends its read transaction.
+    pending: "Future[int] | None" = None  # the disk write (park) or read (restore) in flight: its window
+    # Run once the lease ends unpublished, outside the index lock and before its slots are
+    # freed: a park deletes what it staged; a restore ends its read transaction.
     on_end: Callable[[], None] | None = None
 
     @property
@@ -183,17 +188,31 @@ class Window:
         start = index * self.size
         return start, min(self.size, self.manifest.nbytes - start)
 
-    def segments(self) -> list[tuple[int, int]]:
-        """Where the current window's bytes lie in the pool, in payload order."""
+    def extents(self, index: int) -> list[tuple[int, int]]:
+        """Window ``index``'s blocks in the pool: (offset, length), its last one cut short."""
         assert self.alloc is not None
-        left = self.span(self.index)[1]
+        per = len(self.alloc.extents) // self.buffers
+        half = index % self.buffers
+        lengths = self.manifest.block_lengths
+        first = self.span(index)[0] // self.manifest.block_size
+        mine = self.alloc.extents[half * per:(half + 1) * per]
+        return [(off, n) for (off, _), n in zip(mine, lengths[first:first + per])]
+
+    def segments(self, index: int | None = None) -> list[tuple[int, int]]:
+        """Where window ``index`` (default: the current one) lies, contiguous runs merged."""
         out: list[tuple[int, int]] = []
-        for off, n in self.alloc.segments():
-            if left <= 0:
-                break
-            out.append((off, min(n, left)))
-            left -= n
+        for off, n in self.extents(self.index if index is None else index):
+            if out and out[-1][0] + out[-1][1] == off:
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            else:
+                out.append((off, n))
         return out
+
+    def settle(self) -> None:
+        """Wait for the disk I/O in flight; its error is the caller's to ignore."""
+        job, self.pending = self.pending, None
+        if job is not None:
+            job.exception()
 
 
 @dataclass(eq=False)

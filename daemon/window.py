@@ -1,19 +1,19 @@
 """Sequences larger than a memory tier: parks and restores through one window of slots.
 
 A park whose payload is larger than the memory tier it is bound for cannot land there
-whole. It streams to disk instead, one window at a time: the write lease holds one
-window of slots (``tiers.host.window_size``); the client (shm, cuda_ipc) or the inline
-stream fills it; the daemon writes those blocks to the disk tier *staged* (checksummed
-records with no manifest: invisible, and deleted at the next start if the daemon dies),
-and the same slots take the next window. The commit writes the manifest in one
+whole. It streams to disk instead, one window at a time: the write lease holds two
+windows of slots (``tiers.host.window_size`` each; one when the tier cannot hold two);
+the client (shm, cuda_ipc) or the inline stream fills one while the daemon writes the
+other's blocks to the disk tier *staged* (checksummed records with no manifest:
+invisible, and deleted at the next start if the daemon dies), then they swap. The commit writes the manifest in one
 transaction: the sequence becomes visible whole or not at all. An aborted or expired
 park deletes what it staged. The only limit is the disk tier's capacity.
 
 A restore of such a sequence into that tier (shm, cuda_ipc) reads it back the same way:
-a read lease holds one window of slots, a reader on the sequence's disk copy (disk
+a read lease holds the windows' slots, a reader on the sequence's disk copy (disk
 eviction skips it) and one LMDB read transaction (a snapshot: a drop or overwrite
-meanwhile does not change what it reads), and each window is read from that snapshot
-(verified) into the slots before the client copies it out. The inline stream needs none of this: it reads disk records
+meanwhile does not change what it reads); each window is read from that snapshot
+(verified) into its slots, the next one while the client copies the current one out. The inline stream needs none of this: it reads disk records
 straight into its messages. Such a sequence is never promoted into a tier it cannot fit
 (``Mover`` checks the size first); it stays on disk.
 
@@ -21,12 +21,14 @@ Primitives:
 - ``Windows(catalog, leases, disk, mover, tiers, slot_size, window_size, write_through,
   forget_remote)``; ``forget_remote(seqs)`` deletes replaced versions' remote copies.
 - ``size_for(tier) -> int``: the window of ``tier``: ``window_size`` (0: a quarter of the
-  tier, at most ``AUTO_MAX``), whole slots, at least one slot, at most the tier.
+  tier, at most ``AUTO_MAX``), whole slots, at least one slot, at most the tier;
+  ``buffers_for(tier)``: 2 when two such windows fit in the tier, else 1.
 - ``needed(nbytes, tier) -> bool``: a payload larger than the tier.
 - ``reserve(spec, tier) -> Reservation``: a windowed write lease, window 0's segments.
 - ``write(lease, offset, data)``: inline bytes into the window; a full window goes to disk.
-- ``move(lease, index) -> segments``: a park: stage the window the client filled and
-  hand out window ``index`` (the next); a restore: read window ``index`` into the slots.
+- ``move(lease, index) -> segments``: a park: hand the window the client filled to the
+  disk and hand out window ``index`` (the next); a restore: window ``index``, read
+  into its slots (already, when it is the one read ahead).
 - ``commit(lease, expect_nbytes) -> SeqInfo``: stage the last window and publish; the
   versions it retires lose their disk (and remote) copies.
 - ``open_read(tops, seq, tier) -> ReadHandle``: a windowed read lease with window 0 read.
@@ -36,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 from typing import Callable
 
@@ -69,12 +72,17 @@ class Windows:
         self.window_size = window_size
         self.write_through = write_through
         self.forget_remote = forget_remote
+        # Disk writes and reads of windows, beside the calls that move them (threads start on first use).
+        self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvpark-window")
 
     def size_for(self, tier: str) -> int:
         cap = self.tiers[tier].alloc.capacity
         want = self.window_size or min(cap // 4, AUTO_MAX)
         bs = self.slot_size
         return max(bs, min(want, cap) // bs * bs)
+
+    def buffers_for(self, tier: str) -> int:
+        return 2 if 2 * self.size_for(tier) <= self.tiers[tier].alloc.capacity else 1
 
     def needed(self, nbytes: int, tier: str) -> bool:
         return nbytes > self.tiers[tier].alloc.capacity
@@ -104,11 +112,18 @@ class Windows:
             raise ResourceExhausted(f"sequence of {m.nbytes} bytes is larger than the {tier} tier ({cap} bytes) and "
                                     f"does not fit on disk: {e.message}") from None
         try:
-            size = self.size_for(tier)
-            a = self._alloc(tier, min(size, -(-m.nbytes // self.slot_size) * self.slot_size))
+            size, buffers = self.size_for(tier), self.buffers_for(tier)
+            a = self._alloc(tier, buffers * size)
+            w = Window(m, tier, a, size, buffers)
+
+            def abort() -> None:
+                w.settle()  # the window write in flight lands first, so nothing is left behind
+                self.disk.stage_abort(m)
+
+            w.on_end = abort
             with self.catalog.lock:
                 lease = self.leases.issue_write(spec, tier, [a])
-                w = lease.window = Window(m, tier, a, size, on_end=lambda: self.disk.stage_abort(m))
+                lease.window = w
                 segs = tuple(w.segments())
         except BaseException:
             self.disk.stage_abort(m)
@@ -143,35 +158,43 @@ class Windows:
                 start, length = w.span(w.index)
                 within = offset + pos - start
                 take = min(length - within, n - pos)
-                self._put(mem, w, within, data[pos:pos + take])
+                self._put(mem, w.extents(w.index), within, data[pos:pos + take])
                 pos += take
                 if within + take == length and w.index + 1 < w.count:
-                    self._stage(w)
+                    self._hand_off(w)
                     w.index += 1
             lease.received += n
             self.leases.extend(lease)
 
-    def _put(self, mem: MemTier, w: Window, within: int, data: memoryview) -> None:
-        assert w.alloc is not None
+    def _put(self, mem: MemTier, extents: list[tuple[int, int]], within: int, data: memoryview) -> None:
         bs, pos = self.slot_size, 0
         while pos < len(data):
             blk, off = divmod(within + pos, bs)
-            base, ln = w.alloc.extents[blk]
+            base, ln = extents[blk]
             take = min(ln - off, len(data) - pos)
             mem.write(base + off, data[pos:pos + take])
             pos += take
 
-    def _stage(self, w: Window) -> None:
-        """Write the current window's blocks to disk (staged). REQUIRES: the lease's lock."""
-        assert w.alloc is not None
-        start, length = w.span(w.index)
-        if w.staged > start:
-            return  # already on disk (a retried call)
-        first = start // self.slot_size
-        lengths = w.manifest.block_lengths[first:first + -(-length // self.slot_size)]
-        views = self.tiers[w.tier].views(w.alloc)
-        self.disk.stage_blocks(w.manifest, first, [v[:n] for v, n in zip(views, lengths)])
-        w.staged = start + length
+    @staticmethod
+    def _wait(w: Window) -> int | None:
+        """The disk I/O in flight landed; its window (or None). Raises what it raised."""
+        job, w.pending = w.pending, None
+        return job.result() if job is not None else None
+
+    def _hand_off(self, w: Window) -> None:
+        """Write the current window to disk; beside the next one's filling when there are
+        two buffers. REQUIRES: the lease's lock."""
+        self._wait(w)  # the previous window's write landed: its half is free to refill
+        if w.buffers == 1:
+            self._stage(w, w.index)
+        else:
+            w.pending = self._io.submit(self._stage, w, w.index)
+
+    def _stage(self, w: Window, index: int) -> int:
+        """Write window ``index``'s blocks to disk, staged."""
+        first = w.span(index)[0] // self.slot_size
+        self.disk.stage_blocks(w.manifest, first, self.tiers[w.tier].views_at(w.extents(index)))
+        return index
 
     def move(self, lease: Lease, index: int) -> list[tuple[int, int]]:
         """Window ``index`` into the lease's slots; returns where it lies."""
@@ -183,11 +206,11 @@ class Windows:
             if not 0 <= index < w.count:
                 raise InvalidArgument(f"window {index} of a {w.count}-window sequence")
             if w.reading:
-                self._read(w, index)
+                self._read_window(w, index)
             else:
                 if index != w.index + 1:
                     raise InvalidArgument(f"window {index} asked after window {w.index}: a park's windows go in order")
-                self._stage(w)
+                self._hand_off(w)
                 w.index = index
             self.leases.extend(lease)
             return w.segments()
@@ -204,8 +227,10 @@ class Windows:
                                           f"header declared {m.nbytes}")
             elif w.index != w.count - 1:
                 raise InvalidArgument(f"commit after window {w.index} of {w.count}: every window must be written")
-            self._stage(w)
+            self._wait(w)
+            self._stage(w, w.index)
         except BaseException:
+            w.settle()
             self._free(lease)
             self.disk.stage_abort(m)
             raise
@@ -261,32 +286,49 @@ class Windows:
             seq.readers["disk"] = seq.readers.get("disk", 0) + 1
             lease.parts.append((seq, "disk"))
         snapshot = ExitStack()
+        w: Window | None = None
         try:
-            size = self.size_for(tier)
-            a = self._alloc(tier, min(size, -(-seq.manifest.nbytes // self.slot_size) * self.slot_size))
+            size, buffers = self.size_for(tier), self.buffers_for(tier)
+            a = self._alloc(tier, buffers * size)
             # One read transaction for the whole restore: every window comes from the
             # version leased, even if the sequence is dropped or overwritten meanwhile.
             txn = snapshot.enter_context(self.disk.read_txn())
-            lease.window = Window(seq.manifest, tier, a, size, reading=True, seq=seq, txn=txn, on_end=snapshot.close)
+            w = lease.window = Window(seq.manifest, tier, a, size, buffers, reading=True, seq=seq, txn=txn)
+
+            def end() -> None:
+                assert w is not None
+                w.settle()  # the read ahead lands before its slots or its snapshot go
+                snapshot.close()
+
+            w.on_end = end
             with lease.lock:
-                self._read(lease.window, 0)
+                self._read_window(w, 0)
             with self.catalog.lock:
                 self.leases.add(lease)
                 info = self.catalog.info_of(tops, [seq])
         except BaseException:
+            if w is not None:
+                w.settle()
             with self.catalog.lock:
                 self.leases.end_read(lease)
             snapshot.close()
             raise
         return ReadHandle(info, [Part(seq.manifest, None, "disk", seq)], lease)
 
-    def _read(self, w: Window, index: int) -> None:
-        """Read window ``index`` from disk into the slots, verified. REQUIRES: the lease's lock."""
-        assert w.alloc is not None
-        m, bs, mem = w.manifest, self.slot_size, self.tiers[w.tier]
-        start, length = w.span(index)
-        first = start // bs
-        assert w.txn is not None
-        for j, n in enumerate(m.block_lengths[first:first + -(-length // bs)]):
-            mem.write(w.alloc.extents[j][0], w.txn.read_block(m, first + j, n))
+    def _read_window(self, w: Window, index: int) -> None:
+        """Window ``index`` in its slots, and the next one read ahead into the other
+        buffer (the client copies this one meanwhile). REQUIRES: the lease's lock."""
+        if self._wait(w) != index:
+            self._read(w, index)
         w.index = index
+        if w.buffers == 2 and index + 1 < w.count:
+            w.pending = self._io.submit(self._read, w, index + 1)
+
+    def _read(self, w: Window, index: int) -> int:
+        """Read window ``index`` from the snapshot into its slots, verified."""
+        assert w.txn is not None
+        m, mem = w.manifest, self.tiers[w.tier]
+        first = w.span(index)[0] // self.slot_size
+        for j, (off, n) in enumerate(w.extents(index)):
+            mem.write(off, w.txn.read_block(m, first + j, n))
+        return index
