@@ -17,7 +17,10 @@ tensors), MB/s best of ``--reps`` (interleaved: one of each row per round) after
 warm-up, and windowed / plain as a ratio.
 Absolute numbers depend on the machine and its load; the ratio is the figure.
 
-Usage: ``python bench/large_seq.py [--size-mib 192] [--reps 3] [--json PATH]``.
+``--one-window`` holds one window instead of two, to see what the overlap of disk I/O
+with the client's copies buys.
+
+Usage: ``python bench/large_seq.py [--size-mib 192] [--reps 5] [--one-window] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -55,7 +58,12 @@ def main() -> None:
     ap.add_argument("--size-mib", type=int, default=192)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default="")
+    ap.add_argument("--one-window", action="store_true",
+                    help="hold one window instead of two (no overlap of disk I/O and the client's copies)")
     args = ap.parse_args()
+    if args.one_window:
+        from kvpark.daemon.window import Windows
+        Windows.buffers_for = lambda self, tier: 1  # type: ignore[method-assign]
     size = args.size_mib * MiB
     data = [torch.randint(0, 256, (size // 4,), dtype=torch.uint8) for _ in range(4)]
     into = [torch.empty_like(t) for t in data]
@@ -106,8 +114,8 @@ def main() -> None:
         finally:
             win.stop(0.5)
             plain.stop(0.5)
-    print(f"{args.size_mib} MiB sequence (4 tensors), windowed host tier {args.size_mib // 3} MiB; MB/s, best of "
-          f"{args.reps}")
+    print(f"{args.size_mib} MiB sequence (4 tensors), windowed host tier {args.size_mib // 3} MiB"
+          f"{' (one window)' if args.one_window else ''}; MB/s, best of {args.reps}")
     print(f"{'transport':<10}{'park win':>10}{'park plain':>12}{'ratio':>8}{'rest win':>10}{'rest plain':>12}"
           f"{'ratio':>8}")
     for t, b in rows.items():
