@@ -199,7 +199,8 @@ class Windows:
     def move(self, lease: Lease, index: int) -> list[tuple[int, int]]:
         """Window ``index`` into the lease's slots; returns where it lies."""
         w = lease.window
-        assert w is not None
+        if w is None:
+            raise InvalidArgument(f"lease {lease.lease_id!r} is not windowed (its payload fits its tier)")
         with lease.lock:
             if lease.ended or w.alloc is None:
                 raise LeaseExpired(f"lease {lease.lease_id!r} is gone (expired or released)")

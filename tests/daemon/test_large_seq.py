@@ -94,6 +94,20 @@ def test_three_times_the_host_tier_parks_and_restores_bit_exact(daemon: Callable
     d.engine.check_invariants()
 
 
+def test_restore_many_with_a_windowed_sequence(daemon: Callable[..., Daemon]) -> None:
+    # Several ids under one lease, one of them larger than the host tier: the payload
+    # cannot be staged in host, so the shm client streams it (as for any such payload).
+    d = daemon(**SMALL)
+    with Client(d.address, transport="shm") as c:
+        c.park("big", big(13))
+        c.park("small", [torch.arange(300_000)])
+        info, got = c.restore_many(["small", "big"])
+        assert info.nbytes == 300_000 * 8 + sum(t.numel() * t.element_size() for t in big(13))
+        assert same(got, [torch.arange(300_000)] + big(13))
+        assert c.stat().leases == 0
+    d.engine.check_invariants()
+
+
 @pytest.mark.parametrize("transport", ["shm", "inline"])
 def test_larger_than_the_disk_is_refused_with_the_sizes(daemon: Callable[..., Daemon], transport: str) -> None:
     d = daemon(**SMALL, **{"tiers.disk.capacity": "16MiB"})
