@@ -132,7 +132,7 @@ class Windows:
         return Reservation(lease.lease_id, tier, segs, self.leases.ttl_s, window_size=size)  # type: ignore[arg-type]
 
     def _alloc(self, tier: str, n: int) -> Allocation:
-        """One window of slots in ``tier``, making room as a park does."""
+        """``n`` bytes of slots in ``tier`` for the windows, making room as a park does."""
         mem = self.tiers[tier]
         deadline = time.monotonic() + ROOM_WAIT_S
         while True:
