@@ -94,6 +94,19 @@ def test_three_times_the_host_tier_parks_and_restores_bit_exact(daemon: Callable
     d.engine.check_invariants()
 
 
+def test_one_message_parks_and_gets_larger_than_the_host_tier(daemon: Callable[..., Daemon]) -> None:
+    # A 256 KiB host tier of 64 KiB slots under 1 MiB messages: a 900 KB sequence goes in
+    # one ParkSmall (windowed inside the daemon) and comes back in one Get.
+    d = daemon(**{"tiers.host.capacity": "256KiB", "tiers.host.slot_size": "64KiB"})
+    data = big(14, 900_000)
+    with Client(d.address, transport="inline") as c:
+        assert c.park("mid", data).tier == "disk"
+        assert same(c.restore("mid"), data)
+    with Client(d.address, transport="shm") as c:
+        assert same(c.restore("mid"), data)
+    d.engine.check_invariants()
+
+
 def test_restore_many_with_a_windowed_sequence(daemon: Callable[..., Daemon]) -> None:
     # Several ids under one lease, one of them larger than the host tier: the payload
     # cannot be staged in host, so the shm client streams it (as for any such payload).
