@@ -172,7 +172,8 @@ class Engine:
             self.flush()
         if self.remote is not None:
             self.remote.close()  # background copies read memory copies: finish them first
-        self.leases.close()
+        self.leases.close()  # windowed parks under way delete what they staged
+        self.windows.close()
         self.copy.close()
         self.disk.close()
         self.memory.close()

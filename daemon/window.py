@@ -20,6 +20,7 @@ straight into its messages. Such a sequence is never promoted into a tier it can
 Primitives:
 - ``Windows(catalog, leases, disk, mover, tiers, slot_size, window_size, write_through,
   forget_remote)``; ``forget_remote(seqs)`` deletes replaced versions' remote copies.
+- ``close()``: after the lease table's (its I/O threads end).
 - ``size_for(tier) -> int``: the window of ``tier``: ``window_size`` (0: a quarter of the
   tier, at most ``AUTO_MAX``), whole slots, at least one slot, at most the tier;
   ``buffers_for(tier)``: 2 when two such windows fit in the tier, else 1.
@@ -74,6 +75,10 @@ class Windows:
         self.forget_remote = forget_remote
         # Disk writes and reads of windows, beside the calls that move them (threads start on first use).
         self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvpark-window")
+
+    def close(self) -> None:
+        """After every lease has ended: no window I/O is left in flight."""
+        self._io.shutdown(wait=True)
 
     def size_for(self, tier: str) -> int:
         cap = self.tiers[tier].alloc.capacity
