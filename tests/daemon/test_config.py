@@ -45,8 +45,8 @@ def test_env_then_overrides(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "overrides,match",
     [
-        ({"tiers.host.capcity": "1GiB"}, r"tiers\.host\.capcity.*valid keys: capacity, high_watermark, low_watermark, prefault, shm_dir, slot_size"),
-        ({"polcy.write": "x"}, r"unknown key polcy.*valid keys: copy, leases, metrics, policy, server, tiers"),
+        ({"tiers.host.capcity": "1GiB"}, r"tiers\.host\.capcity.*valid keys: capacity, group, high_watermark, low_watermark, prefault, shm_dir, slot_size"),
+        ({"polcy.write": "x"}, r"unknown key polcy.*valid keys: copy, leases, metrics, policy, server, tenants, tiers"),
         ({"policy.write": "sometimes"}, r"policy\.write.*write_back, write_through"),
         ({"policy.eviction": "mru"}, r"policy\.eviction.*lru"),
         ({"tiers.host.capacity": "lots"}, r"tiers\.host\.capacity.*64MiB"),
