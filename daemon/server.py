@@ -14,6 +14,7 @@ Primitives:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import re
@@ -36,6 +37,7 @@ from .config import Config
 from .engine import DiskFactory, Engine
 from .metrics import Metrics, MetricsServer
 from .servicer import SERVICE, handlers
+from .tenants import Tenants
 
 log = logging.getLogger("kvpark")
 
@@ -101,9 +103,11 @@ class Daemon:
             metrics_server.start()
             t0 = time.perf_counter()
             engine = Engine(self.config, disk_factory=self._disk_factory, metrics=self.metrics)
-            self.metrics.watch(engine.stat)
+            tenants = Tenants(engine, self.config.tenants)
+            # /metrics (loopback by default, the operator's) shows every tenant's row.
+            self.metrics.watch(lambda: dataclasses.replace(engine.stat(), tenants=tuple(tenants.all_stats())))
             rpc = handlers(engine, self.config.server, socket.gethostname(), boot_id(), self.metrics,
-                           tenants=self.config.tenants)
+                           tenants=tenants)
             server.add_generic_rpc_handlers((rpc,))
             self._health = health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

@@ -22,7 +22,7 @@ import functools
 import logging
 import threading
 import time
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -33,7 +33,7 @@ from kvpark.proto.layout import MAX_SEQ_ID_BYTES
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import decode_chunk, encode_chunk
 
-from .config import ServerConfig, TenantConfig
+from .config import ServerConfig
 from .engine import Engine
 from .metrics import Metrics
 from .model import ParkSpec, ReadHandle
@@ -112,9 +112,9 @@ _MAX_PENDING = 100_000  # reservations timed at once; beyond it the oldest (expi
 
 class Servicer:
     def __init__(self, engine: Engine, config: ServerConfig, hostname: str, boot_id: str,
-                 metrics: Metrics | None = None, tenants: Mapping[str, TenantConfig] | None = None) -> None:
+                 metrics: Metrics | None = None, tenants: Tenants | None = None) -> None:
         self.engine = engine
-        self.tenants = Tenants(engine, tenants or {})
+        self.tenants = tenants if tenants is not None else Tenants(engine, {})
         self.chunk_size = config.chunk_size
         self.hostname = hostname
         self.boot_id = boot_id
@@ -338,7 +338,7 @@ def _identity(b: bytes) -> bytes:
 
 
 def handlers(engine: Engine, config: ServerConfig, hostname: str, boot_id: str,
-             metrics: Metrics | None = None, tenants: Mapping[str, TenantConfig] | None = None) -> grpc.GenericRpcHandler:
+             metrics: Metrics | None = None, tenants: Tenants | None = None) -> grpc.GenericRpcHandler:
     s = Servicer(engine, config, hostname, boot_id, metrics, tenants)
 
     def unary(fn: Callable[..., Any], req_cls: Any) -> grpc.RpcMethodHandler:

@@ -193,6 +193,10 @@ def test_host_quota_demotes_the_tenants_own_coldest_and_never_anothers(daemon: C
         # Bob has no quota: his own row says so.
         (bs,) = b.stat().tenants
         assert bs.name == "bob" and bs.quota == {} and bs.used["host"] == 2 * MiB
+    # The operator's /metrics has every tenant's row.
+    text = d.metrics.render().decode()
+    assert 'kvpark_tenant_quota_bytes{tenant="alice",tier="host"} 3.145728e+06' in text
+    assert 'kvpark_tenant_used_bytes{tenant="bob",tier="host"} 2.097152e+06' in text
     d.engine.check_invariants()
 
 
