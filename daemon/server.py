@@ -47,8 +47,8 @@ def grpc_options() -> list[tuple[str, int]]:
 
 
 def _restrict_socket(listen: str, group: str) -> None:
-    """Owner-only (0600), or 0660 with ``group``: set before the server starts listening,
-    so no one else ever connects. (A unix socket's mode is what guards connect().)"""
+    """Exactly 0600 (owner only), or 0660 with ``group``, before the server starts serving.
+    A unix socket's mode is what guards connect()."""
     path = listen[len("unix://"):] if listen.startswith("unix://") else listen[len("unix:"):]
     if not os.path.exists(path):
         return  # an abstract socket (unix-abstract:) has no file; nothing to guard
@@ -87,10 +87,16 @@ class Daemon:
             # The ports first: a busy one is reported at once, before the arena (GBs)
             # is reserved and mapped. Handlers may be added until the server starts.
             listen = self.config.server.listen
+            # A unix socket is created owner-only (umask 177): no moment exists in which
+            # another user could connect. (The umask is the process's; it only narrows.)
+            old_umask = os.umask(0o177) if listen.startswith("unix:") else None
             try:
                 port = server.add_insecure_port(listen) if creds is None else server.add_secure_port(listen, creds)
             except RuntimeError as e:
                 raise OSError(f"cannot listen on {listen}: {e}") from None
+            finally:
+                if old_umask is not None:
+                    os.umask(old_umask)
             if listen.startswith("unix:"):
                 _restrict_socket(listen, self.config.server.socket_group)
             if not listen.startswith("unix:"):
