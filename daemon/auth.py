@@ -9,8 +9,8 @@ Primitives:
   later, is covered without doing anything.
 - ``current_tenant() -> TenantConfig | None``: the caller of the running handler (None on
   an open daemon).
-- ``identify(tenants, metadata) -> TenantConfig | None``: the tenant a call's metadata
-  proves, compared in constant time.
+- ``AuthInterceptor.identify(metadata) -> TenantConfig | None``: the tenant a call's
+  metadata proves, compared in constant time.
 - ``check_exposure(ServerConfig, tenants)``: ``StartupError`` for a listen address off
   loopback without tenants or without TLS, unless ``server.insecure``.
 - ``server_credentials(ServerConfig) -> grpc.ServerCredentials | None``: TLS (and mTLS
@@ -43,23 +43,13 @@ def current_tenant() -> TenantConfig | None:
     return _TENANT.get()
 
 
-def identify(tenants: Mapping[str, TenantConfig], metadata: Sequence[tuple[str, Any]] | None) -> TenantConfig | None:
-    token = b""
+def _bearer(metadata: Sequence[tuple[str, Any]] | None) -> bytes:
     for k, v in metadata or ():
         if k == "authorization":
             text = v.decode("latin-1") if isinstance(v, bytes) else str(v)
             if text[:len(_BEARER)].lower() == _BEARER:
-                token = text[len(_BEARER):].strip().encode("utf-8", "surrogateescape")
-    if not token:
-        return None
-    digest = hashlib.sha256(token).digest()
-    found = None
-    # Every tenant is compared, each in constant time: neither which tenant nor how much
-    # of a digest matched shows in the time a refusal takes.
-    for t in tenants.values():
-        if hmac.compare_digest(digest, bytes.fromhex(t.token_sha256)):
-            found = t
-    return found
+                return text[len(_BEARER):].strip().encode("utf-8", "surrogateescape")
+    return b""
 
 
 def _deny(context: grpc.ServicerContext) -> None:
@@ -81,15 +71,26 @@ def _bound(fn: Callable[..., Any], tenant: TenantConfig | None, streams: bool) -
                 it = fn(request, context)
             finally:
                 _TENANT.reset(token)
-            while True:
-                token = _TENANT.set(tenant)
-                try:
-                    item = next(it)
-                except StopIteration:
-                    return
-                finally:
-                    _TENANT.reset(token)
-                yield item
+            try:
+                while True:
+                    token = _TENANT.set(tenant)
+                    try:
+                        item = next(it)
+                    except StopIteration:
+                        return
+                    finally:
+                        _TENANT.reset(token)
+                    yield item
+            finally:
+                # A cancelled stream closes this generator: close the handler's now, so its
+                # cleanup (releasing a read lease) runs at once and as the same tenant.
+                close = getattr(it, "close", None)
+                if close is not None:
+                    token = _TENANT.set(tenant)
+                    try:
+                        close()
+                    finally:
+                        _TENANT.reset(token)
         return gen
 
     def unary(request: Any, context: grpc.ServicerContext) -> Any:
@@ -106,13 +107,28 @@ def _bound(fn: Callable[..., Any], tenant: TenantConfig | None, streams: bool) -
 class AuthInterceptor(grpc.ServerInterceptor):
     def __init__(self, tenants: Mapping[str, TenantConfig]) -> None:
         self.tenants = dict(tenants)
+        self._digests = [(bytes.fromhex(t.token_sha256), t) for t in self.tenants.values()]
+
+    def identify(self, metadata: Sequence[tuple[str, Any]] | None) -> TenantConfig | None:
+        """The tenant whose token the call carries, or None."""
+        token = _bearer(metadata)
+        if not token:
+            return None
+        digest = hashlib.sha256(token).digest()
+        found = None
+        # Every tenant is compared, each in constant time: neither which tenant nor how
+        # much of a digest matched shows in the time a refusal takes.
+        for d, t in self._digests:
+            if hmac.compare_digest(digest, d):
+                found = t
+        return found
 
     def intercept_service(self, continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
                           details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = continuation(details)
         if handler is None or not self.tenants or details.method.startswith(OPEN_SERVICES):
             return handler
-        tenant = identify(self.tenants, details.invocation_metadata)
+        tenant = self.identify(details.invocation_metadata)
         if handler.unary_unary is not None:
             return handler._replace(unary_unary=_bound(handler.unary_unary, tenant, False))
         if handler.unary_stream is not None:
@@ -163,5 +179,4 @@ def server_credentials(server: ServerConfig) -> grpc.ServerCredentials | None:
     return grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=ca is not None)
 
 
-__all__ = ["AuthInterceptor", "OPEN_SERVICES", "check_exposure", "current_tenant", "identify",
-           "server_credentials"]
+__all__ = ["AuthInterceptor", "OPEN_SERVICES", "check_exposure", "current_tenant", "server_credentials"]

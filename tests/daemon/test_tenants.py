@@ -253,3 +253,21 @@ def test_an_open_daemon_keeps_plain_ids(daemon: Callable[..., Daemon]) -> None:
         assert c.stat().tenants == ()
         assert c.server.max_seq_id_len == 256
     assert [i.seq_id for i in d.engine.list()] == ["chat-1"]  # no namespace on disk or in the index
+
+
+def test_a_cancelled_restore_stream_of_a_tenant_frees_its_lease(daemon: Callable[..., Daemon]) -> None:
+    from ..conftest import wait_until
+
+    d = daemon(**tenants())
+    with Client(d.address, token=TOKENS["bob"]) as b:
+        b.park("big", [blob(4 * MiB, 1)])
+    with grpc.insecure_channel(d.address) as ch:
+        stub = ch.unary_stream("/kvpark.v1.KVPark/Restore", request_serializer=lambda m: m.SerializeToString(),
+                               response_deserializer=lambda x: x)
+        call = stub(pb.RestoreRequest(seq_id="big"), metadata=[("authorization", f"Bearer {TOKENS['bob']}")],
+                    timeout=30)
+        next(call)  # the header: the read lease is held now
+        assert d.engine is not None and d.engine.leases.count == 1
+        call.cancel()
+    assert wait_until(lambda: d.engine.leases.count == 0)
+    d.engine.check_invariants()
