@@ -271,3 +271,19 @@ def test_a_cancelled_restore_stream_of_a_tenant_frees_its_lease(daemon: Callable
         call.cancel()
     assert wait_until(lambda: d.engine.leases.count == 0)
     d.engine.check_invariants()
+
+
+def test_device_quota_demotes_to_host_on_the_cpu_stand_in(daemon: Callable[..., Daemon]) -> None:
+    dev = {"tiers.device.enabled": "true", "tiers.device.device": "cpu", "tiers.device.capacity": "8MiB"}
+    d = daemon(**tenants(**{"bob.quota": {"device": "2MiB"}}), **dev)
+    with Client(d.address, token=TOKENS["bob"]) as b, Client(d.address, token=TOKENS["carol"]) as c:
+        c.park("c0", [blob(MiB, 50)])
+        for i in range(4):
+            b.park(f"b{i}", [blob(MiB, i)])  # inline parks land on the device tier
+        tiers = _tiers(b)
+        assert sum(t == "device" for t in tiers.values()) <= 2 and tiers["b3"] == "device"
+        assert b.stat().tenants[0].used["device"] <= 2 * MiB
+        for i in range(4):
+            assert torch.equal(b.restore(f"b{i}")[0], blob(MiB, i))
+        assert torch.equal(c.restore("c0")[0], blob(MiB, 50))
+    d.engine.check_invariants()
