@@ -31,7 +31,14 @@ import dataclasses
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Iterator, Mapping
 
-from kvpark.proto.errors import InvalidArgument, KVParkError, LeaseExpired, PermissionDenied, Unauthenticated
+from kvpark.proto.errors import (
+    InvalidArgument,
+    KVParkError,
+    LeaseExpired,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+)
 from kvpark.proto.layout import MAX_SEQ_ID_BYTES, validate_seq_id
 from kvpark.proto.types import SeqInfo, Stat, TenantStat
 
@@ -111,7 +118,15 @@ class TenantView:
             spec.validate()  # before any room is made for it
             landing = tier or self.engine.park_tier
             with self.quotas.lock(self.tenant.name):
-                self.quotas.admit(self.tenant, self.prefix, spec, landing)
+                try:
+                    self.quotas.admit(self.tenant, self.prefix, spec, landing)
+                except ResourceExhausted:
+                    if not (inline and landing == "device"):
+                        raise
+                    # As the engine does for room: an inline park that cannot land on the
+                    # device lands on host, under the host quota.
+                    landing = tier = "host"
+                    self.quotas.admit(self.tenant, self.prefix, spec, landing)
                 return self.engine.reserve(spec, inline=inline, tier=tier)
 
     def write_chunk(self, lease_id: str, offset: int, data: memoryview) -> None:

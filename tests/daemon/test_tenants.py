@@ -286,4 +286,9 @@ def test_device_quota_demotes_to_host_on_the_cpu_stand_in(daemon: Callable[..., 
         for i in range(4):
             assert torch.equal(b.restore(f"b{i}")[0], blob(MiB, i))
         assert torch.equal(c.restore("c0")[0], blob(MiB, 50))
+        # Its device copies pinned, bob's next inline park lands on host, as with no room.
+        for sid, t in _tiers(b).items():
+            if t == "device":
+                b.pin(sid)
+        assert b.park("b9", [blob(MiB, 9)]).tier == "host"
     d.engine.check_invariants()
