@@ -292,3 +292,39 @@ def test_device_quota_demotes_to_host_on_the_cpu_stand_in(daemon: Callable[..., 
                 b.pin(sid)
         assert b.park("b9", [blob(MiB, 9)]).tier == "host"
     d.engine.check_invariants()
+
+
+def test_concurrent_parks_of_one_tenant_stay_within_its_quota(daemon: Callable[..., Daemon]) -> None:
+    from ..conftest import run_threads
+
+    d = daemon(**tenants(**{"alice.quota": {"host": "2MiB"}}))
+    peak: list[int] = []
+
+    def worker(w: int) -> Callable[[], None]:
+        def run() -> None:
+            with Client(d.address, token=TOKENS["alice"]) as a:  # shm: reserve, write, commit
+                for i in range(5):
+                    a.park(f"w{w}-{i}", [blob(512 << 10, w * 10 + i)])
+                    peak.append(a.stat().tenants[0].used["host"])
+        return run
+
+    assert run_threads([worker(w) for w in range(4)]) == []
+    assert max(peak) <= 2 * MiB
+    with Client(d.address, token=TOKENS["alice"]) as a:
+        for w in range(4):
+            for i in range(5):
+                assert torch.equal(a.restore(f"w{w}-{i}")[0], blob(512 << 10, w * 10 + i))
+    d.engine.check_invariants()
+
+
+def test_an_open_reservation_counts_toward_the_quota(daemon: Callable[..., Daemon]) -> None:
+    d = daemon(**tenants(**{"alice.quota": {"host": "2MiB"}}))
+    with Client(d.address, token=TOKENS["alice"]) as a:
+        n = 3 * MiB // 2
+        head = pb.ParkHeader(seq_id="pending", tensors=[pb.TensorMeta(dtype="uint8", shape=[n], nbytes=n)], nbytes=n)
+        r = a.rpc.call(a.rpc.reserve, pb.ReserveRequest(header=head, tier="host"))
+        with pytest.raises(ResourceExhausted, match="tenant 'alice' is over its host quota"):
+            a.park("next", [blob(MiB, 1)])
+        a.rpc.release_quietly(r.lease_id)
+        a.park("next", [blob(MiB, 1)])  # the aborted reservation no longer counts
+    d.engine.check_invariants()
