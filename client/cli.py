@@ -131,9 +131,9 @@ def _print_summary(address: str, st: Stat, seqs: list[SeqInfo]) -> None:
               f"{_human(r.bytes_read)} read, {r.pending_writes} pending, {r.errors} error(s), "
               f"{r.refused} refused, {r.outages} outage(s), {r.data_loss} bad value(s) deleted")
     for ts in st.tenants:
-        quota = lambda tier: _human(ts.quota[tier]) if tier in ts.quota else "unlimited"  # noqa: E731
-        print(f"tenant {ts.name}: {ts.sequences} sequence(s); "
-              + ", ".join(f"{tier} {_human(ts.used.get(tier, 0))} of {quota(tier)}" for tier in ("device", "host", "disk")))
+        use = [f"{tier} {_human(ts.used.get(tier, 0))} of "
+               + (_human(ts.quota[tier]) if tier in ts.quota else "unlimited") for tier in ("device", "host", "disk")]
+        print(f"tenant {ts.name}: {ts.sequences} sequence(s); " + ", ".join(use))
     print()
     print("held: sequences and shared blocks with a copy in the tier (one may be in several tiers)")
     if st.tenants:

@@ -1,10 +1,11 @@
 """Who is calling, and whether this daemon may listen where it was told to.
 
 Primitives:
-- ``AuthInterceptor(tenants)``: a gRPC server interceptor. With tenants configured, every
+- ``AuthInterceptor(tenants, metrics=None)``: a gRPC server interceptor. With tenants configured, every
   call except the gRPC health service must carry ``authorization: Bearer <token>``
   metadata whose sha256 matches a tenant's ``token_sha256``; otherwise it ends with
-  UNAUTHENTICATED (client ``Unauthenticated``) before its handler runs. The tenant is
+  UNAUTHENTICATED (client ``Unauthenticated``) before its handler runs (counted in
+  ``kvpark_errors_total{code="UNAUTHENTICATED"}``). The tenant is
   bound for the handler's whole run, streams included, so every RPC, present or added
   later, is covered without doing anything.
 - ``current_tenant() -> TenantConfig | None``: the caller of the running handler (None on
@@ -33,6 +34,7 @@ import grpc
 from kvpark.proto.errors import ERROR_KEY, StartupError, Unauthenticated
 
 from .config import ServerConfig, TenantConfig
+from .metrics import Metrics
 
 _TENANT: contextvars.ContextVar[TenantConfig | None] = contextvars.ContextVar("kvpark_tenant", default=None)
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)  # a load balancer's probe carries no token
@@ -52,18 +54,21 @@ def _bearer(metadata: Sequence[tuple[str, Any]] | None) -> bytes:
     return b""
 
 
-def _deny(context: grpc.ServicerContext) -> None:
+def _deny(context: grpc.ServicerContext, metrics: Metrics | None) -> None:
+    if metrics is not None:
+        metrics.error(grpc.StatusCode.UNAUTHENTICATED.name)
     context.set_trailing_metadata(((ERROR_KEY, Unauthenticated.__name__),))
     context.abort(grpc.StatusCode.UNAUTHENTICATED,
                   "missing or invalid bearer token (pass token=... or set KVPARK_TOKEN)")
 
 
-def _bound(fn: Callable[..., Any], tenant: TenantConfig | None, streams: bool) -> Callable[..., Any]:
+def _bound(fn: Callable[..., Any], tenant: TenantConfig | None, streams: bool,
+           metrics: Metrics | None) -> Callable[..., Any]:
     """``fn`` run with ``tenant`` as the caller (None: refused before it runs)."""
     if streams:
         def gen(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
             if tenant is None:
-                _deny(context)
+                _deny(context, metrics)
             # The handler's generator runs on gRPC's threads, one step at a time: the
             # tenant is set for each step, in this generator's own frame.
             token = _TENANT.set(tenant)
@@ -95,7 +100,7 @@ def _bound(fn: Callable[..., Any], tenant: TenantConfig | None, streams: bool) -
 
     def unary(request: Any, context: grpc.ServicerContext) -> Any:
         if tenant is None:
-            _deny(context)
+            _deny(context, metrics)
         token = _TENANT.set(tenant)
         try:
             return fn(request, context)
@@ -105,8 +110,9 @@ def _bound(fn: Callable[..., Any], tenant: TenantConfig | None, streams: bool) -
 
 
 class AuthInterceptor(grpc.ServerInterceptor):
-    def __init__(self, tenants: Mapping[str, TenantConfig]) -> None:
+    def __init__(self, tenants: Mapping[str, TenantConfig], metrics: Metrics | None = None) -> None:
         self.tenants = dict(tenants)
+        self.metrics = metrics
         self._digests = [(bytes.fromhex(t.token_sha256), t) for t in self.tenants.values()]
 
     def identify(self, metadata: Sequence[tuple[str, Any]] | None) -> TenantConfig | None:
@@ -130,12 +136,12 @@ class AuthInterceptor(grpc.ServerInterceptor):
             return handler
         tenant = self.identify(details.invocation_metadata)
         if handler.unary_unary is not None:
-            return handler._replace(unary_unary=_bound(handler.unary_unary, tenant, False))
+            return handler._replace(unary_unary=_bound(handler.unary_unary, tenant, False, self.metrics))
         if handler.unary_stream is not None:
-            return handler._replace(unary_stream=_bound(handler.unary_stream, tenant, True))
+            return handler._replace(unary_stream=_bound(handler.unary_stream, tenant, True, self.metrics))
         if handler.stream_unary is not None:
-            return handler._replace(stream_unary=_bound(handler.stream_unary, tenant, False))
-        return handler._replace(stream_stream=_bound(handler.stream_stream, tenant, True))
+            return handler._replace(stream_unary=_bound(handler.stream_unary, tenant, False, self.metrics))
+        return handler._replace(stream_stream=_bound(handler.stream_stream, tenant, True, self.metrics))
 
 
 def _loopback(listen: str) -> bool:

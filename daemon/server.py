@@ -78,10 +78,11 @@ class Daemon:
         engine: Engine | None = None
         check_exposure(self.config.server, self.config.tenants)
         creds = server_credentials(self.config.server)
+        auth = [AuthInterceptor(self.config.tenants, self.metrics)] if self.config.tenants else None
         server = grpc.server(
             ThreadPoolExecutor(max_workers=self.config.server.max_workers, thread_name_prefix="kvpark-rpc"),
             options=grpc_options(),
-            interceptors=[AuthInterceptor(self.config.tenants)] if self.config.tenants else None,
+            interceptors=auth,
         )
         try:
             # The ports first: a busy one is reported at once, before the arena (GBs)

@@ -52,8 +52,9 @@ def _write(path: Path, *objs: object) -> str:
         if isinstance(o, x509.Certificate):
             out += o.public_bytes(serialization.Encoding.PEM)
         else:
-            out += o.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,  # type: ignore[attr-defined]
-                                   serialization.NoEncryption())
+            key: ec.EllipticCurvePrivateKey = o  # type: ignore[assignment]
+            out += key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                     serialization.NoEncryption())
     path.write_bytes(out)
     return str(path)
 

@@ -68,7 +68,8 @@ def _call(stub: Callable[..., Any], kind: str, metadata: list[tuple[str, str]]) 
     return None
 
 
-def test_every_rpc_without_a_valid_token_is_unauthenticated_and_health_stays_open(daemon: Callable[..., Daemon]) -> None:
+def test_every_rpc_without_a_valid_token_is_unauthenticated_and_health_stays_open(
+        daemon: Callable[..., Daemon]) -> None:
     d = daemon(**tenants())
     methods = pb.DESCRIPTOR.services_by_name["KVPark"].methods
     with grpc.insecure_channel(d.address) as ch:
@@ -92,6 +93,7 @@ def test_every_rpc_without_a_valid_token_is_unauthenticated_and_health_stays_ope
     with pytest.raises(Unauthenticated):
         Client(d.address, token="not-a-tenant")
     assert d.engine is not None and d.engine.list() == []  # nothing was stored by any of it
+    assert 'kvpark_errors_total{code="UNAUTHENTICATED"}' in d.metrics.render().decode()
 
 
 def test_the_token_comes_from_KVPARK_TOKEN(daemon: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch) -> None:
