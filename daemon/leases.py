@@ -20,7 +20,8 @@ Primitives:
 - ``end(lease)``, ``release(lease_id) -> bool``: free what a lease holds (a windowed
   park's staged disk blocks too; a windowed restore's window slots).
 - ``reap()``: end every expired lease. ``close()``: end them all.
-- ``transient()``: whether an open lease may still free room; ``count``; ``held()``.
+- ``transient()``: whether an open lease may still free room; ``count``; ``held()``;
+  ``open_writes()`` (REQUIRES: index lock); ``write_owner(lease_id)``.
 """
 
 from __future__ import annotations
@@ -164,6 +165,18 @@ class LeaseTable:
         """An open lease will end by itself (a stream's, or a write reservation)."""
         # REQUIRES: index lock.
         return any(l.expires_at is None or l.kind == "write" for l in self._leases.values())
+
+    def write_owner(self, lease_id: str) -> str | None:
+        """The sequence (or first new block) an open write lease parks; None if no such lease."""
+        lease = self._leases.get(lease_id)  # one dict read
+        if lease is None or lease.kind != "write" or lease.spec is None:
+            return None
+        return lease.spec.seq_id or (lease.spec.blocks[0].seq_id if lease.spec.blocks else "")
+
+    def open_writes(self) -> list[Lease]:
+        """Write leases not yet committed or aborted (quota accounting counts them)."""
+        # REQUIRES: index lock.
+        return [l for l in self._leases.values() if l.kind == "write"]
 
     def held(self) -> tuple[list[list[tuple[str, Allocation]]], dict[tuple[int, str], int], list[Seq]]:
         """What open leases hold: write slots per lease, readers per ``(id(seq), tier)``,

@@ -430,14 +430,42 @@ class RemoteStat(_message.Message):
     sequences: int
     def __init__(self, state: _Optional[str] = ..., errors: _Optional[int] = ..., refused: _Optional[int] = ..., data_loss: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., outages: _Optional[int] = ..., pending_writes: _Optional[int] = ..., sequences: _Optional[int] = ...) -> None: ...
 
+class TenantStat(_message.Message):
+    __slots__ = ("name", "sequences", "used_bytes", "quota_bytes")
+    class UsedBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class QuotaBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    sequences: int
+    used_bytes: _containers.ScalarMap[str, int]
+    quota_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, name: _Optional[str] = ..., sequences: _Optional[int] = ..., used_bytes: _Optional[_Mapping[str, int]] = ..., quota_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
 class StatResponse(_message.Message):
-    __slots__ = ("tiers", "sequences", "leases", "remote")
+    __slots__ = ("tiers", "sequences", "leases", "remote", "tenants")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStat]
     sequences: int
     leases: int
     remote: RemoteStat
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., sequences: _Optional[int] = ..., leases: _Optional[int] = ..., remote: _Optional[_Union[RemoteStat, _Mapping]] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStat]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., sequences: _Optional[int] = ..., leases: _Optional[int] = ..., remote: _Optional[_Union[RemoteStat, _Mapping]] = ..., tenants: _Optional[_Iterable[_Union[TenantStat, _Mapping]]] = ...) -> None: ...
