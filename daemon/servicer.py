@@ -250,7 +250,8 @@ class Servicer:
 
     @_typed
     def Window(self, req: pb.WindowRequest, context: grpc.ServicerContext) -> pb.WindowResponse:
-        return pb.WindowResponse(segments=_segments(self.engine.window(req.lease_id, req.index)))
+        eng = self.tenants.view()
+        return pb.WindowResponse(segments=_segments(eng.window(req.lease_id, req.index)))
 
     @_typed
     def Commit(self, req: pb.CommitRequest, context: grpc.ServicerContext) -> pb.SeqInfo:

@@ -143,6 +143,11 @@ class TenantView:
     def release(self, lease_id: str) -> bool:
         return self.engine.release(lease_id)
 
+    def window(self, lease_id: str, index: int) -> tuple[tuple[int, int], ...]:
+        # Windows are arena slots: the shm / cuda_ipc path of a sequence larger than its tier.
+        self._trusted("the windowed shm / cuda_ipc path")
+        return self.engine.window(lease_id, index)
+
     # ------------------------------------------------------------------ restore
 
     def acquire(self, seq_ids: str | list[str], need: str | None = None, stream: bool = False,
