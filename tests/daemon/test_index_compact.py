@@ -117,6 +117,10 @@ def test_readers_are_counted_per_tier_and_shared_when_none() -> None:
     assert dict(a.readers.items()) == {"host": 1}
     a.drop_reader("host")
     assert a.readers is b.readers
+    a.add_reader("disk")  # a windowed restore leases the disk records
+    assert dict(a.readers.items()) == {"disk": 1}
+    a.drop_reader("disk")
+    assert a.readers is b.readers
     try:
         b.readers["host"] = 1  # type: ignore[index]
         raise AssertionError("the shared empty readers map was changed")
