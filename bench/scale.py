@@ -98,9 +98,9 @@ def rss_anon() -> int:
     raise RuntimeError("no RssAnon in /proc/self/status (Linux only)")
 
 
-def make_config(root: Path, shm: Path, capacity_blocks: int, block_bytes: int) -> Config:
+def make_config(root: Path, shm: Path, capacity_blocks: int, block_bytes: int, arena_blocks: int = 0) -> Config:
     granule = SLOT // 64
-    arena = (capacity_blocks * -(-block_bytes // granule) * granule * 11 // 10 // SLOT + 2) * SLOT
+    arena = ((arena_blocks or capacity_blocks) * -(-block_bytes // granule) * granule * 11 // 10 // SLOT + 2) * SLOT
     return load(env={}, overrides={
         "tiers.device.enabled": "false",
         "tiers.host.capacity": str(arena),
@@ -262,11 +262,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-restart", action="store_true")
     ap.add_argument("--dir", default=None, help="where LMDB goes (default: a temp dir; the arena goes to /dev/shm)")
     ap.add_argument("--json", default=str(HERE / "results" / "scale.json"))
+    ap.add_argument("--arena-blocks", type=int, default=0,
+                    help="size the host arena for this many blocks (default: all of them); fewer makes parks spill "
+                         "to disk, through demotion")
     ap.add_argument("--restart-child", nargs=3, metavar=("ROOT", "SHM", "CAPACITY_BLOCKS"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.restart_child:
         root, shm, cap = args.restart_child
-        cfg = make_config(Path(root), Path(shm), int(cap), args.block_bytes)
+        cfg = make_config(Path(root), Path(shm), int(cap), args.block_bytes, args.arena_blocks)
         print("RESULT " + json.dumps(restart_child(cfg, args.profile_restart)), flush=True)
         return 0
     sizes = sorted(parse_count(s) for s in args.sizes.split(","))
@@ -279,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     cap = sizes[-1] + args.ops + BATCH
     try:
-        b = Bench(make_config(root, shm, cap, args.block_bytes), args.block_bytes)
+        b = Bench(make_config(root, shm, cap, args.block_bytes, args.arena_blocks), args.block_bytes)
         base = rss_anon()
         snap = None
         if args.tracemalloc:
@@ -322,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         flush_s = time.perf_counter() - t0
         if not args.no_restart:
             # A fresh process, as after a real restart: its RSS growth is the rebuilt index alone.
-            cmd = [sys.executable, __file__, "--block-bytes", str(args.block_bytes),
+            cmd = [sys.executable, __file__, "--block-bytes", str(args.block_bytes), "--arena-blocks", str(args.arena_blocks),
                    "--restart-child", str(root), str(shm), str(cap)] + (["--profile-restart"] * args.profile_restart)
             out = subprocess.run(cmd, check=True, capture_output=True, text=True)
             sys.stderr.write(out.stderr)
