@@ -529,10 +529,12 @@ class DiskStore:
         try:
             with self.env.begin(write=True) as txn:
                 txn.put(self._stage_key(m), b"", db=self._staging)
-        except BaseException:
+        except BaseException as e:
             with self._acct:
                 self._forget(key)
                 self._staged.pop(key, None)
+            if isinstance(e, lmdb.Error):
+                raise self._write_error(e) from None
             raise
 
     def stage_blocks(self, m: Manifest, first: int, blocks: Sequence[memoryview]) -> None:
@@ -544,21 +546,24 @@ class DiskStore:
                         raise ValueError(f"block {i}: {len(view)} bytes, expected {lengths[i]}")
                     head = HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0, m.fingerprint, len(view), checksum(view))
                     txn.put(block_key(m.seq_id, m.gen, i), b"".join((head, view)), db=self._blocks)
-        except lmdb.MapFullError:
-            raise ResourceExhausted(f"disk tier full at {self.path} (LMDB map)") from None
+        except lmdb.Error as e:
+            raise self._write_error(e) from None
 
     def stage_commit(self, m: Manifest, replace: Manifest | None = None, sync: bool = False) -> bool:
         key = (m.seq_id, m.gen)
-        with self.env.begin(write=True) as txn:
-            cur = txn.get(m.seq_id.encode(), db=self._manifests)
-            won = cur is None or Manifest.decode(cur).gen <= m.gen
-            if won:
-                if replace is not None and replace.gen != m.gen:
-                    self._delete_blocks(txn, replace)
-                txn.put(m.seq_id.encode(), m.encode(), db=self._manifests)
-            else:
-                self._delete_blocks(txn, m)
-            txn.delete(self._stage_key(m), db=self._staging)
+        try:
+            with self.env.begin(write=True) as txn:
+                cur = txn.get(m.seq_id.encode(), db=self._manifests)
+                won = cur is None or Manifest.decode(cur).gen <= m.gen
+                if won:
+                    if replace is not None and replace.gen != m.gen:
+                        self._delete_blocks(txn, replace)
+                    txn.put(m.seq_id.encode(), m.encode(), db=self._manifests)
+                else:
+                    self._delete_blocks(txn, m)
+                txn.delete(self._stage_key(m), db=self._staging)
+        except lmdb.Error as e:
+            raise self._write_error(e) from None
         with self._acct:
             self._staged.pop(key, None)
             if not won:
@@ -570,12 +575,18 @@ class DiskStore:
         return won
 
     def stage_abort(self, m: Manifest) -> None:
-        with self.env.begin(write=True) as txn:
-            self._delete_blocks(txn, m)
-            txn.delete(self._stage_key(m), db=self._staging)
-        with self._acct:
-            self._staged.pop((m.seq_id, m.gen), None)
-            self._forget((m.seq_id, m.gen))
+        try:
+            with self.env.begin(write=True) as txn:
+                self._delete_blocks(txn, m)
+                txn.delete(self._stage_key(m), db=self._staging)
+        except lmdb.Error as e:
+            raise self._write_error(e) from None
+        finally:
+            # As in ``delete``: the caller lets go either way; staged blocks a failed abort
+            # leaves behind are deleted at the next start (``_clean_staging``).
+            with self._acct:
+                self._staged.pop((m.seq_id, m.gen), None)
+                self._forget((m.seq_id, m.gen))
 
     @contextmanager
     def read_txn(self) -> Iterator[ReadTxn]:

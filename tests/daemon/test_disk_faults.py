@@ -8,7 +8,8 @@
 - The data directory read-only while running: as root, ``chmod`` stops nothing and a
   read-only bind mount leaves the daemon's open descriptors writable, so a fault layer
   under the disk store fails each write transaction as LMDB does on such a file system.
-  Parks under write_through, pins and drops are UNAVAILABLE; reads go on; once writable
+  Parks under write_through (and parks larger than the host tier, staged to disk under
+  either policy), pins and drops are UNAVAILABLE; reads go on; once writable
   again everything works and the accounting holds.
 """
 
@@ -197,6 +198,10 @@ def test_a_read_only_data_directory_while_running(daemon: Callable[..., Daemon],
             with pytest.raises((ResourceExhausted, Unavailable)):
                 for i in range(6):
                     c.park(f"fill{i}", [rand(1 * MiB, 10 + i)])
+        # A sequence larger than the host tier is always staged straight to disk.
+        with pytest.raises(Unavailable, match="cannot be written"):
+            c.park("huge", [rand(10 * MiB, 99)])
+        assert not c.present(["huge"])[0]
         with pytest.raises(Unavailable):
             c.pin("a")
         assert torch.equal(c.restore("a")[0], a)  # reads go on
