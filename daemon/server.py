@@ -6,6 +6,8 @@ Primitives:
   in-flight ones finish for ``grace`` seconds, flushes per policy and closes the tiers.
   Usable as a context manager (tests run real daemons this way). ``metrics`` is its
   ``Metrics``; ``metrics_address`` the bound ``/metrics`` address ("" when off).
+  ``datachannel`` is its ``DataChannelServer`` (``None`` with ``server.data_channel = false``);
+  ``datachannel.address`` is what Hello advertises.
 - ``grpc_options()``: the server's channel options (the shared ``kvpark.proto.GRPC_OPTIONS``).
 """
 
@@ -27,6 +29,7 @@ from kvpark.tiers.disk import DiskStore
 from kvpark.tiers.shm import boot_id
 
 from .config import Config
+from .datachannel import DataChannelServer, listen_address
 from .engine import DiskFactory, Engine
 from .metrics import Metrics, MetricsServer
 from .servicer import SERVICE, handlers
@@ -49,11 +52,13 @@ class Daemon:
         self.metrics = Metrics()
         self._metrics_server: MetricsServer | None = None
         self.metrics_address = ""
+        self.datachannel: DataChannelServer | None = None
 
     def start(self) -> "Daemon":
         self.metrics = Metrics()
         metrics_server = MetricsServer(self.metrics, self.config.metrics.listen)
         engine: Engine | None = None
+        datachannel: DataChannelServer | None = None
         server = grpc.server(
             ThreadPoolExecutor(max_workers=self.config.server.max_workers, thread_name_prefix="kvpark-rpc"),
             options=grpc_options(),
@@ -77,7 +82,12 @@ class Daemon:
             t0 = time.perf_counter()
             engine = Engine(self.config, disk_factory=self._disk_factory, metrics=self.metrics)
             self.metrics.watch(engine.stat)
-            rpc = handlers(engine, self.config.server, socket.gethostname(), boot_id(), self.metrics)
+            if self.config.server.data_channel:
+                # No TLS context yet: the daemon has no TLS settings. When gRPC gets a
+                # certificate, pass the same one here (DataChannelServer(ssl_context=...)).
+                datachannel = DataChannelServer(
+                    engine, listen_address(listen, self.config.server.data_channel_listen)).start()
+            rpc = handlers(engine, self.config.server, socket.gethostname(), boot_id(), self.metrics, datachannel)
             server.add_generic_rpc_handlers((rpc,))
             self._health = health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -89,11 +99,13 @@ class Daemon:
             self._log_effective(time.perf_counter() - t0)
         except BaseException:
             server.stop(None)
+            if datachannel is not None:
+                datachannel.stop()
             metrics_server.stop()
             if engine is not None:
                 engine.close(flush=False)
             raise
-        self.engine, self._server = engine, server
+        self.engine, self._server, self.datachannel = engine, server, datachannel
         self._metrics_server, self.metrics_address = metrics_server, metrics_server.address
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
@@ -119,6 +131,9 @@ class Daemon:
         if self._health is not None:
             self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        if self.datachannel is not None:
+            self.datachannel.stop()  # after gRPC: no token is issued any more
+            self.datachannel = None
         self.engine.close()
         if self._metrics_server is not None:
             self._metrics_server.stop()
