@@ -197,13 +197,17 @@ def _alive(sock: socket.socket) -> bool:
     """An idle pooled connection the daemon has not closed (nothing is pending on it)."""
     if isinstance(sock, ssl.SSLSocket):
         return True  # no peek under TLS; the age bound covers it
+    saved = sock.gettimeout()
+    sock.settimeout(0.0)  # a socket with a timeout would wait for readability first
     try:
-        sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        sock.recv(1, socket.MSG_PEEK)
         return False  # closed (b""), or bytes nobody asked for: either way not reusable
     except BlockingIOError:
         return True
     except OSError:
         return False
+    finally:
+        sock.settimeout(saved)
 
 
 def _status_after_reset(sock: socket.socket) -> Exception | None:

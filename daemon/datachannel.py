@@ -32,7 +32,7 @@ Primitives:
   expired), ``put_total(lease_id) -> int | None`` (what a commit of that lease requires).
 - ``DataChannelServer(engine, listen, ssl_context=None)``: ``start()`` binds (port 0
   picks one; ``address`` is then what ``Hello`` advertises), ``stop()``,
-  ``connections`` (open ones).
+  ``connections`` (open ones), ``transfers`` (completed ones).
 - ``listen_address(grpc_listen, configured) -> str``: where the channel binds by default.
 """
 
@@ -144,6 +144,7 @@ class DataChannelServer:
         self._stopping = threading.Event()
         self._acceptor: threading.Thread | None = None
         self._unix_path = ""
+        self.transfers = 0  # completed PUTs and GETs, since start
 
     @property
     def tls(self) -> bool:
@@ -311,6 +312,7 @@ class DataChannelServer:
                 received += n
             sock.sendall(status_bytes(None))
             done = True
+            self.transfers += 1
         finally:
             if not done:
                 self._abort(ticket)
@@ -331,6 +333,7 @@ class DataChannelServer:
                 # Mid-stream, a status frame would read as a chunk: close instead (the
                 # client counts the bytes and reports the short transfer).
                 raise _Dropped(f"GET failed mid-stream: {type(e).__name__}: {e.message}") from None
+            self.transfers += 1
         finally:
             self.engine.release(ticket.lease_id)
 
