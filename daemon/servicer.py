@@ -249,9 +249,10 @@ class Servicer:
     def Reserve(self, req: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
         t0 = time.perf_counter()
         if req.data_channel:
-            # The bytes come through this process: host slots, filled by the data channel.
+            # The bytes come through this process, as an inline park's: it lands where an
+            # inline park would (the park tier, else host), filled by the data channel.
             dc, spec = self._channel(), _spec(req.header)
-            r = self.engine.reserve(spec, inline=True, tier="host")
+            r = self.engine.reserve(spec, inline=True)
             self._pend(r.lease_id, t0, "inline")
             return pb.ReserveResponse(lease_id=r.lease_id, expires_in_s=r.expires_in_s,
                                       token=dc.tickets.issue_put(r.lease_id, spec.total))
@@ -276,10 +277,10 @@ class Servicer:
         ids = list(req.seq_ids) or req.seq_id
         small = min(req.inline_max, self.chunk_size)
         t0 = time.perf_counter()
-        need = req.tier or "host"
+        need: str | None = req.tier or "host"
         if req.data_channel:
             self._channel()
-            need = "host"  # the channel streams out of the host arena
+            need = None  # served as an inline restore is: from its fastest copy, or from disk
         h = self.engine.acquire(ids, need=need, expect_layout=req.expect_layout, inline_max=small)
         if h.info.nbytes <= small:
             # Small: one round trip, bytes in the reply, no lease left behind.

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import socket
 import struct
-import time
 from typing import Callable
 
 import pytest
@@ -140,11 +139,12 @@ def test_bad_tokens_are_typed_and_leak_nothing(daemon: Callable[..., Daemon]) ->
         dc.discard(sock)
         c.rpc.call(c.rpc.commit, pb.CommitRequest(lease_id=r.lease_id))
         assert torch.equal(c.restore("once")[0], ts[0])
-        # 3. An expired token (its reservation expires with it, freed by the lease TTL).
+        # 3. An expired token: its reservation expires with it (freed by the lease TTL);
+        #    presenting it then is typed (the token expired, or its lease did).
         r = reserve(c, "late", ts)
-        time.sleep(1.3)
+        assert wait_until(lambda: d.engine.stat().leases == 0)
         sock = dc.connect()
-        with pytest.raises(Unauthenticated):
+        with pytest.raises((Unauthenticated, LeaseExpired)):
             dc.put(sock, r.token, [memoryview(ts[0].numpy()).cast("B")], nbytes, 5.0)
         dc.discard(sock)
         # 4. A PUT token presented for a GET: typed, and its reservation is aborted.
@@ -281,3 +281,34 @@ def test_frames_module_round_trips_status() -> None:
     a.close()
     b.close()
     assert struct.calcsize("<4sBB16sQ") == REQUEST.size
+
+
+def test_a_unix_socket_daemon_gets_a_unix_data_channel(daemon: Callable[..., Daemon], tmp_path) -> None:
+    sock = tmp_path / "kv.sock"
+    d = daemon(**{"server.listen": f"unix://{sock}"})
+    assert d.datachannel is not None and d.datachannel.address == f"unix:{sock}.data"
+    ts = [torch.randn(400_000)]
+    with Client(d.address, transport="inline") as c:
+        c.park("u", ts)
+        assert torch.equal(c.restore("u")[0], ts[0])
+        assert d.datachannel.transfers == 2
+    d.stop()
+    assert not (tmp_path / "kv.sock.data").exists()
+
+
+def test_a_restore_served_from_disk_streams_from_the_records(daemon: Callable[..., Daemon]) -> None:
+    """No promotion wanted: the channel sends the verified disk records themselves, with
+    no lease to hold, and nothing is left behind."""
+    over = {"policy.promote_on_restore": False}
+    d = daemon(**over)
+    ts = [torch.randn(700_000), torch.randint(0, 9, (3, 5), dtype=torch.int32)]
+    with Client(d.address, transport="inline") as c:
+        c.park("disk", ts)
+    d.stop()  # flushes to disk; the restart below starts with the host tier empty
+    d = daemon(**over)
+    with Client(d.address, transport="inline") as c:
+        assert c.info("disk").tier == "disk"
+        out = c.restore("disk")
+        assert all(torch.equal(a, b) for a, b in zip(ts, out))
+        assert d.datachannel is not None and d.datachannel.transfers == 1
+    settled(d)
