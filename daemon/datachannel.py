@@ -9,10 +9,14 @@ reservation or lease only, so whoever made the control call is who the bytes bel
 The framing is ``kvpark.proto.dataframe``.
 
 - PUT: chunks land straight in the reserved arena slots (``recv_into`` on slot views,
-  under the lease's copy lock, so the reaper never frees slots mid-copy); the client
-  then commits over gRPC, and that commit requires every byte to have arrived.
-- GET: the read lease stops expiring while its slots are streamed out (``sendmsg`` of
-  slot views); the transfer ends the lease itself, so the client makes no Release call.
+  under the lease's copy lock, so the reaper never frees slots mid-copy); a reservation
+  on the device tier takes each chunk through one bounce buffer (``write_chunk``, as
+  an inline park's chunks). The client then commits over gRPC, and that commit
+  requires every byte to have arrived.
+- GET: served as an inline restore is (memory copies under the read lease, disk records
+  verified as they are read): the lease stops expiring while the bytes are streamed out
+  (``sendmsg`` of slot views) and the transfer ends it, so the client makes no Release
+  call.
 
 Bad input (an unknown, expired or reused token, a wrong op or size, a frame of 0 or more
 than ``MAX_FRAME`` bytes, frames past the declared size, a short read, an idle or
@@ -277,7 +281,8 @@ class DataChannelServer:
             self._get(sock, ticket, nbytes)
 
     def _abort(self, ticket: Ticket) -> None:
-        self.engine.release(ticket.lease_id)
+        if ticket.lease_id:  # "" : a restore served from disk holds no lease
+            self.engine.release(ticket.lease_id)
 
     def _put(self, sock: socket.socket, ticket: Ticket, nbytes: int) -> None:
         done = False
@@ -286,7 +291,8 @@ class DataChannelServer:
                 raise InvalidArgument(f"PUT of {nbytes} bytes; the reservation is for {ticket.nbytes}")
             lease = self.engine.leases.get_write(ticket.lease_id)
             mem = self.engine.tiers[lease.tier]
-            views = [v for a in lease.write_allocs() for v in mem.views(a)]
+            views = [v for a in lease.write_allocs() for v in mem.views(a)] if mem.on_cpu else []
+            bounce = memoryview(bytearray(0 if mem.on_cpu else MAX_FRAME))
             vi = within = 0
             received = 0
             while received < nbytes:
@@ -295,6 +301,11 @@ class DataChannelServer:
                     raise InvalidArgument(f"data channel frame of {n} bytes (1..{MAX_FRAME})")
                 if received + n > nbytes:
                     raise InvalidArgument(f"frames overrun the declared {nbytes} bytes")
+                if not mem.on_cpu:  # device slots: through the bounce buffer, as inline chunks go
+                    recv_into_exact(sock, bounce[:n])
+                    self.engine.write_chunk(ticket.lease_id, received, bounce[:n])
+                    received += n
+                    continue
                 with lease.lock:  # the reaper cannot free these slots while we fill them
                     if lease.ended:
                         raise LeaseExpired(f"write lease {lease.lease_id[:8]} expired during the transfer")
@@ -320,7 +331,7 @@ class DataChannelServer:
     def _get(self, sock: socket.socket, ticket: Ticket, nbytes: int) -> None:
         handle = ticket.handle
         assert handle is not None
-        if self.engine.leases.hold(ticket.lease_id) is None:
+        if ticket.lease_id and self.engine.leases.hold(ticket.lease_id) is None:
             raise LeaseExpired(f"read lease {ticket.lease_id[:8]} expired before the transfer")
         try:
             if nbytes != ticket.nbytes:
@@ -335,7 +346,7 @@ class DataChannelServer:
                 raise _Dropped(f"GET failed mid-stream: {type(e).__name__}: {e.message}") from None
             self.transfers += 1
         finally:
-            self.engine.release(ticket.lease_id)
+            self._abort(ticket)  # the lease ends with its transfer
 
 
 def _close(sock: socket.socket) -> None:
