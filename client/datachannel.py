@@ -12,12 +12,14 @@ context given) raises ``DataChannelRefused``; the inline transport then uses its
 streams, and does not try the channel again for ``RETRY_S``. Errors the daemon reports
 on the channel come back as the same typed ``KVParkError`` the gRPC path raises.
 
-TLS: when the daemon advertises ``tls``, a transfer needs the ``ssl_context`` the client
-was given (the client has no TLS settings yet, so until then such a channel counts as
-refused and the gRPC path is used).
+TLS: when the daemon advertises ``tls``, the socket is wrapped with the same CA and
+client certificate the client gave gRPC (``client_ssl_context``); a client without any
+TLS settings counts such a channel as refused and uses the gRPC path.
 
 Primitives:
 - ``DataChannelRefused`` (a ``TransportUnavailable``).
+- ``client_ssl_context(tls_ca, tls_cert, tls_key) -> SSLContext | None``: from the
+  client's gRPC TLS settings (file paths or PEM bytes); None without any.
 - ``DataChannel(info, grpc_address, ssl_context=None)``: ``usable``; ``connect() ->
   socket``; ``put(sock, token, views, nbytes, timeout)``; ``get(sock, token, nbytes,
   dsts, timeout) -> Iterator[int]`` (indices of ``dsts`` as each fills); ``done(sock)``
@@ -26,8 +28,10 @@ Primitives:
 
 from __future__ import annotations
 
+import os
 import socket
 import ssl
+import tempfile
 import threading
 import time
 from typing import Iterator, Sequence
@@ -46,6 +50,37 @@ POOL_IDLE_S = 5.0  # a pooled connection idle longer is not reused (the daemon c
 
 class DataChannelRefused(TransportUnavailable):
     """The data channel cannot be used now; the caller falls back to gRPC streams."""
+
+
+def _pem_file(value: str | bytes, stack: list[str]) -> str:
+    """A path for ``ssl`` (which loads certificate chains from files only)."""
+    if isinstance(value, str):
+        return value
+    fd, path = tempfile.mkstemp(suffix=".pem")
+    with os.fdopen(fd, "wb") as f:
+        f.write(value)
+    stack.append(path)
+    return path
+
+
+def client_ssl_context(tls_ca: str | bytes | None, tls_cert: str | bytes | None,
+                       tls_key: str | bytes | None) -> ssl.SSLContext | None:
+    if tls_ca is None and tls_cert is None and tls_key is None:
+        return None
+    ctx = ssl.create_default_context()
+    if tls_ca is not None:
+        if isinstance(tls_ca, bytes):
+            ctx.load_verify_locations(cadata=tls_ca.decode())
+        else:
+            ctx.load_verify_locations(cafile=tls_ca)
+    if tls_cert is not None and tls_key is not None:
+        made: list[str] = []
+        try:
+            ctx.load_cert_chain(_pem_file(tls_cert, made), _pem_file(tls_key, made))
+        finally:
+            for path in made:  # loaded into the context: the key is not left on disk
+                os.unlink(path)
+    return ctx
 
 
 def _resolve(advertised: str, grpc_address: str) -> str:

@@ -26,7 +26,8 @@ Primitives:
 - ``retire(seq)``: unlink a sequence (drop, overwrite, expiry); memory is freed now or
   by the last reader or copy (``release_dropped``); shared blocks left unreferenced
   retire with it and are returned by ``take_orphans()`` for their disk copies.
-- ``free(tier, alloc)``; ``evictable(tier)``; ``over_high()``.
+- ``free(tier, alloc)``; ``evictable(tier)``; ``over_high()`` (a memory tier, or the disk
+  through ``disk_pressure``, past its high mark).
 - ``info``, ``info_of``, ``infos``, ``tier_stats``: read-only views.
 - ``check(disk_used)``: the invariants, as assertions.
 """
@@ -34,7 +35,7 @@ Primitives:
 from __future__ import annotations
 
 import threading
-from typing import Iterable
+from typing import Callable, Iterable
 
 from kvpark.proto.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from kvpark.proto.types import SeqInfo, TierStat
@@ -59,6 +60,9 @@ class Catalog:
         self._orphans: list[Seq] = []  # retired shared blocks whose disk copies still need deleting
         self._gen = 0
         self.version = 0  # bumped by every change that may make room (see ``notify``)
+        # Whether the disk tier is past its high mark with eviction on (set by the engine):
+        # that too wakes the maintenance thread, not only a memory tier past its mark.
+        self.disk_pressure: Callable[[], bool] = lambda: False
 
     def load(self, manifests: Iterable[Manifest]) -> int:
         """Index sequences found on disk; returns their payload bytes."""
@@ -270,7 +274,9 @@ class Catalog:
             self.wake.notify_all()
 
     def over_high(self) -> bool:
-        return any(policy.over_high(t.alloc.used_bytes, t.alloc.capacity, t.high) for t in self.tiers.values())
+        """A tier the maintenance thread relieves is past its high mark (memory, or disk)."""
+        return (any(policy.over_high(t.alloc.used_bytes, t.alloc.capacity, t.high) for t in self.tiers.values())
+                or self.disk_pressure())
 
     def evictable(self, tier: str, exclude: Seq | None = None) -> list[policy.SeqMeta]:
         # Pinned sequences leave a tier only when a faster copy remains (they are never
@@ -348,7 +354,7 @@ class Catalog:
         gone = [s for s in leased if self._seqs.get(s.seq_id) is not s]
         for s in gone:
             assert s.dropped, f"{s.seq_id}: leased, not in the index, yet not dropped"
-            assert set(s.res) == {t for t, n in s.readers.items() if n}, (
+            assert set(s.res) == {t for t, n in s.readers.items() if n and t in MEM_TIERS}, (
                 f"{s.seq_id}: dropped, keeps {sorted(s.res)} for readers on {s.readers}")
         for name, mem in self.tiers.items():
             allocs = [s.res[name] for s in [*self._seqs.values(), *gone] if name in s.res]

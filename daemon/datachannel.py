@@ -27,8 +27,9 @@ here can stop the daemon: each connection runs in its own thread and every failu
 ends in that thread.
 
 TLS: ``DataChannelServer(..., ssl_context=...)`` wraps every accepted socket (server
-side) and ``Hello`` then advertises ``tls``. The daemon has no TLS settings of its own
-yet, so ``Daemon`` passes none; once gRPC gets a certificate, the same context goes here.
+side) and ``Hello`` then advertises ``tls``; ``Daemon`` passes ``server_ssl_context``,
+which is TLS exactly when gRPC is (``server.tls_cert``/``tls_key``, and mTLS with
+``tls_client_ca``).
 
 Primitives:
 - ``Tickets(ttl_s)``: ``issue_put(lease_id, nbytes) -> token``, ``issue_get(handle) ->
@@ -37,7 +38,8 @@ Primitives:
 - ``DataChannelServer(engine, listen, ssl_context=None)``: ``start()`` binds (port 0
   picks one; ``address`` is then what ``Hello`` advertises), ``stop()``,
   ``connections`` (open ones), ``transfers`` (completed ones).
-- ``listen_address(grpc_listen, configured) -> str``: where the channel binds by default.
+- ``listen_address(grpc_listen, configured) -> str``: where the channel binds by default;
+  ``server_ssl_context(ServerConfig) -> SSLContext | None``.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ from kvpark.proto.dataframe import (CHUNK, GET, MAGIC, MAX_FRAME, PUT, REQUEST, 
                                     parse_address, recv_exact, recv_into_exact, send_views, status_bytes)
 from kvpark.proto.errors import InvalidArgument, KVParkError, LeaseExpired, Unauthenticated
 
+from .config import ServerConfig
 from .engine import Engine
 from .model import ReadHandle
 
@@ -121,6 +124,19 @@ class Tickets:
         with self._lock:
             got = self._put_totals.pop(lease_id, None)
         return None if got is None else got[0]
+
+
+def server_ssl_context(server: ServerConfig) -> ssl.SSLContext | None:
+    """TLS for the channel exactly when gRPC has it: the same certificate and key, and
+    client certificates required (signed by ``tls_client_ca``) when gRPC requires them."""
+    if not server.tls_cert:
+        return None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(server.tls_cert, server.tls_key)
+    if server.tls_client_ca:
+        ctx.load_verify_locations(server.tls_client_ca)
+        ctx.verify_mode = ssl.CERT_REQUIRED
+    return ctx
 
 
 def listen_address(grpc_listen: str, configured: str) -> str:

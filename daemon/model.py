@@ -10,6 +10,8 @@ Primitives:
   memory copies per tier, disk presence, readers, and the flags the invariants rest on.
 - ``Lease``: a write reservation or a read lease (possibly over several sequences);
   live engine state, never handed to the servicer.
+- ``Window``: a sequence larger than its memory tier, moving through one window of
+  slots at a time (``window.py``); hung on the write or read lease that holds the slots.
 - ``Part`` / ``ReadHandle``: what a restore reads, in payload order.
 - Frozen results for the servicer: ``Reservation`` (a write lease's id and slot
   segments), ``Grant`` (a read lease's id, the info and segments), ``Capabilities``
@@ -20,14 +22,15 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Callable, Literal
 
 from kvpark.proto.errors import InvalidArgument
 from kvpark.proto.layout import TensorMeta, fingerprint, validate_seq_id, validate_tensors
 from kvpark.proto.types import SeqInfo
 from kvpark.tiers.arena import Allocation
-from kvpark.tiers.disk import Manifest
+from kvpark.tiers.disk import Manifest, ReadTxn
 
 Tier = Literal["device", "host", "disk", "remote"]
 MemTierName = Literal["device", "host"]
@@ -152,6 +155,67 @@ class Seq:
 
 
 @dataclass(eq=False)
+class Window:
+    """A windowed park or restore: payload window ``index`` sits in ``alloc`` now.
+
+    Window ``k`` is payload bytes ``[k * size, min((k + 1) * size, nbytes))``; ``size`` is
+    whole slots, so a window is whole disk blocks. With ``buffers`` = 2 the allocation
+    holds two windows and window ``k`` uses half ``k % 2``: the daemon writes one to disk
+    (or reads the next from it, ``pending``) while the client fills (or copies) the other.
+    REQUIRES: the lease's ``lock`` to move.
+    """
+
+    manifest: Manifest
+    tier: str
+    alloc: Allocation | None  # the window's slots (a write lease's are also its ``alloc``)
+    size: int
+    buffers: int = 1
+    reading: bool = False
+    index: int = 0
+    seq: "Seq | None" = None  # a restore: the sequence it reads
+    txn: ReadTxn | None = None  # a restore: one snapshot for every window (a drop meanwhile changes nothing)
+    pending: "Future[int] | None" = None  # the disk write (park) or read (restore) in flight: its window
+    # Run once the lease ends unpublished, outside the index lock and before its slots are
+    # freed: a park deletes what it staged; a restore ends its read transaction.
+    on_end: Callable[[], None] | None = None
+
+    @property
+    def count(self) -> int:
+        return max(1, -(-self.manifest.nbytes // self.size))
+
+    def span(self, index: int) -> tuple[int, int]:
+        """(payload offset, length) of window ``index``."""
+        start = index * self.size
+        return start, min(self.size, self.manifest.nbytes - start)
+
+    def extents(self, index: int) -> list[tuple[int, int]]:
+        """Window ``index``'s blocks in the pool: (offset, length), its last one cut short."""
+        assert self.alloc is not None
+        per = len(self.alloc.extents) // self.buffers
+        half = index % self.buffers
+        lengths = self.manifest.block_lengths
+        first = self.span(index)[0] // self.manifest.block_size
+        mine = self.alloc.extents[half * per:(half + 1) * per]
+        return [(off, n) for (off, _), n in zip(mine, lengths[first:first + per])]
+
+    def segments(self, index: int | None = None) -> list[tuple[int, int]]:
+        """Where window ``index`` (default: the current one) lies, contiguous runs merged."""
+        out: list[tuple[int, int]] = []
+        for off, n in self.extents(self.index if index is None else index):
+            if out and out[-1][0] + out[-1][1] == off:
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            else:
+                out.append((off, n))
+        return out
+
+    def settle(self) -> None:
+        """Wait for the disk I/O in flight; its error is the caller's to ignore."""
+        job, self.pending = self.pending, None
+        if job is not None:
+            job.exception()
+
+
+@dataclass(eq=False)
 class Lease:
     lease_id: str
     kind: LeaseKind
@@ -163,7 +227,8 @@ class Lease:
     block_allocs: list[Allocation] = field(default_factory=list)  # write leases: spec.blocks, in order
     received: int = 0  # inline bytes written so far
     ended: bool = False  # write leases: released, committed or expired; no more writes
-    lock: threading.Lock = field(default_factory=threading.Lock)  # write leases: held while copying in
+    lock: threading.Lock = field(default_factory=threading.Lock)  # held while copying in (or a window moves)
+    window: Window | None = None  # a windowed park or restore
 
     def write_allocs(self) -> list[Allocation]:
         """Allocations in payload order (new shared blocks, then the sequence)."""
@@ -192,7 +257,13 @@ class ReadHandle:
     def lease_id(self) -> str:
         return self.lease.lease_id if self.lease is not None else ""
 
+    @property
+    def window(self) -> Window | None:
+        return self.lease.window if self.lease is not None else None
+
     def segments(self) -> list[tuple[int, int]]:
+        if self.window is not None:
+            return self.window.segments()
         out: list[tuple[int, int]] = []
         for p in self.parts:
             assert p.alloc is not None
@@ -208,6 +279,7 @@ class Reservation:
     tier: MemTierName
     segments: tuple[tuple[int, int], ...]  # (offset, length) in payload order
     expires_in_s: float
+    window_size: int = 0  # windowed: the segments hold window 0 of this many bytes each
 
 
 @dataclass(frozen=True)
@@ -218,6 +290,7 @@ class Grant:
     info: SeqInfo
     segments: tuple[tuple[int, int], ...]
     expires_in_s: float
+    window_size: int = 0  # windowed: the segments hold window 0 of this many bytes each
 
 
 @dataclass(frozen=True)

@@ -235,6 +235,8 @@ class Mover:
 
     def _alloc_in(self, tier: str, seq: Seq, make_room: bool) -> Allocation | None:
         mem = self.tiers[tier]
+        if seq.manifest.nbytes > mem.alloc.capacity:
+            return None  # never fits (a windowed park's sequence): it stays where it is, nothing is demoted for it
         deadline = time.monotonic() + ROOM_WAIT_S
         while True:
             with self.catalog.lock:
@@ -285,6 +287,13 @@ class Mover:
             raise
 
     def prefetch(self, seq: Seq, tier: str, wait: bool = False, timeout: float | None = None) -> str:
+        cap = self.tiers[tier].alloc.capacity
+        if seq.manifest.nbytes > cap:
+            if wait:
+                raise ResourceExhausted(f"sequence {seq.seq_id!r} ({seq.manifest.nbytes} bytes) is larger than the "
+                                        f"{tier} tier ({cap} bytes): it stays on disk, and restores stream it")
+            with self.catalog.lock:
+                return seq.tier
         with self.catalog.lock:
             if tier in seq.res:
                 return seq.tier
@@ -467,12 +476,16 @@ class Mover:
                         job.wait()
                     except Exception as e:  # noqa: BLE001 - the copy's slots were freed by its completion
                         log.warning("demotion copy from %s failed: %s", name, e)
-        if (self.remote is not None or self.disk_evicts) and not self.closed and \
-                policy.over_high(self.disk.used, self.disk.capacity, self.disk_high):
+        if not self.closed and self.disk_pressure():
             before = self.disk.used
             self.evict_disk(0, policy.background_target(self.disk.capacity, self.disk_low))
             moved += self.disk.used < before
         return moved
+
+    def disk_pressure(self) -> bool:
+        """The disk is past its high mark and something can evict from it."""
+        return (self.remote is not None or self.disk_evicts) and \
+            policy.over_high(self.disk.used, self.disk.capacity, self.disk_high)
 
     def write_to_disk(self, seq: Seq) -> bool:
         """Make sure ``seq`` has a disk copy; its memory copies are kept."""
@@ -502,6 +515,8 @@ class Mover:
                 # Waiters may demote it now. No version bump: a write that failed (disk
                 # full) must not send a make_room loop straight back to the same victim.
                 self.catalog.changed.notify_all()
+                if written and self.catalog.over_high():
+                    self.catalog.wake.notify_all()  # the disk, say, past its high mark
         if written and stale:
             self.disk.delete(seq.manifest)  # remove what we wrote
         return written and not stale

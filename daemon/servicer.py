@@ -1,10 +1,15 @@
 """The gRPC servicer: protobuf in, engine call, protobuf out. Nothing else lives here.
 
 Primitives:
-- ``handlers(engine, ServerConfig, hostname, boot_id, metrics=None, datachannel=None) -> grpc.GenericRpcHandler``
-  for service ``kvpark.v1.KVPark``. With ``datachannel`` (a ``DataChannelServer``), Hello
-  advertises it, and Reserve/Acquire with ``data_channel`` issue its one-time tokens. With ``metrics``, parks and restores are counted and timed by
-  transport (inline for the streamed and one-message RPCs, shm or cuda_ipc for
+- ``handlers(engine, ServerConfig, hostname, boot_id, metrics=None, tenants=None) -> grpc.GenericRpcHandler``
+  for service ``kvpark.v1.KVPark``. Every handler starts with ``eng = self.tenants.view()``:
+  the engine itself on a daemon without tenants, else the calling tenant's
+  ``TenantView`` (its names namespaced, its quotas; ``kvpark.daemon.tenants``). A new RPC
+  does the same and is covered by auth with nothing else to do. With ``datachannel`` (a
+  ``DataChannelServer``), Hello advertises it, and Reserve/Acquire with ``data_channel``
+  issue its one-time tokens (inside the tenant's call: the token acts only on the
+  reservation or lease that call made). With ``metrics``, parks
+  and restores are counted and timed by transport (inline for the streamed and one-message RPCs, shm or cuda_ipc for
   reserve/commit and acquire), and every error by its status code.
 
 ``Park`` and ``Restore`` use identity (de)serializers: their ``DataChunk`` messages are
@@ -26,9 +31,11 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from kvpark.proto import convert, packed
-from kvpark.proto.errors import ERROR_KEY, FailedPrecondition, Internal, InvalidArgument, KVParkError
-from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.dataframe import MAX_FRAME
+from kvpark.proto.errors import (ERROR_KEY, FailedPrecondition, Internal, InvalidArgument, KVParkError,
+                                 TransportUnavailable)
+from kvpark.proto.layout import MAX_SEQ_ID_BYTES
+from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import decode_chunk, encode_chunk
 
 from .config import ServerConfig
@@ -36,6 +43,7 @@ from .datachannel import DataChannelServer
 from .engine import Engine
 from .metrics import Metrics
 from .model import ParkSpec, ReadHandle
+from .tenants import Tenants
 
 log = logging.getLogger("kvpark.servicer")
 SERVICE = "kvpark.v1.KVPark"
@@ -113,9 +121,11 @@ _MAX_PENDING = 100_000  # reservations timed at once; beyond it the oldest (expi
 
 class Servicer:
     def __init__(self, engine: Engine, config: ServerConfig, hostname: str, boot_id: str,
-                 metrics: Metrics | None = None, datachannel: DataChannelServer | None = None) -> None:
+                 metrics: Metrics | None = None, tenants: Tenants | None = None,
+                 datachannel: DataChannelServer | None = None) -> None:
         self.engine = engine
         self.datachannel = datachannel
+        self.tenants = tenants if tenants is not None else Tenants(engine, {})
         self.chunk_size = config.chunk_size
         self.hostname = hostname
         self.boot_id = boot_id
@@ -134,12 +144,13 @@ class Servicer:
 
     @_typed
     def Hello(self, req: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloResponse:
-        h = self.engine.hello()
+        eng = self.tenants.view()
+        h = eng.hello()
         return pb.HelloResponse(
             server_version=h.server_version,
             transports=list(h.transports),
             chunk_size=h.chunk_size,
-            max_seq_id_len=256,
+            max_seq_id_len=getattr(eng, "max_seq_id_len", MAX_SEQ_ID_BYTES),
             arena=pb.ArenaInfo(
                 path=h.arena_path, size=h.arena_size, slot_size=h.slot_size,
                 hostname=self.hostname, boot_id=self.boot_id,
@@ -153,6 +164,7 @@ class Servicer:
 
     @_typed
     def Park(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> pb.SeqInfo:
+        eng = self.tenants.view()
         lease: str | None = None
         t0 = time.perf_counter()
         try:
@@ -162,62 +174,65 @@ class Servicer:
             head = None if decode_chunk(first) is not None else pb.ParkRequest.FromString(first)
             if head is None or head.WhichOneof("kind") != "header":
                 raise InvalidArgument("park stream must start with a header message")
-            lease = self.engine.reserve(_spec(head.header), inline=True).lease_id
+            lease = eng.reserve(_spec(head.header), inline=True).lease_id
             for raw in requests:
                 chunk = decode_chunk(raw)
                 if chunk is not None:
-                    self.engine.write_chunk(lease, chunk[0], chunk[1])
+                    eng.write_chunk(lease, chunk[0], chunk[1])
                     continue
                 msg = pb.ParkRequest.FromString(raw)
                 kind = msg.WhichOneof("kind")
                 if kind != "commit":
                     raise InvalidArgument(f"unexpected {kind or 'empty'} message inside a park stream")
                 lease_id, lease = lease, None
-                info = self.engine.commit(lease_id, expect_nbytes=msg.commit.nbytes)
+                info = eng.commit(lease_id, expect_nbytes=msg.commit.nbytes)
                 self._parked("inline", info.nbytes, t0)
                 return convert.info_to_pb(info)
             raise InvalidArgument("park stream ended before its commit message; nothing was stored")
         finally:
             if lease is not None:
-                self.engine.release(lease)
+                eng.release(lease)
 
     @_typed_stream
     def Restore(self, req: pb.RestoreRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        eng = self.tenants.view()
         ids = list(req.seq_ids) or req.seq_id
         t0 = time.perf_counter()
-        handle = self.engine.acquire(ids, stream=True, expect_layout=req.expect_layout)
+        handle = eng.acquire(ids, stream=True, expect_layout=req.expect_layout)
         try:
             yield pb.RestoreResponse(header=pb.RestoreHeader(info=convert.info_to_pb(handle.info))).SerializeToString()
-            for offset, views in self.engine.iter_chunks(handle, self.chunk_size):
+            for offset, views in eng.iter_chunks(handle, self.chunk_size):
                 if not context.is_active():
                     return
                 yield encode_chunk(offset, *views)
             self._restored("inline", handle.info.nbytes, t0)
         finally:
             if handle.lease_id:
-                self.engine.release(handle.lease_id)
+                eng.release(handle.lease_id)
 
     @_typed
     def ParkSmall(self, req: pb.ParkSmallRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
+        eng = self.tenants.view()
         t0 = time.perf_counter()
-        lease_id = self.engine.reserve(_spec(req.header), inline=True).lease_id
+        lease_id = eng.reserve(_spec(req.header), inline=True).lease_id
         committing = False
         try:
             if req.data:
-                self.engine.write_chunk(lease_id, 0, memoryview(req.data))
+                eng.write_chunk(lease_id, 0, memoryview(req.data))
             committing = True  # commit frees the slots itself when it fails
-            info = self.engine.commit(lease_id, expect_nbytes=len(req.data))
+            info = eng.commit(lease_id, expect_nbytes=len(req.data))
             self._parked("inline", info.nbytes, t0)
             return convert.info_to_pb(info)
         finally:
             if not committing:
-                self.engine.release(lease_id)
+                eng.release(lease_id)
 
     @_typed
     def Get(self, req: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetResponse:
+        eng = self.tenants.view()
         ids = list(req.seq_ids) or req.seq_id
         t0 = time.perf_counter()
-        handle = self.engine.acquire(ids, stream=True, expect_layout=req.expect_layout)
+        handle = eng.acquire(ids, stream=True, expect_layout=req.expect_layout)
         try:
             info = convert.info_to_pb(handle.info)
             # The client's limit, never above one message's worth (the daemon builds it in memory).
@@ -228,7 +243,7 @@ class Servicer:
             return out
         finally:
             if handle.lease_id:
-                self.engine.release(handle.lease_id)
+                eng.release(handle.lease_id)
 
     def _join(self, handle: ReadHandle) -> bytes:
         return b"".join(v for _, views in self.engine.iter_chunks(handle, 1 << 30) for v in views)
@@ -247,25 +262,38 @@ class Servicer:
 
     @_typed
     def Reserve(self, req: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
+        eng = self.tenants.view()
         t0 = time.perf_counter()
         if req.data_channel:
             # The bytes come through this process, as an inline park's: it lands where an
             # inline park would (the park tier, else host), filled by the data channel.
             dc, spec = self._channel(), _spec(req.header)
-            r = self.engine.reserve(spec, inline=True)
+            r = eng.reserve(spec, inline=True)
+            if r.window_size:
+                # Larger than the host tier: parked window by window, which the gRPC
+                # stream does; the client falls back to it.
+                eng.release(r.lease_id)
+                raise TransportUnavailable("a windowed park goes over the gRPC stream, not the data channel")
             self._pend(r.lease_id, t0, "inline")
             return pb.ReserveResponse(lease_id=r.lease_id, expires_in_s=r.expires_in_s,
                                       token=dc.tickets.issue_put(r.lease_id, spec.total))
         tier = req.tier or "host"
-        r = self.engine.reserve(_spec(req.header), tier=tier)
+        r = eng.reserve(_spec(req.header), tier=tier)
         self._pend(r.lease_id, t0, _TRANSPORT.get(tier, tier))
-        return pb.ReserveResponse(lease_id=r.lease_id, segments=_segments(r.segments), expires_in_s=r.expires_in_s)
+        return pb.ReserveResponse(lease_id=r.lease_id, segments=_segments(r.segments), expires_in_s=r.expires_in_s,
+                                  window_size=r.window_size)
+
+    @_typed
+    def Window(self, req: pb.WindowRequest, context: grpc.ServicerContext) -> pb.WindowResponse:
+        eng = self.tenants.view()
+        return pb.WindowResponse(segments=_segments(eng.window(req.lease_id, req.index)))
 
     @_typed
     def Commit(self, req: pb.CommitRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
+        eng = self.tenants.view()
         # A data-channel reservation publishes only once every byte has arrived on it.
         expect = self.datachannel.tickets.put_total(req.lease_id) if self.datachannel is not None else None
-        info = self.engine.commit(req.lease_id, expect_nbytes=expect)
+        info = eng.commit(req.lease_id, expect_nbytes=expect)
         with self._pending_lock:
             started = self._pending.pop(req.lease_id, None)
         if started is not None:
@@ -274,6 +302,7 @@ class Servicer:
 
     @_typed
     def Acquire(self, req: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireResponse:
+        eng = self.tenants.view()
         ids = list(req.seq_ids) or req.seq_id
         small = min(req.inline_max, self.chunk_size)
         t0 = time.perf_counter()
@@ -281,7 +310,7 @@ class Servicer:
         if req.data_channel:
             self._channel()
             need = None  # served as an inline restore is: from its fastest copy, or from disk
-        h = self.engine.acquire(ids, need=need, expect_layout=req.expect_layout, inline_max=small)
+        h = eng.acquire(ids, need=need, expect_layout=req.expect_layout, inline_max=small)
         if h.info.nbytes <= small:
             # Small: one round trip, bytes in the reply, no lease left behind.
             try:
@@ -290,64 +319,76 @@ class Servicer:
                 return out
             finally:
                 if h.lease_id:
-                    self.engine.release(h.lease_id)
+                    eng.release(h.lease_id)
         if req.data_channel:
             try:
                 token = self._channel().tickets.issue_get(h)
             except BaseException:
-                self.engine.release(h.lease_id)
+                if h.lease_id:
+                    eng.release(h.lease_id)
                 raise
             self._restored("inline", h.info.nbytes, t0)
             return pb.AcquireResponse(lease_id=h.lease_id, info=convert.info_to_pb(h.info, packed=req.packed),
                                       expires_in_s=self.engine.config.leases.ttl_s, token=token)
-        g = self.engine.grant(h)
+        g = eng.grant(h)
         # Counted when the bytes are leased to the reader; its copy out is its own time.
+        assert need is not None
         self._restored(_TRANSPORT.get(need, need), g.info.nbytes, t0)
         return pb.AcquireResponse(lease_id=g.lease_id, info=convert.info_to_pb(g.info, packed=req.packed),
-                                  segments=_segments(g.segments), expires_in_s=g.expires_in_s)
+                                  segments=_segments(g.segments), expires_in_s=g.expires_in_s,
+                                  window_size=g.window_size)
 
     @_typed
     def Release(self, req: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        eng = self.tenants.view()
         with self._pending_lock:
             self._pending.pop(req.lease_id, None)  # a park the client gave up
-        return pb.ReleaseResponse(released=self.engine.release(req.lease_id))
+        return pb.ReleaseResponse(released=eng.release(req.lease_id))
 
     @_typed
     def Prefetch(self, req: pb.PrefetchRequest, context: grpc.ServicerContext) -> pb.PrefetchResponse:
+        eng = self.tenants.view()
         if req.timeout_s < 0:
             raise InvalidArgument(f"timeout_s must be >= 0, got {req.timeout_s}")
-        tier = self.engine.prefetch(req.seq_id, req.tier or "device", wait=req.wait, timeout=req.timeout_s or None)
+        tier = eng.prefetch(req.seq_id, req.tier or "device", wait=req.wait, timeout=req.timeout_s or None)
         return pb.PrefetchResponse(tier=tier)
 
     @_typed
     def Lookup(self, req: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
-        present = self.engine.present(list(req.seq_ids))
+        eng = self.tenants.view()
+        present = eng.present(list(req.seq_ids))
         prefix = next((i for i, p in enumerate(present) if not p), len(present))
         return pb.LookupResponse(prefix=prefix, present=present)
 
     @_typed
     def Drop(self, req: pb.DropRequest, context: grpc.ServicerContext) -> pb.DropResponse:
-        return pb.DropResponse(dropped=self.engine.drop(req.seq_id))
+        eng = self.tenants.view()
+        return pb.DropResponse(dropped=eng.drop(req.seq_id))
 
     @_typed
     def Info(self, req: pb.InfoRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
-        return convert.info_to_pb(self.engine.info(req.seq_id))
+        eng = self.tenants.view()
+        return convert.info_to_pb(eng.info(req.seq_id))
 
     @_typed
     def List(self, req: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
-        return pb.ListResponse(sequences=[convert.info_to_pb(i) for i in self.engine.list()])
+        eng = self.tenants.view()
+        return pb.ListResponse(sequences=[convert.info_to_pb(i) for i in eng.list()])
 
     @_typed
     def Stat(self, req: pb.StatRequest, context: grpc.ServicerContext) -> pb.StatResponse:
-        return convert.stat_to_pb(self.engine.stat())
+        eng = self.tenants.view()
+        return convert.stat_to_pb(eng.stat())
 
     @_typed
     def Pin(self, req: pb.PinRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
-        return convert.info_to_pb(self.engine.pin(req.seq_id, req.pinned))
+        eng = self.tenants.view()
+        return convert.info_to_pb(eng.pin(req.seq_id, req.pinned))
 
     @_typed
     def Flush(self, req: pb.FlushRequest, context: grpc.ServicerContext) -> pb.FlushResponse:
-        return pb.FlushResponse(written=self.engine.flush())
+        eng = self.tenants.view()
+        return pb.FlushResponse(written=eng.flush())
 
 
 def _identity(b: bytes) -> bytes:
@@ -355,8 +396,9 @@ def _identity(b: bytes) -> bytes:
 
 
 def handlers(engine: Engine, config: ServerConfig, hostname: str, boot_id: str,
-             metrics: Metrics | None = None, datachannel: DataChannelServer | None = None) -> grpc.GenericRpcHandler:
-    s = Servicer(engine, config, hostname, boot_id, metrics, datachannel)
+             metrics: Metrics | None = None, tenants: Tenants | None = None,
+             datachannel: DataChannelServer | None = None) -> grpc.GenericRpcHandler:
+    s = Servicer(engine, config, hostname, boot_id, metrics, tenants, datachannel)
 
     def unary(fn: Callable[..., Any], req_cls: Any) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
@@ -379,6 +421,7 @@ def handlers(engine: Engine, config: ServerConfig, hostname: str, boot_id: str,
             "Commit": unary(s.Commit, pb.CommitRequest),
             "Acquire": unary(s.Acquire, pb.AcquireRequest),
             "Release": unary(s.Release, pb.ReleaseRequest),
+            "Window": unary(s.Window, pb.WindowRequest),
             "Prefetch": unary(s.Prefetch, pb.PrefetchRequest),
             "Lookup": unary(s.Lookup, pb.LookupRequest),
             "Drop": unary(s.Drop, pb.DropRequest),

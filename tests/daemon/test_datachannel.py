@@ -313,3 +313,41 @@ def test_a_restore_served_from_disk_streams_from_the_records(daemon: Callable[..
         assert all(torch.equal(a, b) for a, b in zip(ts, out))
         assert d.datachannel is not None and wait_until(lambda: d.datachannel.transfers == 1)
     settled(d)
+
+
+# ---------------------------------------------------------------------- TLS and tenants
+
+def test_the_channel_speaks_tls_when_grpc_does_and_carries_the_tenant(daemon: Callable[..., Daemon],
+                                                                      tmp_path) -> None:
+    from ..certs import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    # mTLS and a tenant, off loopback (the one way such a daemon starts): the channel takes
+    # the same certificate and requires a client certificate too.
+    d = daemon(**{"server.listen": "0.0.0.0:0", "server.tls_cert": pki.server_cert,
+                  "server.tls_key": pki.server_key, "server.tls_client_ca": pki.ca,
+                  "tenants.alice.token_sha256": __import__("hashlib").sha256(b"tok").hexdigest()})
+    assert d.datachannel is not None and d.datachannel.tls
+    addr = d.address.replace("0.0.0.0", "127.0.0.1")
+    x = [torch.randn(600_000)]
+    with Client(addr, token="tok", tls_ca=pki.ca, tls_cert=pki.client_cert, tls_key=pki.client_key) as c:
+        assert c.transport == "inline" and c.server.data_channel.tls
+        c.park("s", x)
+        assert torch.equal(c.restore("s")[0], x[0])
+        assert wait_until(lambda: d.datachannel.transfers == 2)  # both over the TLS channel
+        assert c.present(["s"]) == [True]
+    # A plaintext peer on the TLS channel gets nowhere, and the daemon serves on.
+    family, a = parse_address(d.datachannel.address.replace("0.0.0.0", "127.0.0.1"))
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(a)
+    s.sendall(REQUEST.pack(MAGIC, VERSION, GET, b"\0" * 16, 8))
+    try:
+        got = s.recv(100)
+    except ConnectionResetError:
+        got = b""
+    assert got == b"" or got[:1] == b"\x15"  # closed, or a TLS alert: never a plaintext answer
+    s.close()
+    with Client(addr, token="tok", tls_ca=pki.ca, tls_cert=pki.client_cert, tls_key=pki.client_key) as c:
+        assert torch.equal(c.restore("s")[0], x[0])
+    settled(d)
