@@ -201,7 +201,10 @@ class DataChannel:
         try:
             while pos < nbytes:
                 (n,) = CHUNK.unpack(recv_exact(sock, CHUNK.size))
-                if n == 0 or n > MAX_FRAME or pos + n > nbytes:
+                if n == 0:  # the daemon failed mid-stream and says why
+                    err = read_status(sock)
+                    raise err if err is not None else DataLoss("data channel: an empty chunk")
+                if n > MAX_FRAME or pos + n > nbytes:
                     raise DataLoss(f"data channel: a {n}-byte chunk at {pos} of {nbytes}")
                 left = n
                 while left:
@@ -213,6 +216,9 @@ class DataChannel:
                         yield di
                         di, within = di + 1, 0
                 pos += n
+            err = read_status(sock)  # the closing status: the daemon has ended the lease
+            if err is not None:
+                raise err
         except socket.timeout:
             raise DeadlineExceeded(f"data channel GET stalled for {timeout}s after {pos} of {nbytes} bytes") from None
         except (Closed, OSError) as e:

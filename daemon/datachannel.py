@@ -15,8 +15,10 @@ The framing is ``kvpark.proto.dataframe``.
   requires every byte to have arrived.
 - GET: served as an inline restore is (memory copies under the read lease, disk records
   verified as they are read): the lease stops expiring while the bytes are streamed out
-  (``sendmsg`` of slot views) and the transfer ends it, so the client makes no Release
-  call.
+  (``sendmsg`` of slot views) and the transfer ends it before its closing status, so the
+  client makes no Release call and a restore that returned has ended its lease. An
+  error mid-stream (a record failing its checksum) is sent typed after a zero-length
+  chunk.
 
 Bad input (an unknown, expired or reused token, a wrong op or size, a frame of 0 or more
 than ``MAX_FRAME`` bytes, frames past the declared size, a short read, an idle or
@@ -357,12 +359,15 @@ class DataChannelServer:
                 for _, views in self.engine.iter_chunks(handle, GET_CHUNK):
                     send_views(sock, [CHUNK.pack(sum(len(v) for v in views)), *views])
             except KVParkError as e:
-                # Mid-stream, a status frame would read as a chunk: close instead (the
-                # client counts the bytes and reports the short transfer).
+                # Mid-stream: a zero-length chunk (never a data chunk) announces the error's
+                # status frame, so the client raises it typed (a checksum's DataLoss, ...).
+                sock.sendall(CHUNK.pack(0) + status_bytes(e))
                 raise _Dropped(f"GET failed mid-stream: {type(e).__name__}: {e.message}") from None
-            self.transfers += 1
         finally:
-            self._abort(ticket)  # the lease ends with its transfer
+            self._abort(ticket)  # the lease ends with its transfer...
+        # ...before the closing status: a client whose restore returned sees it ended.
+        sock.sendall(status_bytes(None))
+        self.transfers += 1
 
 
 def _close(sock: socket.socket) -> None:

@@ -11,7 +11,9 @@ Frames (little endian)::
     request  := magic "KVDC" | u8 version | u8 op | 16-byte token | u64 nbytes
     PUT      := request, then chunks until nbytes have been sent; the daemon answers status
     GET      := request (nbytes = what the client expects); the daemon answers status,
-                then (when ok) chunks until nbytes
+                then (when ok) chunks until nbytes, then a closing status (sent once the
+                read lease has ended); an error mid-stream is a zero-length chunk, then
+                its status frame
     chunk    := u32 length (1..max_frame) | length bytes
     status   := u8 ok | u16 name length | u32 message length | error class name | message
 

@@ -297,7 +297,7 @@ def test_a_unix_socket_daemon_gets_a_unix_data_channel(daemon: Callable[..., Dae
     assert not (tmp_path / "kv.sock.data").exists()
 
 
-def test_a_restore_served_from_disk_streams_from_the_records(daemon: Callable[..., Daemon]) -> None:
+def test_a_restore_served_from_disk_streams_from_the_records(daemon: Callable[..., Daemon], tmp_path) -> None:
     """No promotion wanted: the channel sends the verified disk records themselves, with
     no lease to hold, and nothing is left behind."""
     over = {"policy.promote_on_restore": False}
@@ -305,13 +305,33 @@ def test_a_restore_served_from_disk_streams_from_the_records(daemon: Callable[..
     ts = [torch.randn(700_000), torch.randint(0, 9, (3, 5), dtype=torch.int32)]
     with Client(d.address, transport="inline") as c:
         c.park("disk", ts)
+        c.park("bad", ts)
     d.stop()  # flushes to disk; the restart below starts with the host tier empty
+    # A flipped byte in the second record of "bad": found mid-stream, after a first chunk.
+    import lmdb
+
+    from kvpark.tiers.disk import HEADER, Manifest, block_key
+
+    env = lmdb.open(str(tmp_path / "disk"), max_dbs=4)
+    blocks, manifests = env.open_db(b"blocks"), env.open_db(b"manifests")
+    with env.begin(write=True) as txn:
+        m = Manifest.decode(txn.get(b"bad", db=manifests))
+        key = block_key("bad", m.gen, 1)
+        raw = bytearray(txn.get(key, db=blocks))
+        raw[HEADER.size + 1000] ^= 0x40
+        txn.put(key, bytes(raw), db=blocks)
+    env.close()
     d = daemon(**over)
     with Client(d.address, transport="inline") as c:
         assert c.info("disk").tier == "disk"
         out = c.restore("disk")
         assert all(torch.equal(a, b) for a, b in zip(ts, out))
         assert d.datachannel is not None and wait_until(lambda: d.datachannel.transfers == 1)
+        # The daemon's error mid-stream comes back typed, with its reason.
+        with pytest.raises(DataLoss, match="checksum"):
+            c.restore("bad")
+        assert c.stat().leases == 0  # a restore that returned (or raised) has ended its lease
+        assert all(torch.equal(a, b) for a, b in zip(ts, c.restore("disk")))
     settled(d)
 
 
