@@ -518,7 +518,7 @@ class Engine:
             tiers = ("host", "device")  # streams read CPU memory best
         for t in tiers:
             if t in seq.res:
-                seq.readers[t] = seq.readers.get(t, 0) + 1
+                seq.add_reader(t)
                 lease.parts.append((seq, t))
                 return Part(seq.manifest, seq.res[t], t, seq)
         return Part(seq.manifest, None, "disk", seq)

@@ -146,8 +146,7 @@ class LeaseTable:
         # REQUIRES: index lock.
         self._leases.pop(lease.lease_id, None)
         for seq, tier in lease.parts:
-            seq.readers[tier] -= 1
-            assert seq.readers[tier] >= 0
+            seq.drop_reader(tier)
             self.catalog.release_dropped(seq)
         lease.parts = []
         w = lease.window

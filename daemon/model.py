@@ -7,7 +7,12 @@ Primitives:
   ``ParkSpec.validate()`` checks everything that needs no index; ``ParkSpec.manifest()``
   is the disk record it commits as.
 - ``Seq``: a parked sequence in memory: its typed disk record (``Manifest``), ready
-  memory copies per tier, disk presence, readers, and the flags the invariants rest on.
+  memory copies per tier (``res``), disk presence, readers, and the flags the
+  invariants rest on. Slotted, since the index holds one per parked block: the read
+  counts (``readers``, changed only through ``add_reader`` / ``drop_reader``) and the
+  ``move_lock`` are made on first use.
+- ``TierMap``: a mapping from memory tier name to value in two slots (``Seq.res``),
+  fastest tier first; ``ReadCounts``: the same with ``disk`` too (read leases per tier).
 - ``Lease``: a write reservation or a read lease (possibly over several sequences);
   live engine state, never handed to the servicer.
 - ``Window``: a sequence larger than its memory tier, moving through one window of
@@ -22,14 +27,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator, Mapping, MutableMapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Any, Callable, Literal, TypeVar
 
 from kvpark.proto.errors import InvalidArgument
-from kvpark.proto.layout import TensorMeta, fingerprint, validate_seq_id, validate_tensors
+from kvpark.proto.layout import TensorMeta, validate_seq_id, validate_tensors
 from kvpark.proto.types import SeqInfo
 from kvpark.tiers.arena import Allocation
+from kvpark.tiers import interning
 from kvpark.tiers.disk import Manifest, ReadTxn
 
 Tier = Literal["device", "host", "disk", "remote"]
@@ -37,6 +44,7 @@ MemTierName = Literal["device", "host"]
 LeaseKind = Literal["write", "read"]
 MEM_TIERS: tuple[MemTierName, ...] = ("device", "host")
 MAX_PARTS = 1 << 16  # ids in one restore/lookup call, new blocks in one park
+V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -64,13 +72,18 @@ class ParkSpec:
         return sum(b.nbytes for b in self.blocks) + self.nbytes
 
     def manifest(self, gen: int, block_size: int) -> Manifest:
-        """The disk record this park commits as generation ``gen``."""
+        """The disk record this park commits as generation ``gen``.
+
+        Tensor metadata, fingerprint and attrs are interned: the blocks of one model
+        share them (``kvpark.tiers.interning``).
+        """
         now = time.time()
+        tensors, fp = interning.layout(self.tensors)
         return Manifest(
-            seq_id=self.seq_id, gen=gen, tensors=self.tensors, nbytes=self.nbytes, block_size=block_size,
-            fingerprint=fingerprint(self.tensors), priority=self.priority, created_at=now, last_access=now,
+            seq_id=self.seq_id, gen=gen, tensors=tensors, nbytes=interning.number(self.nbytes),
+            block_size=block_size, fingerprint=fp, priority=self.priority, created_at=now, last_access=now,
             pinned=self.pinned, expires_at=now + self.ttl_s if self.ttl_s > 0 else None, refs=tuple(self.refs),
-            shared=self.shared, attrs=dict(self.attrs),
+            shared=self.shared, attrs=interning.attrs(self.attrs),
         )
 
     def validate(self) -> None:
@@ -105,18 +118,136 @@ class ParkSpec:
             raise InvalidArgument(f"sequence {self.seq_id!r} cannot reference itself as a block")
 
 
-@dataclass(eq=False)
+class TierMap(MutableMapping[str, V]):
+    """A dict keyed by memory tier name (``device``, ``host``) in two slots.
+
+    ``Seq.res`` is one of these, and the read counts a ``ReadCounts``: a plain dict costs
+    64 bytes empty and 184 with one entry, and a million parked blocks each carry one.
+    Iteration goes fastest tier first. Any other key is a ``KeyError``.
+    """
+
+    __slots__ = ("device", "host")
+    _keys: frozenset[str] = frozenset(("device", "host"))
+    _order: tuple[str, ...] = ("device", "host")
+
+    def __init__(self, items: Mapping[str, V] | None = None) -> None:
+        for k in self._order:
+            setattr(self, k, None)
+        if items:
+            for k, v in items.items():
+                self[k] = v
+
+    def __getitem__(self, key: str) -> V:
+        v = getattr(self, key) if key in self._keys else None
+        if v is None:
+            raise KeyError(key)
+        return v
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        v = getattr(self, key) if key in self._keys else None
+        return default if v is None else v
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys and getattr(self, key) is not None  # type: ignore[arg-type]
+
+    def __setitem__(self, key: str, value: V) -> None:
+        if key not in self._keys:
+            raise KeyError(f"not a tier this map holds: {key!r}")
+        assert value is not None
+        setattr(self, key, value)
+
+    def __delitem__(self, key: str) -> None:
+        if key not in self:
+            raise KeyError(key)
+        setattr(self, key, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([k for k in self._order if getattr(self, k) is not None])
+
+    def __len__(self) -> int:
+        return sum(getattr(self, k) is not None for k in self._order)
+
+    def __bool__(self) -> bool:
+        return any(getattr(self, k) is not None for k in self._order)
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))
+
+
+class ReadCounts(TierMap[int]):
+    """Read leases per tier: the memory tiers, and ``disk`` (a windowed restore reads
+    its sequence's disk records under a lease: ``window.py``)."""
+
+    __slots__ = ("disk",)
+    _keys = frozenset(("device", "host", "disk"))
+    _order = ("device", "host", "disk")
+
+
+class _Empty(ReadCounts):
+    """The shared, unchangeable read counts of a sequence nobody reads."""
+
+    __slots__ = ()
+
+    def __setitem__(self, key: str, value: int) -> None:
+        raise TypeError("Seq.readers is read-only; use Seq.add_reader / Seq.drop_reader")
+
+
+_NO_READERS: ReadCounts = _Empty()
+_NEW_LOCK = threading.Lock()  # makes a Seq's move lock exactly once (see Seq.move_lock)
+
+
+@dataclass(eq=False, slots=True)
 class Seq:
     manifest: Manifest
-    res: dict[str, Allocation] = field(default_factory=dict)  # ready memory copies
+    res: TierMap[Allocation] = field(default_factory=TierMap)  # ready memory copies
     on_disk: bool = False
     on_remote: bool = False  # a copy in the remote tier (Redis) is known to this daemon
-    readers: dict[str, int] = field(default_factory=dict)
+    _readers: ReadCounts | None = None  # read leases per tier; made on the first (see ``readers``)
     moving: int = 0  # copies in flight from this sequence's memory
     dropped: bool = False
     access_count: int = 0
     promotions: int = 0
-    move_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Made on first use: most of a million parked blocks never move, and a lock is 56
+    # bytes and a third of the time of rebuilding one index entry at restart.
+    _move_lock: threading.Lock | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.res, TierMap):
+            self.res = TierMap(self.res)
+
+    @property
+    def readers(self) -> Mapping[str, int]:
+        """Read leases on each memory copy (read-only: change it with ``add_reader`` /
+        ``drop_reader``). Most parked blocks are never being read: they share one empty map."""
+        return self._readers if self._readers is not None else _NO_READERS
+
+    def add_reader(self, tier: str) -> None:
+        r = self._readers
+        if r is None:
+            r = self._readers = ReadCounts()
+        r[tier] = r.get(tier, 0) + 1
+
+    def drop_reader(self, tier: str) -> None:
+        r = self._readers
+        n = r.get(tier, 0) if r is not None else 0
+        assert r is not None and n > 0, f"{self.seq_id}: no reader on {tier} to drop"
+        if n > 1:
+            r[tier] = n - 1
+        else:
+            del r[tier]
+            if not r:
+                self._readers = None
+
+    @property
+    def move_lock(self) -> threading.Lock:
+        """Serialises the moves of this sequence (``mover.py``)."""
+        lock = self._move_lock
+        if lock is None:
+            with _NEW_LOCK:
+                lock = self._move_lock
+                if lock is None:
+                    lock = self._move_lock = threading.Lock()
+        return lock
 
     @property
     def seq_id(self) -> str:

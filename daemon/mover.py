@@ -27,7 +27,7 @@ Primitives:
 - ``await_room(tier, need, exclude, deadline) -> bool``: demote, or wait on the catalog's
   ``changed`` condition for in-flight work to free room.
 - ``relieve() -> int``: one background pass: every tier past its high mark down to its low mark.
-- ``write_to_disk(seq) -> bool``; ``flush() -> int``.
+- ``write_to_disk(seq) -> bool``; ``flush() -> int`` (batched: ``flush.py``).
 - The remote tier (when configured), below disk: ``promote`` reads a sequence known
   only from remote straight into memory (verified); ``fetch_remote(seq)`` brings one
   onto the local disk instead (when memory has no room, or it is served from disk);
@@ -55,6 +55,7 @@ from kvpark.tiers.arena import Allocation
 from kvpark.tiers.copy import CopyEngine, CopyJob, runs
 from kvpark.tiers.disk import DiskStore
 
+from . import flush
 from .catalog import Catalog
 from .config import PolicyConfig
 from .leases import LeaseTable
@@ -130,7 +131,7 @@ class Mover:
                 with self.catalog.lock:  # still under move_lock: no demotion can start on it
                     if to not in seq.res or seq.dropped:
                         return False
-                    seq.readers[to] = seq.readers.get(to, 0) + 1
+                    seq.add_reader(to)
                     lease.parts.append((seq, to))
                     return True
         finally:
@@ -529,24 +530,9 @@ class Mover:
         self.disk.delete(seq.manifest)
 
     def flush(self) -> int:
-        """Write every memory-only sequence to disk (keeping its memory copies)."""
-        with self.catalog.lock:
-            todo = [s for s in self.catalog.sequences() if s.res and not s.on_disk]
-        total = len(todo)
-        done, last = 0, time.monotonic()
-        for s in todo:
-            try:
-                if self.write_to_disk(s):
-                    done += 1
-            except KVParkError as e:
-                log.error("flush: sequence %r not written: %s", s.seq_id, e)
-            if time.monotonic() - last > 1.0:
-                log.info("flush: %d/%d sequences on disk", done, total)
-                last = time.monotonic()
-        self.disk.sync()
-        if total:
-            log.info("flush: %d/%d memory-only sequence(s) written to disk", done, total)
-        return done
+        """Write every memory-only sequence to disk (keeping its memory copies), in
+        batches of one transaction each (``flush.py``)."""
+        return flush.flush(self)
 
     # ------------------------------------------------------------------ the remote tier
 

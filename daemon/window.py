@@ -289,7 +289,7 @@ class Windows:
             if seq.dropped or not seq.on_disk:
                 raise NotFound(f"sequence {seq.seq_id!r} was dropped during the restore")
             # A reader on the disk copy: disk eviction leaves it alone while the lease lasts.
-            seq.readers["disk"] = seq.readers.get("disk", 0) + 1
+            seq.add_reader("disk")
             lease.parts.append((seq, "disk"))
         snapshot = ExitStack()
         w: Window | None = None

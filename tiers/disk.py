@@ -20,6 +20,9 @@ mix. Every read verifies header, length, fingerprint and checksum and raises
 Primitives:
 - ``Manifest``: a sequence's typed disk record (tensors, sizes, generation, priority,
   timestamps, pin/TTL/refs/shared/attrs; the last five travel in the JSON ``extra`` map).
+  Slotted; ``decode`` shares the tensor tuples, attrs dicts and sizes that many
+  manifests repeat (``interning.py``), so a restart with a million blocks holds one
+  copy of each.
 - ``DiskStore(path, capacity, writemap)``; ``close()``; ``sync()``. The engine takes a
   ``disk_factory`` with this signature, so tests inject a subclass that records syncs,
   slows writes down or raises faults (the fault-injection seam). One daemon per directory:
@@ -69,6 +72,8 @@ import xxhash
 from kvpark.proto.errors import DataLoss, ResourceExhausted, StartupError
 from kvpark.proto.layout import TensorMeta
 
+from . import interning
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVPB"
@@ -81,7 +86,7 @@ def checksum(view: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(view)
 
 
-@dataclass
+@dataclass(slots=True)
 class Manifest:
     seq_id: str
     gen: int
@@ -137,26 +142,39 @@ class Manifest:
 
     @staticmethod
     def decode(raw: bytes) -> "Manifest":
-        d = json.loads(raw)
+        # A restart decodes every manifest: the plain decoder (no encoding sniffing), and
+        # what a million blocks share (layouts, attrs, sizes) as one object each.
+        text = str(raw, "utf-8")
+        d, end = _JSON.raw_decode(text)
+        if end != len(text) and text[end:].strip():
+            raise ValueError(f"manifest has extra data after its JSON (at {end})")
+        if not isinstance(d, dict):
+            raise TypeError("a manifest is a JSON object")
         if d.get("v") != FORMAT_VERSION:
             raise ValueError(f"manifest format version {d.get('v')} (this build reads {FORMAT_VERSION})")
-        extra = dict(d.get("extra", {}))
-        return Manifest(
-            seq_id=d["seq_id"],
-            gen=int(d["gen"]),
-            tensors=tuple(TensorMeta.from_json(t) for t in d["tensors"]),
-            nbytes=int(d["nbytes"]),
-            block_size=int(d["block_size"]),
-            fingerprint=int(d["fingerprint"]),
-            priority=int(d.get("priority", 0)),
-            created_at=float(d.get("created_at", 0.0)),
-            last_access=float(d.get("last_access", 0.0)),
-            pinned=bool(extra.get("pinned", False)),
-            expires_at=float(extra["expires_at"]) if extra.get("expires_at") else None,
-            refs=tuple(extra.get("refs", ())),
-            shared=bool(extra.get("shared", False)),
-            attrs={str(k): str(v) for k, v in dict(extra.get("attrs", {})).items()},
+        tensors, fp = interning.layout_json(d["tensors"])
+        stored_fp = int(d["fingerprint"])
+        created_at = float(d.get("created_at", 0.0))
+        last_access = float(d.get("last_access", 0.0))
+        extra = d.get("extra")
+        m = Manifest(
+            d["seq_id"], int(d["gen"]), tensors, interning.number(int(d["nbytes"])),
+            interning.number(int(d["block_size"])), fp if fp == stored_fp else stored_fp, int(d.get("priority", 0)),
+            created_at, created_at if last_access == created_at else last_access,
         )
+        if extra:
+            extra = dict(extra)
+            m.pinned = bool(extra.get("pinned", False))
+            m.expires_at = float(extra["expires_at"]) if extra.get("expires_at") else None
+            m.refs = tuple(extra.get("refs", ()))
+            m.shared = bool(extra.get("shared", False))
+            m.attrs = interning.attrs_json(dict(extra.get("attrs", {})))
+        else:
+            m.attrs = interning.attrs({})
+        return m
+
+
+_JSON = json.JSONDecoder()
 
 
 @dataclass(frozen=True)
@@ -257,8 +275,11 @@ class DiskStore:
         data_file = os.path.join(path, "data.mdb")
         existing = os.path.getsize(data_file) if os.path.exists(data_file) else 0
         # Headroom over the payload capacity for LMDB pages, headers and manifests,
-        # so our accounting, not MDB_MAP_FULL, is what says "full".
-        map_size = max(capacity + capacity // 8 + (64 << 20), existing)
+        # so our accounting, not MDB_MAP_FULL, is what says "full". Small records need
+        # the most: a million 1 KiB KV blocks under random (content-hash) keys filled
+        # ~2.4x their payload in half-full B-tree pages plus a manifest each. The map is
+        # address space (and a sparse file under writemap), not disk.
+        map_size = max(capacity * 3 + (64 << 20), existing)
         self.env = lmdb.open(
             path,
             map_size=map_size,
