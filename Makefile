@@ -59,6 +59,7 @@ test-vllm: $(VSTAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/transport.py
+	$(BIN)/python bench/disk.py
 
 # The side-by-side suite with its table and plot (bench-out/bench.json, bench-out/bench.png).
 bench-plot: $(STAMP)

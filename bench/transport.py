@@ -10,7 +10,15 @@ Measured in one run, on (a) one 256 MiB uint8 tensor and (b) 256 tensors of 1 Mi
   default thread count (measured once, at the start).
 - ``kvpark shm`` / ``kvpark inline``: ``Client.park`` and ``Client.restore(into=...)``
   against a daemon started in this process (``--servers process``: a ``kvpark serve``
-  subprocess instead).
+  subprocess instead). ``kvpark inline`` moves its bytes on the daemon's data channel;
+  ``kvpark inline over gRPC`` is the same client with the channel unused (the fallback).
+- ``bare socket``: one loopback TCP connection served by a thread in this script,
+  ``sendmsg`` of memoryviews one way and ``recv_into`` preallocated memory the other:
+  the ceiling of the data channel.
+- ``lmcache_server``: LMCache's simple CPU server, driven with its own wire messages by
+  ``bench/lmcache_peer.py`` under the interpreter given by ``--lmcache-python`` (default
+  ``$KVPARK_LMCACHE_PYTHON``; LMCache pins its own torch, so it lives in a venv of its
+  own). Skipped, with a note, when not given or not importable.
 - ``bare gRPC``: a tiny gRPC server in this script (generic handler, identity
   serializers, same channel options as kvpark): a stream_unary upload and a
   unary_stream download of the same bytes in 1 MiB messages built from memoryviews
@@ -58,7 +66,7 @@ import torch
 
 from _common import write_json  # bench/ is on sys.path when a script here runs
 
-from kvpark.client.benchkit import (CHUNK, MiB, REDIS_READ_SIZE, BareClient, BareServicer, RedisServer,
+from kvpark.client.benchkit import (CHUNK, MiB, REDIS_READ_SIZE, BareClient, BareServicer, BareSocket, RedisServer,
                                     cpu_model, latencies, pct, same, start_bare_server, timed, touch)
 
 HERE = Path(__file__).resolve().parent
@@ -67,7 +75,9 @@ CP_HEADER = b"h" * 64  # about the size of a 1-tensor ParkHeader / RestoreHeader
 CP_COMMIT = b"c" * 8
 
 TARGETS = {
-    "shm_vs_copy": 0.8,  # shm park and restore >= 0.8x the single-thread copy_ limit
+    "shm_vs_copy": 0.9,  # shm park and restore >= 0.9x the single-thread copy_ limit
+    "inline_vs_socket": 0.8,  # inline (data channel) park/restore >= 0.8x a bare loopback socket
+    "inline_vs_lmcache": 1.5,  # inline park/restore >= 1.5x LMCache's lmcache_server
     "inline_vs_redis": 1.5,  # inline park/restore >= 1.5x Redis SET/GET
     "p50_vs_unary": 2.0,  # 1-block park/restore p50 <= 2x a bare gRPC unary round trip
 }
@@ -179,6 +189,30 @@ class Servers:
 # --------------------------------------------------------------------------- main
 
 
+def lmcache_rows(args: argparse.Namespace, n: int, record: Any, checks: list[str]) -> str:
+    """Case b against ``lmcache_server`` (1 MiB chunks), run by bench/lmcache_peer.py under
+    the LMCache venv's python; returns a note when the rows are skipped."""
+    if not args.lmcache_python:
+        return "lmcache_server rows skipped (no --lmcache-python / $KVPARK_LMCACHE_PYTHON)"
+    try:
+        p = subprocess.run([args.lmcache_python, str(HERE / "lmcache_peer.py"), "--n", str(n), "--reps",
+                            str(args.reps), "--warmup", str(args.warmup)], capture_output=True, text=True,
+                           timeout=900)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"lmcache_server rows skipped ({e})"
+    if p.returncode != 0:
+        return f"lmcache_server rows skipped (exit {p.returncode}: {p.stderr.strip().splitlines()[-1:]})"
+    import json
+
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    record("lmcache_server put", "b", got["put_s"], note=f"lmcache {got['version']}")
+    record("lmcache_server get (into)", "b", got["get_s"], note=f"lmcache {got['version']}")
+    if not got.get("bytes_ok"):
+        checks.append("lmcache_server: restored bytes differ")
+    print("  done: lmcache_server", flush=True)
+    return ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="64 MiB / 64 x 1 MiB instead of 256 MiB / 256 x 1 MiB")
@@ -192,6 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="run the kvpark daemon and the bare gRPC server in this process (default) or as "
                          "subprocesses")
     ap.add_argument("--no-redis", action="store_true", help="skip the Redis rows")
+    ap.add_argument("--lmcache-python", default=os.environ.get("KVPARK_LMCACHE_PYTHON", ""),
+                    help="python of a venv with LMCache installed (default $KVPARK_LMCACHE_PYTHON); none: skip")
     ap.add_argument("--serve-bare", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--size-a", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--n-b", type=int, default=0, help=argparse.SUPPRESS)
@@ -278,6 +314,36 @@ def main(argv: Sequence[str] | None = None) -> int:
                         checks.append(f"kvpark {transport} case {case}: restored bytes differ")
                     c.drop(sid)
                     print(f"  done: kvpark {transport} case {case}", flush=True)
+                if transport == "inline":
+                    c._transport.channel = None  # type: ignore[attr-defined]  # the gRPC fallback
+                    for case, cs in cases.items():
+                        sid = f"bench-grpc-{case}"
+                        src, dst = cs["src"], cs["dst"]
+                        record("kvpark inline over gRPC park", case,
+                               timed(lambda: c.park(sid, src), args.reps, args.warmup, after=lambda: c.drop(sid)))
+                        c.park(sid, src)
+                        record("kvpark inline over gRPC restore(into)", case,
+                               timed(lambda: c.restore(sid, into=dst), args.reps, args.warmup))
+                        c.drop(sid)
+
+        # ---------------------------------------------------------------- bare socket
+        bs = BareSocket(max(size_a, n_b * MiB))
+        try:
+            for case, cs in cases.items():
+                src, dst = cs["src"], cs["dst"]
+                views = [memoryview(t.numpy()) for t in src]
+                record("bare socket upload", case, timed(lambda: bs.upload(views), args.reps, args.warmup))
+                if not np.array_equal(bs.sink[: cs["nbytes"]], np.concatenate([t.numpy() for t in src])):
+                    checks.append(f"bare socket upload case {case}: bytes differ")
+                bs.sources = views
+                touch(dst)
+                dviews = [memoryview(t.numpy()) for t in dst]
+                record("bare socket download", case, timed(lambda: bs.download(dviews), args.reps, args.warmup))
+                if not same(src, dst):
+                    checks.append(f"bare socket download case {case}: bytes differ")
+            print("  done: bare socket", flush=True)
+        finally:
+            bs.close()
 
         # ---------------------------------------------------------------- bare gRPC
         bc = BareClient(servers.bare_address)
@@ -389,6 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             finally:
                 redis_srv.close()
 
+    # -------------------------------------------------------------------- LMCache
+    lmcache_note = lmcache_rows(args, cases["b"]["nbytes"] // MiB, record, checks)
+
     # -------------------------------------------------------------------- report
     def best(name: str, case: str) -> float | None:
         for r_ in rows:
@@ -428,6 +497,16 @@ def main(argv: Sequence[str] | None = None) -> int:
               TARGETS["inline_vs_redis"], True, case)
         ratio("inline restore(into) / redis GET+copy", best("kvpark inline restore(into)", case),
               best("redis GET + copy into dst", case), None, True, case)
+        ratio("inline park / bare socket upload", best("kvpark inline park", case),
+              best("bare socket upload", case), TARGETS["inline_vs_socket"], True, case)
+        ratio("inline restore(into) / bare socket download", best("kvpark inline restore(into)", case),
+              best("bare socket download", case), TARGETS["inline_vs_socket"], True, case)
+        ratio("inline park / lmcache_server put", best("kvpark inline park", case),
+              best("lmcache_server put", case), TARGETS["inline_vs_lmcache"], True, case)
+        ratio("inline restore(into) / lmcache_server get", best("kvpark inline restore(into)", case),
+              best("lmcache_server get (into)", case), TARGETS["inline_vs_lmcache"], True, case)
+        ratio("inline over gRPC park / bare gRPC upload", best("kvpark inline over gRPC park", case),
+              best("bare gRPC upload (stream)", case), None, True, case)
         ratio("inline park / bare gRPC upload", best("kvpark inline park", case),
               best("bare gRPC upload (stream)", case), None, True, case)
         ratio("inline restore(into) / bare gRPC download", best("kvpark inline restore(into)", case),
@@ -459,8 +538,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             m = [r_ for r_ in rows if r_["row"] == name and r_["case"] == case]
             cells.append(f"{m[0]['best_gbps']:7.2f} ({m[0]['median_gbps']:6.2f})" if m else "-")
         out.append(f"{name:<{w}}{cells[0]:>20}{cells[1]:>20}")
-    if redis_note:
-        out.append(f"({redis_note})")
+    for note in (redis_note, lmcache_note):
+        if note:
+            out.append(f"({note})")
     out.append("")
     out.append(f"Control-plane latency, microseconds ({args.lat_iters} iterations after 30 warm-up)")
     out.append(f"{'row':<{w}}{'p50':>10}{'p99':>10}{'mean':>10}")
@@ -475,7 +555,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         t = "" if r_["target"] is None else f"{r_['target_op']} {r_['target']:g}"
         out.append(f"{r_['ratio']:<52}{r_['case']:>6}{v:>9}{t:>10}  {r_['verdict']}")
     out.append("")
-    out.append("Targets: shm park and restore >= 0.8x the single-thread copy_ limit; inline park/restore >= 1.5x "
+    out.append("Targets: shm park and restore >= 0.9x the single-thread copy_ limit; inline park/restore >= 0.8x "
+               "a bare loopback socket and >= 1.5x LMCache's lmcache_server (1 MiB chunks; case b) and >= 1.5x "
                "Redis SET/GET; 1-block park/restore p50 <= 2x a bare gRPC unary round trip.")
     if checks:
         out.append("CORRECTNESS PROBLEMS: " + "; ".join(checks))
@@ -489,7 +570,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch_threads=args.threads, torch_default_threads=default_threads, servers=args.servers,
             reps=args.reps, warmup=args.warmup, statistic="best of reps (median also given)",
             gb="1e9 bytes", case_a=cases["a"]["label"], case_b=cases["b"]["label"], chunk=CHUNK,
-            quick=args.quick, redis_note=redis_note, redis_socket_read_size=REDIS_READ_SIZE, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            quick=args.quick, redis_note=redis_note, lmcache_note=lmcache_note, redis_socket_read_size=REDIS_READ_SIZE, timestamp=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         ),
         throughput=rows,
         latency=[dict(row=l_["row"], p50_us=pct(l_["us"], 50), p99_us=pct(l_["us"], 99),

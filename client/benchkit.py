@@ -4,6 +4,10 @@ Primitives:
 - ``BareServicer`` / ``start_bare_server(servicer)`` / ``BareClient(address)``: a bare gRPC
   server (generic handler, identity serializers, kvpark's channel options) that streams
   1 MiB messages built from memoryviews: the ceiling of the inline transport.
+- ``BareSocket(capacity)``: a plain loopback TCP socket served by a thread here that moves
+  the same bytes with ``sendmsg`` of memoryviews and ``recv_into`` preallocated memory
+  (``upload(views)``, ``download(dsts)``, ``sources``, ``sink``): the ceiling of the data
+  channel.
 - ``RedisServer()``: a throwaway ``redis-server`` on a free loopback port, persistence off;
   ``ok`` is False (with ``skip_reason``) when the binary or redis-py is missing.
 - ``timed(fn, reps, warmup, before=None, after=None) -> [seconds]``,
@@ -19,6 +23,7 @@ import platform
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator, Sequence
@@ -121,6 +126,60 @@ class BareClient:
 
     def close(self) -> None:
         self.channel.close()
+
+
+class BareSocket:
+    """One loopback connection, raw bytes both ways; a thread serves it."""
+
+    _HEAD = 9  # u8 op (1 upload, 2 download) | u64 nbytes
+
+    def __init__(self, capacity: int) -> None:
+        from kvpark.proto.dataframe import recv_into_exact, send_views
+
+        self._recv, self._send = recv_into_exact, send_views
+        self.sink = np.empty(capacity, dtype=np.uint8)
+        self.sink.fill(0)  # faulted in now, not inside a timed upload
+        self.sources: list[memoryview] = []
+        lst = socket.socket()
+        lst.bind(("127.0.0.1", 0))
+        lst.listen(1)
+        self._thread = threading.Thread(target=self._serve, args=(lst,), daemon=True)
+        self._thread.start()
+        self.sock = socket.create_connection(lst.getsockname())
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def _serve(self, lst: socket.socket) -> None:
+        conn, _ = lst.accept()
+        lst.close()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        head = memoryview(bytearray(self._HEAD))
+        sink = memoryview(self.sink)
+        try:
+            while True:
+                self._recv(conn, head)
+                op, n = head[0], int.from_bytes(head[1:], "little")
+                if op == 1:
+                    self._recv(conn, sink[:n])
+                    conn.sendall(b"k")
+                else:
+                    self._send(conn, self.sources)
+        except (OSError, ConnectionError):
+            conn.close()
+
+    def upload(self, views: Sequence[memoryview]) -> None:
+        n = sum(len(v) for v in views)
+        self._send(self.sock, [bytes([1]) + n.to_bytes(8, "little"), *views])
+        self._recv(self.sock, memoryview(bytearray(1)))
+
+    def download(self, dsts: Sequence[memoryview]) -> None:
+        n = sum(len(d) for d in dsts)
+        self.sock.sendall(bytes([2]) + n.to_bytes(8, "little"))
+        for d in dsts:
+            self._recv(self.sock, d)
+
+    def close(self) -> None:
+        self.sock.close()
+        self._thread.join(5)
 
 
 class RedisServer:

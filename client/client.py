@@ -39,6 +39,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from kvpark.proto import VERSION, convert
+from kvpark.proto import packed as packing
 from kvpark.proto.errors import InvalidArgument, TransportUnavailable
 from kvpark.proto.layout import TensorMeta, validate_seq_id
 from kvpark.proto.types import SeqInfo, Stat
@@ -57,8 +58,13 @@ TRANSPORT_NAMES = ("auto", *TRANSPORTS)
 __all__ = ["Client", "DEFAULT_ADDRESS", "Restoring", "SMALL_POOL_BYTES", "TRANSPORT_NAMES"]
 
 
-def _header(seq_id: str, tensors: Sequence[torch.Tensor]) -> pb.ParkHeader:
+def _header(seq_id: str, tensors: Sequence[torch.Tensor], packed: bool = False) -> pb.ParkHeader:
+    """The park header of one sequence; ``packed``: the tensor list in compact form
+    (``kvpark.proto.packed``), for daemons whose Hello lists the feature."""
     validate_seq_id(seq_id)
+    if packed:
+        data, nbytes = packing.pack_tensors(tensors)
+        return pb.ParkHeader(seq_id=seq_id, packed_tensors=data, nbytes=nbytes)
     metas = [TensorMeta.of(t) for t in tensors]
     return pb.ParkHeader(seq_id=seq_id, tensors=[convert.meta_to_pb(m) for m in metas],
                          nbytes=sum(m.nbytes for m in metas))
@@ -81,6 +87,7 @@ class Client:
             self.server = self.rpc.call(self.rpc.hello, pb.HelloRequest(client_version=VERSION))
             self.chunk_size = int(self.server.chunk_size) or (1 << 20)
             self._transport = negotiate(self.rpc, self.server, transport)
+            self._packed = "packed" in self.server.features
         except BaseException:
             self.rpc.close()
             raise
@@ -149,7 +156,7 @@ class Client:
             raise InvalidArgument(f"priority must fit in int32, got {priority}")
         if ttl_s is not None and not ttl_s > 0:
             raise InvalidArgument(f"ttl_s must be > 0, got {ttl_s}")
-        header = _header(seq_id, tensors)
+        header = _header(seq_id, tensors, self._packed)
         header.priority, header.overwrite, header.pinned = int(priority), overwrite, pinned
         header.ttl_s = float(ttl_s or 0.0)
         header.refs.extend(refs)
@@ -157,7 +164,7 @@ class Client:
         flats: list[torch.Tensor] = []
         for bid, bts in (new_blocks or {}).items():
             bts = as_tensors(bts, f"new_blocks[{bid!r}]")
-            bh = _header(bid, bts)
+            bh = _header(bid, bts, self._packed)
             bh.shared = True
             header.blocks.append(bh)
             flats.extend(byte_view(t) for t in bts)
@@ -177,7 +184,7 @@ class Client:
         flats: list[torch.Tensor] = []
         for sid, ts in items.items():
             ts = as_tensors(ts, f"items[{sid!r}]")
-            bh = _header(sid, ts)
+            bh = _header(sid, ts, self._packed)
             bh.attrs.update(attrs or {})
             header.blocks.append(bh)
             flats.extend(byte_view(t) for t in ts)

@@ -153,6 +153,7 @@ class Rpc:
         self.default_timeout = resolve_timeout(timeout)
         self._local = threading.local()
         self.channel = ch = open_channel(address, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+        self.tls = (tls_ca, tls_cert, tls_key)  # the data channel wraps its socket with the same
         u = lambda name, resp: ch.unary_unary(_SVC + name, request_serializer=_ser,  # noqa: E731
                                                response_deserializer=resp.FromString)
         self.hello = u("Hello", pb.HelloResponse)

@@ -5,7 +5,10 @@ gRPC carries control on every path; the bytes take the cheapest one the client r
 - ``CudaIpc``: the daemon's device pool, opened through CUDA IPC, on a GPU this process
   sees; copies are device to device into (out of) the slots the daemon reserved (leased).
 - ``Shm``: the host arena file, mapped once (and page-locked once on a GPU machine).
-- ``Inline``: bytes in ~1 MiB gRPC messages (remote or untrusted clients).
+- ``Inline``: clients that cannot map the arena (remote or untrusted). Bulk bytes go over
+  the daemon's data channel when Hello offers one (``client/datachannel.py``: a raw
+  socket, one-time tokens from Reserve/Acquire); else, or when it is refused, in ~1 MiB
+  gRPC messages.
 
 Payloads up to one message (inline) or ``SMALL_POOL_BYTES`` (shm, cuda_ipc) take one
 unary round trip (``ParkSmall``, ``Get``, an ``Acquire`` that answers inline) on every path.
@@ -45,6 +48,7 @@ from kvpark.proto.wire import decode_chunk, encode_chunk, regroup
 from kvpark.tiers import cuda
 from kvpark.tiers.shm import SharedArena, boot_id
 
+from .datachannel import DataChannel, DataChannelRefused, client_ssl_context
 from .payload import Outputs, pieces
 from .rpc import Rpc, translate
 
@@ -151,6 +155,7 @@ class Transport(ABC):
         self.rpc = rpc
         self.hello = hello
         self.chunk_size = int(hello.chunk_size) or (1 << 20)
+        self.packed = "packed" in hello.features  # compact tensor lists in replies
 
     @classmethod
     def open(cls, rpc: Rpc, hello: pb.HelloResponse) -> "Transport":
@@ -258,9 +263,28 @@ class Inline(Transport):
 
     name = "inline"
 
+    def __init__(self, rpc: Rpc, hello: pb.HelloResponse) -> None:
+        super().__init__(rpc, hello)
+        dc = hello.data_channel
+        self.channel = (DataChannel(dc, rpc.address, client_ssl_context(*rpc.tls))
+                        if hello.HasField("data_channel") and dc.address else None)
+
     @property
     def small_limit(self) -> int:
         return self.chunk_size
+
+    def close(self) -> None:
+        if self.channel is not None:
+            self.channel.close()
+
+    def _socket(self) -> socket.socket | None:
+        """A data channel connection, or None: no channel, or refused (then gRPC streams)."""
+        if self.channel is None or not self.channel.usable:
+            return None
+        try:
+            return self.channel.connect()
+        except DataChannelRefused:
+            return None
 
     def park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
         if sum(f.numel() for f in flats) <= self.small_limit:
@@ -269,6 +293,11 @@ class Inline(Transport):
         views = [memoryview(f.cpu().numpy()) for f in flats if f.numel()]
         size = self.chunk_size
         total = sum(len(v) for v in views)
+        sock = self._socket()
+        if sock is not None:
+            done = self._park_channel(sock, header, views, total)
+            if done is not None:
+                return done
 
         def stream() -> Iterator[bytes]:
             yield pb.ParkRequest(header=header).SerializeToString()
@@ -281,7 +310,77 @@ class Inline(Transport):
         except grpc.RpcError as e:
             raise translate(e) from None
 
+    def _park_channel(self, sock: socket.socket, header: pb.ParkHeader, views: list[memoryview],
+                      total: int) -> SeqInfo | None:
+        """Reserve (token), the bytes on the data channel, then commit: three steps, as shm.
+        None: the daemon wants this park on the gRPC stream (a windowed park)."""
+        rpc, channel = self.rpc, self.channel
+        assert channel is not None
+        try:
+            r = rpc.call(rpc.reserve, pb.ReserveRequest(header=header, tier="host", data_channel=True))
+        except TransportUnavailable:
+            channel.done(sock)
+            return None
+        except BaseException:
+            channel.done(sock)
+            raise
+        try:
+            channel.put(sock, r.token, views, total, rpc.data_timeout(total))
+        except BaseException:
+            channel.discard(sock)
+            rpc.release_quietly(r.lease_id)  # the daemon aborts it on errors it sees; this covers the rest
+            raise
+        channel.done(sock)
+        return convert.info_from_pb(rpc.call(rpc.commit, pb.CommitRequest(lease_id=r.lease_id, packed=self.packed)))
+
+    def _restore_channel(self, sock: socket.socket, ids: list[str], target: Target) -> Restoring:
+        """Acquire (bytes inline when small, else a token), then the bytes on the data
+        channel straight into the outputs; the daemon ends the lease with the transfer."""
+        rpc, channel = self.rpc, self.channel
+        assert channel is not None
+        req = pb.AcquireRequest(tier="host", expect_layout=target.expect_layout, inline_max=self.chunk_size,
+                                packed=self.packed, data_channel=True)
+        set_ids(req, ids)
+        try:
+            r = rpc.call(rpc.acquire, req)
+        except ResourceExhausted:
+            channel.done(sock)  # no room to stage it on host: the gRPC stream serves it
+            return self._restore_stream(ids, target)
+        except BaseException:
+            channel.done(sock)
+            raise
+        if r.inlined:
+            channel.done(sock)
+            return self._from_bytes(r.info, r.data, target)
+        try:
+            info = convert.info_from_pb(r.info)
+            out = target.outputs(info, staging_device="cpu")
+        except BaseException:
+            channel.discard(sock)
+            rpc.release_quietly(r.lease_id)
+            raise
+        dsts = [memoryview(f.numpy()) for f in out.flats]
+        got = channel.get(sock, r.token, info.nbytes, dsts, rpc.data_timeout(info.nbytes))
+
+        def tensors() -> Iterator[tuple[int, torch.Tensor]]:
+            ok = False
+            try:
+                for i in got:
+                    if out.flat is None:
+                        yield i, out.finish_one(i)
+                out.finish_flat()
+                ok = True
+            finally:
+                # A connection left mid-transfer (an error, a consumer that stopped early)
+                # is closed: the daemon then ends the lease itself.
+                (channel.done if ok else channel.discard)(sock)
+
+        return Restoring(info, tensors())
+
     def restore(self, ids: list[str], target: Target) -> Restoring:
+        sock = self._socket()
+        if sock is not None:
+            return self._restore_channel(sock, ids, target)
         g = pb.GetRequest(expect_layout=target.expect_layout, max_bytes=self.chunk_size)
         set_ids(g, ids)
         got = self.rpc.call(self.rpc.get, g)
@@ -329,7 +428,7 @@ class _Pool(Transport):
                 pass
             rpc.release_quietly(r.lease_id)
             raise
-        return convert.info_from_pb(rpc.call(rpc.commit, pb.CommitRequest(lease_id=r.lease_id)))
+        return convert.info_from_pb(rpc.call(rpc.commit, pb.CommitRequest(lease_id=r.lease_id, packed=self.packed)))
 
     def _park_windows(self, r: pb.ReserveResponse, flats: list[torch.Tensor], devices: set[torch.device]) -> None:
         """Fill each window; asking for the next one hands the daemon the one just written."""
@@ -351,7 +450,8 @@ class _Pool(Transport):
 
     def restore(self, ids: list[str], target: Target) -> Restoring:
         self.prepare(target.devices())
-        req = pb.AcquireRequest(tier=self.tier, expect_layout=target.expect_layout, inline_max=SMALL_POOL_BYTES)
+        req = pb.AcquireRequest(tier=self.tier, expect_layout=target.expect_layout, inline_max=SMALL_POOL_BYTES,
+                                packed=self.packed)
         set_ids(req, ids)
         try:
             r = self.rpc.call(self.rpc.acquire, req)

@@ -85,6 +85,10 @@ class ServerConfig:
     max_workers: int = _f(32, "gRPC handler threads")
     grace_s: float = _f(5.0, "seconds in-flight calls get to finish on a graceful stop")
     chunk_size: int = _f(1 << 20, "inline transport message payload size", size=True)
+    data_channel: bool = _f(True, "offer inline clients a raw-socket data channel for bulk bytes (one-time tokens "
+                                  "from Reserve/Acquire); false: bulk bytes stay on gRPC streams")
+    data_channel_listen: str = _f("", 'data channel address: host:port (port 0 picks one) or unix:///path; "" = '
+                                      "the gRPC host on a free port, or <gRPC unix path>.data")
     log_level: str = _f("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = _f("text", "log lines: text for people, json (one object per line) for log shippers",
                          choices=("text", "json"))

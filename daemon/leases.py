@@ -16,7 +16,8 @@ Primitives:
   ``new_read(stream) -> Lease``.
 - ``get(lease_id) -> Lease`` (any kind); ``get_write(lease_id) -> Lease``; ``take_write(lease_id) -> Lease`` (REQUIRES: index
   lock): remove a write lease for its commit.
-- ``extend(lease)``: push a write lease's idle deadline back.
+- ``extend(lease)``: push a write lease's idle deadline back; ``hold(lease_id)``: a read lease
+  that stops expiring, taken over by the data channel transfer that ends it.
 - ``end(lease)``, ``release(lease_id) -> bool``: free what a lease holds (a windowed
   park's staged disk blocks too; a windowed restore's window slots).
 - ``reap()``: end every expired lease. ``close()``: end them all.
@@ -87,6 +88,16 @@ class LeaseTable:
             raise LeaseExpired(f"write lease {lease_id!r} is gone (expired, aborted or never issued)")
         del self._leases[lease_id]
         return lease
+
+    def hold(self, lease_id: str) -> Lease | None:
+        """A live read lease, taken over by a transfer that ends it: it no longer expires
+        under the reader (the data channel streams from its slots). None if it is gone."""
+        with self.catalog.lock:
+            lease = self._leases.get(lease_id)
+            if lease is None or lease.kind != "read":
+                return None
+            lease.expires_at = None
+            return lease
 
     def extend(self, lease: Lease) -> None:
         lease.expires_at = time.monotonic() + self.ttl_s

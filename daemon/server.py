@@ -9,6 +9,8 @@ Primitives:
   in-flight ones finish for ``grace`` seconds, flushes per policy and closes the tiers.
   Usable as a context manager (tests run real daemons this way). ``metrics`` is its
   ``Metrics``; ``metrics_address`` the bound ``/metrics`` address ("" when off).
+  ``datachannel`` is its ``DataChannelServer`` (``None`` with ``server.data_channel = false``);
+  ``datachannel.address`` is what Hello advertises.
 - ``grpc_options()``: the server's channel options (the shared ``kvpark.proto.GRPC_OPTIONS``).
 """
 
@@ -34,6 +36,7 @@ from kvpark.tiers.shm import boot_id, group_id
 
 from .auth import AuthInterceptor, check_exposure, server_credentials
 from .config import Config
+from .datachannel import DataChannelServer, listen_address, server_ssl_context
 from .engine import DiskFactory, Engine
 from .metrics import Metrics, MetricsServer
 from .servicer import SERVICE, handlers
@@ -71,11 +74,13 @@ class Daemon:
         self.metrics = Metrics()
         self._metrics_server: MetricsServer | None = None
         self.metrics_address = ""
+        self.datachannel: DataChannelServer | None = None
 
     def start(self) -> "Daemon":
         self.metrics = Metrics()
         metrics_server = MetricsServer(self.metrics, self.config.metrics.listen)
         engine: Engine | None = None
+        datachannel: DataChannelServer | None = None
         check_exposure(self.config.server, self.config.tenants)
         creds = server_credentials(self.config.server)
         auth = [AuthInterceptor(self.config.tenants, self.metrics)] if self.config.tenants else None
@@ -113,8 +118,14 @@ class Daemon:
             tenants = Tenants(engine, self.config.tenants)
             # /metrics (loopback by default, the operator's) shows every tenant's row.
             self.metrics.watch(lambda: dataclasses.replace(engine.stat(), tenants=tuple(tenants.all_stats())))
+            if self.config.server.data_channel:
+                # TLS exactly when gRPC has it (the same certificate, and client
+                # certificates required when gRPC requires them).
+                datachannel = DataChannelServer(
+                    engine, listen_address(listen, self.config.server.data_channel_listen),
+                    ssl_context=server_ssl_context(self.config.server)).start()
             rpc = handlers(engine, self.config.server, socket.gethostname(), boot_id(), self.metrics,
-                           tenants=tenants)
+                           tenants=tenants, datachannel=datachannel)
             server.add_generic_rpc_handlers((rpc,))
             self._health = health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -126,11 +137,13 @@ class Daemon:
             self._log_effective(time.perf_counter() - t0)
         except BaseException:
             server.stop(None)
+            if datachannel is not None:
+                datachannel.stop()
             metrics_server.stop()
             if engine is not None:
                 engine.close(flush=False)
             raise
-        self.engine, self._server = engine, server
+        self.engine, self._server, self.datachannel = engine, server, datachannel
         self._metrics_server, self.metrics_address = metrics_server, metrics_server.address
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         self._health.set(SERVICE, health_pb2.HealthCheckResponse.SERVING)
@@ -156,6 +169,9 @@ class Daemon:
         if self._health is not None:
             self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        if self.datachannel is not None:
+            self.datachannel.stop()  # after gRPC: no token is issued any more
+            self.datachannel = None
         self.engine.close()
         if self._metrics_server is not None:
             self._metrics_server.stop()

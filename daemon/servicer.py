@@ -5,7 +5,10 @@ Primitives:
   for service ``kvpark.v1.KVPark``. Every handler starts with ``eng = self.tenants.view()``:
   the engine itself on a daemon without tenants, else the calling tenant's
   ``TenantView`` (its names namespaced, its quotas; ``kvpark.daemon.tenants``). A new RPC
-  does the same and is covered by auth with nothing else to do. With ``metrics``, parks
+  does the same and is covered by auth with nothing else to do. With ``datachannel`` (a
+  ``DataChannelServer``), Hello advertises it, and Reserve/Acquire with ``data_channel``
+  issue its one-time tokens (inside the tenant's call: the token acts only on the
+  reservation or lease that call made). With ``metrics``, parks
   and restores are counted and timed by transport (inline for the streamed and one-message RPCs, shm or cuda_ipc for
   reserve/commit and acquire), and every error by its status code.
 
@@ -27,13 +30,16 @@ from typing import Any, Callable, Iterator, Sequence
 import grpc
 from google.protobuf.message import DecodeError
 
-from kvpark.proto import convert
-from kvpark.proto.errors import ERROR_KEY, Internal, InvalidArgument, KVParkError
+from kvpark.proto import convert, packed
+from kvpark.proto.dataframe import MAX_FRAME
+from kvpark.proto.errors import (ERROR_KEY, FailedPrecondition, Internal, InvalidArgument, KVParkError,
+                                 TransportUnavailable)
 from kvpark.proto.layout import MAX_SEQ_ID_BYTES
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import decode_chunk, encode_chunk
 
 from .config import ServerConfig
+from .datachannel import DataChannelServer
 from .engine import Engine
 from .metrics import Metrics
 from .model import ParkSpec, ReadHandle
@@ -89,7 +95,8 @@ def _spec(h: pb.ParkHeader) -> ParkSpec:
         raise InvalidArgument("new blocks cannot carry blocks of their own")
     return ParkSpec(
         seq_id=h.seq_id,
-        tensors=tuple(convert.meta_from_pb(m) for m in h.tensors),
+        tensors=packed.unpack(h.packed_tensors) if h.packed_tensors else tuple(
+            convert.meta_from_pb(m) for m in h.tensors),
         nbytes=h.nbytes,
         priority=h.priority,
         overwrite=h.overwrite,
@@ -106,14 +113,18 @@ def _segments(segs: Sequence[tuple[int, int]]) -> list[pb.Segment]:
     return [pb.Segment(offset=o, length=n) for o, n in segs]
 
 
+# Optional wire features a client may use once Hello lists them (older daemons do not).
+FEATURES = ("packed",)
 _TRANSPORT = {"host": "shm", "device": "cuda_ipc"}  # the tier of a reservation or lease -> its data path
 _MAX_PENDING = 100_000  # reservations timed at once; beyond it the oldest (expired, surely) are forgotten
 
 
 class Servicer:
     def __init__(self, engine: Engine, config: ServerConfig, hostname: str, boot_id: str,
-                 metrics: Metrics | None = None, tenants: Tenants | None = None) -> None:
+                 metrics: Metrics | None = None, tenants: Tenants | None = None,
+                 datachannel: DataChannelServer | None = None) -> None:
         self.engine = engine
+        self.datachannel = datachannel
         self.tenants = tenants if tenants is not None else Tenants(engine, {})
         self.chunk_size = config.chunk_size
         self.hostname = hostname
@@ -146,6 +157,9 @@ class Servicer:
             ),
             lease_ttl_s=h.lease_ttl_s,
             device=pb.DeviceInfo(device=h.device, size=h.device_size, ipc_handle=h.ipc_handle, uuid=h.device_uuid),
+            features=list(FEATURES),
+            data_channel=None if self.datachannel is None else pb.DataChannelInfo(
+                address=self.datachannel.address, tls=self.datachannel.tls, max_frame=MAX_FRAME),
         )
 
     @_typed
@@ -234,17 +248,38 @@ class Servicer:
     def _join(self, handle: ReadHandle) -> bytes:
         return b"".join(v for _, views in self.engine.iter_chunks(handle, 1 << 30) for v in views)
 
-    @_typed
-    def Reserve(self, req: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
-        eng = self.tenants.view()
-        t0 = time.perf_counter()
-        tier = req.tier or "host"
-        r = eng.reserve(_spec(req.header), tier=tier)
+    def _pend(self, lease_id: str, t0: float, transport: str) -> None:
         if self.metrics is not None:
             with self._pending_lock:
                 if len(self._pending) >= _MAX_PENDING:
                     self._pending.pop(next(iter(self._pending)))
-                self._pending[r.lease_id] = (t0, _TRANSPORT.get(tier, tier))
+                self._pending[lease_id] = (t0, transport)
+
+    def _channel(self) -> DataChannelServer:
+        if self.datachannel is None:
+            raise FailedPrecondition("this daemon has no data channel (server.data_channel = false)")
+        return self.datachannel
+
+    @_typed
+    def Reserve(self, req: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
+        eng = self.tenants.view()
+        t0 = time.perf_counter()
+        if req.data_channel:
+            # The bytes come through this process, as an inline park's: it lands where an
+            # inline park would (the park tier, else host), filled by the data channel.
+            dc, spec = self._channel(), _spec(req.header)
+            r = eng.reserve(spec, inline=True)
+            if r.window_size:
+                # Larger than the host tier: parked window by window, which the gRPC
+                # stream does; the client falls back to it.
+                eng.release(r.lease_id)
+                raise TransportUnavailable("a windowed park goes over the gRPC stream, not the data channel")
+            self._pend(r.lease_id, t0, "inline")
+            return pb.ReserveResponse(lease_id=r.lease_id, expires_in_s=r.expires_in_s,
+                                      token=dc.tickets.issue_put(r.lease_id, spec.total))
+        tier = req.tier or "host"
+        r = eng.reserve(_spec(req.header), tier=tier)
+        self._pend(r.lease_id, t0, _TRANSPORT.get(tier, tier))
         return pb.ReserveResponse(lease_id=r.lease_id, segments=_segments(r.segments), expires_in_s=r.expires_in_s,
                                   window_size=r.window_size)
 
@@ -256,12 +291,14 @@ class Servicer:
     @_typed
     def Commit(self, req: pb.CommitRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
         eng = self.tenants.view()
-        info = eng.commit(req.lease_id)
+        # A data-channel reservation publishes only once every byte has arrived on it.
+        expect = self.datachannel.tickets.put_total(req.lease_id) if self.datachannel is not None else None
+        info = eng.commit(req.lease_id, expect_nbytes=expect)
         with self._pending_lock:
             started = self._pending.pop(req.lease_id, None)
         if started is not None:
             self._parked(started[1], info.nbytes, started[0])
-        return convert.info_to_pb(info)
+        return convert.info_to_pb(info, packed=req.packed)
 
     @_typed
     def Acquire(self, req: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireResponse:
@@ -269,7 +306,10 @@ class Servicer:
         ids = list(req.seq_ids) or req.seq_id
         small = min(req.inline_max, self.chunk_size)
         t0 = time.perf_counter()
-        need = req.tier or "host"
+        need: str | None = req.tier or "host"
+        if req.data_channel:
+            self._channel()
+            need = None  # served as an inline restore is: from its fastest copy, or from disk
         h = eng.acquire(ids, need=need, expect_layout=req.expect_layout, inline_max=small)
         if h.info.nbytes <= small:
             # Small: one round trip, bytes in the reply, no lease left behind.
@@ -280,11 +320,23 @@ class Servicer:
             finally:
                 if h.lease_id:
                     eng.release(h.lease_id)
+        if req.data_channel:
+            try:
+                token = self._channel().tickets.issue_get(h)
+            except BaseException:
+                if h.lease_id:
+                    eng.release(h.lease_id)
+                raise
+            self._restored("inline", h.info.nbytes, t0)
+            return pb.AcquireResponse(lease_id=h.lease_id, info=convert.info_to_pb(h.info, packed=req.packed),
+                                      expires_in_s=self.engine.config.leases.ttl_s, token=token)
         g = eng.grant(h)
         # Counted when the bytes are leased to the reader; its copy out is its own time.
+        assert need is not None
         self._restored(_TRANSPORT.get(need, need), g.info.nbytes, t0)
-        return pb.AcquireResponse(lease_id=g.lease_id, info=convert.info_to_pb(g.info), segments=_segments(g.segments),
-                                  expires_in_s=g.expires_in_s, window_size=g.window_size)
+        return pb.AcquireResponse(lease_id=g.lease_id, info=convert.info_to_pb(g.info, packed=req.packed),
+                                  segments=_segments(g.segments), expires_in_s=g.expires_in_s,
+                                  window_size=g.window_size)
 
     @_typed
     def Release(self, req: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
@@ -344,8 +396,9 @@ def _identity(b: bytes) -> bytes:
 
 
 def handlers(engine: Engine, config: ServerConfig, hostname: str, boot_id: str,
-             metrics: Metrics | None = None, tenants: Tenants | None = None) -> grpc.GenericRpcHandler:
-    s = Servicer(engine, config, hostname, boot_id, metrics, tenants)
+             metrics: Metrics | None = None, tenants: Tenants | None = None,
+             datachannel: DataChannelServer | None = None) -> grpc.GenericRpcHandler:
+    s = Servicer(engine, config, hostname, boot_id, metrics, tenants, datachannel)
 
     def parsed(fn: Callable[..., Any], req_cls: Any) -> Callable[[bytes, grpc.ServicerContext], Any]:
         # Parsed here, not by gRPC's request_deserializer: a message that fails to parse

@@ -1,11 +1,13 @@
 """Protobuf <-> dataclass conversions. Only the servicer and the client import this.
 
 Primitives: ``meta_to_pb``/``meta_from_pb``, ``info_to_pb``/``info_from_pb``,
-``stat_to_pb``/``stat_from_pb``.
+``stat_to_pb``/``stat_from_pb``. ``info_to_pb(info, packed=True)`` carries the tensors
+as ``packed_tensors`` (``kvpark.proto.packed``); ``info_from_pb`` reads either form.
 """
 
 from __future__ import annotations
 
+from . import packed as packing
 from .layout import TensorMeta
 from .types import RemoteStat, SeqInfo, Stat, TenantStat, TierStat
 from .v1 import kvpark_pb2 as pb
@@ -19,12 +21,13 @@ def meta_from_pb(m: pb.TensorMeta) -> TensorMeta:
     return TensorMeta(m.dtype, tuple(m.shape), m.nbytes)
 
 
-def info_to_pb(i: SeqInfo) -> pb.SeqInfo:
+def info_to_pb(i: SeqInfo, packed: bool = False) -> pb.SeqInfo:
     return pb.SeqInfo(
         seq_id=i.seq_id,
         nbytes=i.nbytes,
         tier=i.tier,
-        tensors=[meta_to_pb(m) for m in i.tensors],
+        tensors=[] if packed else [meta_to_pb(m) for m in i.tensors],
+        packed_tensors=packing.pack_metas(i.tensors) if packed else b"",
         priority=i.priority,
         created_at=i.created_at,
         last_access=i.last_access,
@@ -39,7 +42,7 @@ def info_to_pb(i: SeqInfo) -> pb.SeqInfo:
 
 
 def info_from_pb(p: pb.SeqInfo) -> SeqInfo:
-    tensors = tuple(meta_from_pb(m) for m in p.tensors)
+    tensors = packing.unpack(p.packed_tensors) if p.packed_tensors else tuple(meta_from_pb(m) for m in p.tensors)
     return SeqInfo(
         seq_id=p.seq_id,
         nbytes=p.nbytes,

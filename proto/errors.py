@@ -5,7 +5,8 @@ Primitives:
 - ``ERROR_KEY``: the trailing-metadata key carrying the exact class name, so that two
   classes sharing a code (``LayoutMismatch`` and ``LeaseExpired`` are both
   FAILED_PRECONDITION) come back as the right type.
-- ``from_code(code, message, name=None) -> KVParkError``: the client side of the mapping.
+- ``from_code(code, message, name=None) -> KVParkError``: the client side of the mapping;
+  ``from_name(name, message)`` the same from a class name alone (data channel status frames).
 
 The engine raises these; the servicer turns them into a status; the client turns the
 status back into the same class. ``assert`` is reserved for internal invariants.
@@ -150,3 +151,9 @@ def from_code(code: grpc.StatusCode | None, message: str, name: str | None = Non
     if cls is None and code is not None:
         err.code = code
     return err
+
+
+def from_name(name: str, message: str) -> KVParkError:
+    """The typed error a peer named by class (the data channel's status frames carry no
+    gRPC code); an unknown name becomes a plain ``KVParkError``."""
+    return _BY_NAME.get(name, KVParkError)(message)

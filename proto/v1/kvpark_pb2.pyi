@@ -49,7 +49,7 @@ class DeviceInfo(_message.Message):
     def __init__(self, device: _Optional[str] = ..., size: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., uuid: _Optional[str] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("server_version", "transports", "chunk_size", "max_seq_id_len", "arena", "lease_ttl_s", "device")
+    __slots__ = ("server_version", "transports", "chunk_size", "max_seq_id_len", "arena", "lease_ttl_s", "device", "data_channel", "features")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,8 @@ class HelloResponse(_message.Message):
     ARENA_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DATA_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     transports: _containers.RepeatedScalarFieldContainer[str]
     chunk_size: int
@@ -64,10 +66,22 @@ class HelloResponse(_message.Message):
     arena: ArenaInfo
     lease_ttl_s: float
     device: DeviceInfo
-    def __init__(self, server_version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., chunk_size: _Optional[int] = ..., max_seq_id_len: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., lease_ttl_s: _Optional[float] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ...) -> None: ...
+    data_channel: DataChannelInfo
+    features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, server_version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., chunk_size: _Optional[int] = ..., max_seq_id_len: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., lease_ttl_s: _Optional[float] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., data_channel: _Optional[_Union[DataChannelInfo, _Mapping]] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class DataChannelInfo(_message.Message):
+    __slots__ = ("address", "tls", "max_frame")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    tls: bool
+    max_frame: int
+    def __init__(self, address: _Optional[str] = ..., tls: _Optional[bool] = ..., max_frame: _Optional[int] = ...) -> None: ...
 
 class ParkHeader(_message.Message):
-    __slots__ = ("seq_id", "tensors", "nbytes", "priority", "overwrite", "pinned", "ttl_s", "refs", "shared", "attrs", "blocks")
+    __slots__ = ("seq_id", "tensors", "nbytes", "priority", "overwrite", "pinned", "ttl_s", "refs", "shared", "attrs", "blocks", "packed_tensors")
     class AttrsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -86,6 +100,7 @@ class ParkHeader(_message.Message):
     SHARED_FIELD_NUMBER: _ClassVar[int]
     ATTRS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     nbytes: int
@@ -97,7 +112,8 @@ class ParkHeader(_message.Message):
     shared: bool
     attrs: _containers.ScalarMap[str, str]
     blocks: _containers.RepeatedCompositeFieldContainer[ParkHeader]
-    def __init__(self, seq_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., nbytes: _Optional[int] = ..., priority: _Optional[int] = ..., overwrite: _Optional[bool] = ..., pinned: _Optional[bool] = ..., ttl_s: _Optional[float] = ..., refs: _Optional[_Iterable[str]] = ..., shared: _Optional[bool] = ..., attrs: _Optional[_Mapping[str, str]] = ..., blocks: _Optional[_Iterable[_Union[ParkHeader, _Mapping]]] = ...) -> None: ...
+    packed_tensors: bytes
+    def __init__(self, seq_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., nbytes: _Optional[int] = ..., priority: _Optional[int] = ..., overwrite: _Optional[bool] = ..., pinned: _Optional[bool] = ..., ttl_s: _Optional[float] = ..., refs: _Optional[_Iterable[str]] = ..., shared: _Optional[bool] = ..., attrs: _Optional[_Mapping[str, str]] = ..., blocks: _Optional[_Iterable[_Union[ParkHeader, _Mapping]]] = ..., packed_tensors: _Optional[bytes] = ...) -> None: ...
 
 class DataChunk(_message.Message):
     __slots__ = ("offset", "data")
@@ -186,24 +202,28 @@ class Segment(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("header", "tier")
+    __slots__ = ("header", "tier", "data_channel")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    DATA_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     header: ParkHeader
     tier: str
-    def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., tier: _Optional[str] = ...) -> None: ...
+    data_channel: bool
+    def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., tier: _Optional[str] = ..., data_channel: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("lease_id", "segments", "expires_in_s", "window_size")
+    __slots__ = ("lease_id", "segments", "expires_in_s", "window_size", "token")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     WINDOW_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     expires_in_s: float
     window_size: int
-    def __init__(self, lease_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., window_size: _Optional[int] = ...) -> None: ...
+    token: bytes
+    def __init__(self, lease_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., window_size: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class WindowRequest(_message.Message):
     __slots__ = ("lease_id", "index")
@@ -220,27 +240,33 @@ class WindowResponse(_message.Message):
     def __init__(self, segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease_id",)
+    __slots__ = ("lease_id", "packed")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
-    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+    packed: bool
+    def __init__(self, lease_id: _Optional[str] = ..., packed: _Optional[bool] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("seq_id", "tier", "seq_ids", "expect_layout", "inline_max")
+    __slots__ = ("seq_id", "tier", "seq_ids", "expect_layout", "inline_max", "packed", "data_channel")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     EXPECT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     INLINE_MAX_FIELD_NUMBER: _ClassVar[int]
+    PACKED_FIELD_NUMBER: _ClassVar[int]
+    DATA_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     tier: str
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     expect_layout: str
     inline_max: int
-    def __init__(self, seq_id: _Optional[str] = ..., tier: _Optional[str] = ..., seq_ids: _Optional[_Iterable[str]] = ..., expect_layout: _Optional[str] = ..., inline_max: _Optional[int] = ...) -> None: ...
+    packed: bool
+    data_channel: bool
+    def __init__(self, seq_id: _Optional[str] = ..., tier: _Optional[str] = ..., seq_ids: _Optional[_Iterable[str]] = ..., expect_layout: _Optional[str] = ..., inline_max: _Optional[int] = ..., packed: _Optional[bool] = ..., data_channel: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "info", "segments", "expires_in_s", "data", "inlined", "window_size")
+    __slots__ = ("lease_id", "info", "segments", "expires_in_s", "data", "inlined", "window_size", "token")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -248,6 +274,7 @@ class AcquireResponse(_message.Message):
     DATA_FIELD_NUMBER: _ClassVar[int]
     INLINED_FIELD_NUMBER: _ClassVar[int]
     WINDOW_SIZE_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     info: SeqInfo
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
@@ -255,7 +282,8 @@ class AcquireResponse(_message.Message):
     data: bytes
     inlined: bool
     window_size: int
-    def __init__(self, lease_id: _Optional[str] = ..., info: _Optional[_Union[SeqInfo, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., data: _Optional[bytes] = ..., inlined: _Optional[bool] = ..., window_size: _Optional[int] = ...) -> None: ...
+    token: bytes
+    def __init__(self, lease_id: _Optional[str] = ..., info: _Optional[_Union[SeqInfo, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., data: _Optional[bytes] = ..., inlined: _Optional[bool] = ..., window_size: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -320,7 +348,7 @@ class InfoRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
 
 class SeqInfo(_message.Message):
-    __slots__ = ("seq_id", "nbytes", "tier", "tensors", "priority", "created_at", "last_access", "num_blocks", "attrs", "refs", "shared", "refcount", "pinned", "expires_at")
+    __slots__ = ("seq_id", "nbytes", "tier", "tensors", "priority", "created_at", "last_access", "num_blocks", "attrs", "refs", "shared", "refcount", "pinned", "expires_at", "packed_tensors")
     class AttrsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -342,6 +370,7 @@ class SeqInfo(_message.Message):
     REFCOUNT_FIELD_NUMBER: _ClassVar[int]
     PINNED_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    PACKED_TENSORS_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     nbytes: int
     tier: str
@@ -356,7 +385,8 @@ class SeqInfo(_message.Message):
     refcount: int
     pinned: bool
     expires_at: float
-    def __init__(self, seq_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., tier: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., priority: _Optional[int] = ..., created_at: _Optional[float] = ..., last_access: _Optional[float] = ..., num_blocks: _Optional[int] = ..., attrs: _Optional[_Mapping[str, str]] = ..., refs: _Optional[_Iterable[str]] = ..., shared: _Optional[bool] = ..., refcount: _Optional[int] = ..., pinned: _Optional[bool] = ..., expires_at: _Optional[float] = ...) -> None: ...
+    packed_tensors: bytes
+    def __init__(self, seq_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., tier: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., priority: _Optional[int] = ..., created_at: _Optional[float] = ..., last_access: _Optional[float] = ..., num_blocks: _Optional[int] = ..., attrs: _Optional[_Mapping[str, str]] = ..., refs: _Optional[_Iterable[str]] = ..., shared: _Optional[bool] = ..., refcount: _Optional[int] = ..., pinned: _Optional[bool] = ..., expires_at: _Optional[float] = ..., packed_tensors: _Optional[bytes] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("seq_id", "pinned")

@@ -24,12 +24,13 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import grpc
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
+from google.protobuf import descriptor, message_factory
 from hypothesis import strategies as st
 
 from kvpark.client import Client
@@ -45,14 +46,10 @@ SERVICE = "/kvpark.v1.KVPark/"
 EXAMPLES = int(os.environ.get("KVPARK_FUZZ_EXAMPLES", "1000"))
 DEADLINE_S = 20.0  # per call; generous for two busy cores: a call past it is a hang
 
-UNARY = {
-    "Hello": pb.HelloRequest, "ParkSmall": pb.ParkSmallRequest, "Get": pb.GetRequest,
-    "Reserve": pb.ReserveRequest, "Commit": pb.CommitRequest, "Acquire": pb.AcquireRequest,
-    "Release": pb.ReleaseRequest, "Prefetch": pb.PrefetchRequest, "Lookup": pb.LookupRequest,
-    "Drop": pb.DropRequest, "Info": pb.InfoRequest, "List": pb.ListRequest, "Stat": pb.StatRequest,
-    "Pin": pb.PinRequest, "Flush": pb.FlushRequest,
-}
-ALL_RPCS = sorted([*UNARY, "Park", "Restore"])
+# Every RPC of the service, read from the proto: one added later is fuzzed too (by the
+# generic strategy until it gets one of its own below).
+METHODS = {m.name: m for m in pb.DESCRIPTOR.services_by_name["KVPark"].methods}
+ALL_RPCS = sorted(METHODS)
 
 # Every code a KVParkError maps to, except the ones no malformed request may produce:
 # INTERNAL (an unexpected exception: a bug), DATA_LOSS (nothing here is corrupt),
@@ -152,7 +149,7 @@ id_lists = st.lists(odd_ids, max_size=5)
 
 def structured(rpc: str) -> st.SearchStrategy[bytes]:
     """Well-typed messages with hostile values, serialized."""
-    s: st.SearchStrategy = {
+    own: dict[str, st.SearchStrategy] = {
         "Hello": st.builds(pb.HelloRequest, client_version=text(max_size=20)),
         "ParkSmall": st.builds(pb.ParkSmallRequest, header=headers, data=st.binary(max_size=600)),
         "Get": st.builds(pb.GetRequest, seq_id=odd_ids, seq_ids=id_lists, expect_layout=layouts, max_bytes=huge),
@@ -172,8 +169,22 @@ def structured(rpc: str) -> st.SearchStrategy[bytes]:
         "Flush": st.just(pb.FlushRequest()),
         "Restore": st.builds(pb.RestoreRequest, seq_id=odd_ids, seq_ids=id_lists, expect_layout=layouts),
         "Park": st.builds(lambda h: pb.ParkRequest(header=h), headers),
-    }[rpc]
+        "Window": st.builds(pb.WindowRequest, lease_id=lease_ids, index=huge),
+    }
+    s = own[rpc] if rpc in own else generic(METHODS[rpc].input_type)
     return s.map(lambda m: m.SerializeToString())
+
+
+def generic(desc: Any) -> st.SearchStrategy:
+    """Any message type: each scalar field drawn by its type (repeated ones as lists)."""
+    F = descriptor.FieldDescriptor
+    by_type = {F.TYPE_STRING: odd_ids, F.TYPE_BYTES: st.binary(max_size=64), F.TYPE_BOOL: st.booleans(),
+               F.TYPE_DOUBLE: st.floats(), F.TYPE_FLOAT: st.floats(width=32), F.TYPE_UINT64: huge,
+               F.TYPE_UINT32: st.integers(0, 2**32 - 1), F.TYPE_INT64: st.integers(-2**63, 2**63 - 1),
+               F.TYPE_INT32: st.integers(-2**31, 2**31 - 1)}
+    fields = {f.name: (st.lists(by_type[f.type], max_size=4) if f.label == F.LABEL_REPEATED else by_type[f.type])
+              for f in desc.fields if f.type in by_type}
+    return st.builds(message_factory.GetMessageClass(desc), **fields)
 
 
 def _varint(n: int) -> bytes:
@@ -344,6 +355,12 @@ def test_nearly_valid_parks(channel: grpc.Channel, rpc: str, batch: bool, data: 
              .SerializeToString())
     for sid in ("n1", "n2", "user"):  # whatever got in reads back whole, or is typed-absent
         call(channel, "Get", pb.GetRequest(seq_id=sid, max_bytes=1 << 20).SerializeToString())
+
+
+def test_every_rpc_of_the_service_is_fuzzed() -> None:
+    for name in ALL_RPCS:  # a strategy for each: its own, or the generic one
+        assert isinstance(structured(name), st.SearchStrategy)
+    assert {"Park", "Restore", "Window"} <= set(ALL_RPCS)
 
 
 def test_after_the_fuzzing_the_daemon_serves_and_its_accounting_holds(fuzz_daemon: Daemon) -> None:
