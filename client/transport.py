@@ -326,8 +326,9 @@ class _Pool(Transport):
             return self._from_bytes(r.info, r.data, target)
         return self._restore_leased(r, target)
 
-    def _restore_leased(self, r: pb.AcquireResponse, target: Target) -> Restoring:
-        """Copy straight out of the leased slots, one readiness mark per tensor."""
+    def _restore_leased(self, r: pb.AcquireResponse, target: Target, release: bool = True) -> Restoring:
+        """Copy straight out of the leased slots, one readiness mark per tensor. With
+        ``release=False`` the lease outlives the copies; the caller ends it."""
         pool = self.pool
         copies: cuda.LayerCopier | None = None
 
@@ -339,7 +340,8 @@ class _Pool(Transport):
                 if copies is not None:
                     copies.synchronize()
             finally:
-                self.rpc.release_quietly(r.lease_id)
+                if release:
+                    self.rpc.release_quietly(r.lease_id)
 
         try:
             info = convert.info_from_pb(r.info)

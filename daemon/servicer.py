@@ -246,11 +246,13 @@ class Servicer:
 
     @_typed
     def Acquire(self, req: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireResponse:
-        ids = list(req.seq_ids) or req.seq_id
-        small = min(req.inline_max, self.chunk_size)
+        return self._acquire(list(req.seq_ids) or req.seq_id, req.tier, req.expect_layout, req.inline_max)
+
+    def _acquire(self, ids: list[str] | str, tier: str, expect_layout: str, inline_max: int) -> pb.AcquireResponse:
+        small = min(inline_max, self.chunk_size)
         t0 = time.perf_counter()
-        need = req.tier or "host"
-        h = self.engine.acquire(ids, need=need, expect_layout=req.expect_layout, inline_max=small)
+        need = tier or "host"
+        h = self.engine.acquire(ids, need=need, expect_layout=expect_layout, inline_max=small)
         if h.info.nbytes <= small:
             # Small: one round trip, bytes in the reply, no lease left behind.
             try:
@@ -281,9 +283,22 @@ class Servicer:
 
     @_typed
     def Lookup(self, req: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
-        present = self.engine.present(list(req.seq_ids))
+        ids = list(req.seq_ids)
+        present = self.engine.present(ids)
         prefix = next((i for i, p in enumerate(present) if not p), len(present))
-        return pb.LookupResponse(prefix=prefix, present=present)
+        out = pb.LookupResponse(prefix=prefix, present=present)
+        if req.HasField("acquire") and prefix > req.acquire.skip:
+            a = req.acquire
+            end = prefix if not a.max_ids else min(prefix, a.skip + a.max_ids)
+            try:
+                # Only what is in memory: a lookup answers at once; a read from disk
+                # belongs to the caller's own acquire, under its longer deadline.
+                if self.engine.in_memory(ids[a.skip : end]):
+                    out.acquired.CopyFrom(self._acquire(ids[a.skip : end], a.tier, a.expect_layout, a.inline_max))
+            except KVParkError as e:
+                # The lookup still answers; the caller acquires (and meets the error) itself.
+                log.debug("lookup's acquire of %d ids failed: %s", end - a.skip, e)
+        return out
 
     @_typed
     def Drop(self, req: pb.DropRequest, context: grpc.ServicerContext) -> pb.DropResponse:

@@ -1,9 +1,10 @@
 """Run a real vLLM engine (CPU backend) once, with or without kvpark, and print JSON.
 
 Used by tests/vllm and bench/vllm_ttft.py, each run in its own process so engines never
-share in-process state. Also builds the tiny random model they all use:
+share in-process state. Also builds the random-weight Llama models they use (the tests'
+tiny one by default; ``--shape`` picks a bigger one where prefill is real work):
 
-    python tests/vllm/engine.py make-model DIR
+    python tests/vllm/engine.py make-model DIR [--shape tiny|medium]
     python tests/vllm/engine.py run --model DIR --spec JSON
 """
 
@@ -20,7 +21,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
-def make_model(out: str) -> None:
+# Random-weight Llama shapes. head_dim must be one the CPU attention backend supports
+# (32, 64, 80, ...). "medium": 8 layers, hidden 1024, GQA 16/4, where a 2k-token prefill
+# costs seconds on a CPU (bench/vllm_ttft.py).
+SHAPES: dict[str, dict[str, int]] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=32, max_position_embeddings=1024),
+    "medium": dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                   num_key_value_heads=4, head_dim=64, max_position_embeddings=4096),
+}
+
+
+def make_model(out: str, shape: str = "tiny") -> None:
     import torch
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -36,10 +48,7 @@ def make_model(out: str) -> None:
     PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
                             pad_token="<pad>").save_pretrained(out)
     torch.manual_seed(0)
-    # head_dim must be one the CPU attention backend supports (32, 64, 80, ...).
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=32, vocab_size=vocab, max_position_embeddings=1024,
-                      bos_token_id=1, eos_token_id=2, pad_token_id=3)
+    cfg = LlamaConfig(**SHAPES[shape], vocab_size=vocab, bos_token_id=1, eos_token_id=2, pad_token_id=3)
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
 
 
@@ -56,13 +65,16 @@ def run(model: str, spec: dict) -> dict:
                                                     kv_role="kv_both", kv_connector_extra_config=extra)
     t0 = time.perf_counter()
     llm = LLM(model=model, dtype="bfloat16", enforce_eager=True, block_size=32,
-              kv_cache_memory_bytes=int(spec.get("kv_bytes", 64 << 20)), max_model_len=512,
+              kv_cache_memory_bytes=int(spec.get("kv_bytes", 64 << 20)),
+              max_model_len=int(spec.get("max_model_len", 512)),
               enable_prefix_caching=spec.get("prefix_caching", True), **kw)
     start_s = time.perf_counter() - t0
     sp = SamplingParams(temperature=0, max_tokens=int(spec.get("max_tokens", 16)), ignore_eos=True)
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    # "round_prompts": a prompt list per round (fresh prompts each round); else "prompts" every round.
+    per_round = spec.get("round_prompts") or [spec["prompts"]] * int(spec.get("rounds", 1))
     rounds = []
-    for _ in range(int(spec.get("rounds", 1))):
+    for prompt_ids in per_round:
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
         t = time.perf_counter()
         outs = llm.generate(prompts, sp, use_tqdm=False)
         rounds.append({
@@ -72,10 +84,15 @@ def run(model: str, spec: dict) -> dict:
         })
         if spec.get("reset", True):
             assert llm.reset_prefix_cache()
+        if spec.get("address") and spec.get("settle", False):
+            from kvpark.client import vllm as kvv
+
+            kvv.wait_for_saves()  # the round's background saves have committed (or failed)
     stats = {}
     if spec.get("address"):
         from kvpark.client import vllm as kvv
 
+        kvv.wait_for_saves()
         stats = dict(kvv.STATS)
     return {"start_s": start_s, "rounds": rounds, "stats": stats}
 
@@ -85,12 +102,13 @@ def main() -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("make-model")
     m.add_argument("out")
+    m.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     r = sub.add_parser("run")
     r.add_argument("--model", required=True)
     r.add_argument("--spec", required=True, help="JSON: prompts, address, rounds, reset, kv_bytes, ...")
     args = ap.parse_args()
     if args.cmd == "make-model":
-        make_model(args.out)
+        make_model(args.out, args.shape)
         return 0
     result = run(args.model, json.loads(args.spec))
     print("RESULT " + json.dumps(result), flush=True)
