@@ -1,15 +1,29 @@
-"""Time to first token of a long shared prefix in a real vLLM engine, with and without a
-kvpark hit, side by side in one run; plus kvpark's park (save) and restore (load) time
-per request.
+"""Time to first token in a real vLLM engine, with and without kvpark, side by side in one run.
+
+For each model shape, every row is a separate engine process against the same daemon
+(or none), with the same prompt length and ``max_tokens=1``:
+
+- ``recompute``: no kvpark; the engine's prefix cache is reset between rounds.
+- ``miss + save``: kvpark on, a fresh prompt each round: the lookup misses, the engine
+  prefills, and the connector snapshots the new blocks for its background saver. Its
+  ratio to ``recompute`` is what saving costs a request that misses.
+- ``kvpark hit (host)``: kvpark on, the same prompt each round, the engine's own cache
+  reset between rounds: every round after the first loads all full blocks from the
+  daemon's host tier (the background saves are waited for between rounds, untimed).
+- ``kvpark hit (disk)``: the daemon is restarted (SIGTERM writes everything to disk),
+  then each round asks for one of the ``miss + save`` prompts for the first time: served
+  from the disk tier (LMDB; warm in the OS page cache on this machine).
+- ``engine prefix cache``: no kvpark, no reset: vLLM's own cache, for reference.
+
+Round 0 of every row warms the engine up and is not counted; the figure is the median of
+the others. Shapes (random-weight Llamas built locally by tests/vllm/engine.py):
+``tiny`` (2 layers, hidden 64, 480-token prompt: the tests' model) and ``medium``
+(8 layers, hidden 1024, GQA 16/4, head_dim 64, bf16, 2048-token prompt: a prefill that
+is real work on a CPU).
 
 Needs the vLLM venv (`make test-vllm` builds .venv-vllm):
 
-    .venv-vllm/bin/python bench/vllm_ttft.py [--json bench/results/vllm_ttft.json]
-
-Each engine runs in its own process (tests/vllm/engine.py). The prompt is as long as the
-tiny model allows (max_model_len 512: 480 prompt tokens, 15 full 32-token blocks).
-"After reset" rows call ``llm.reset_prefix_cache()`` between rounds, so the engine's own
-prefix cache is empty and any hit is kvpark's.
+    .venv-vllm/bin/python bench/vllm_ttft.py [--shapes tiny,medium] [--rounds 4] [--json PATH]
 """
 
 from __future__ import annotations
@@ -18,6 +32,8 @@ import argparse
 import json
 import os
 import re
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -29,72 +45,122 @@ from _common import write_json  # bench/ is on sys.path when a script here runs
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "tests" / "vllm" / "engine.py"
+SHAPES = {  # prompt tokens, max_model_len, engine KV bytes
+    "tiny": (480, 512, 64 << 20),
+    "medium": (2048, 4096, 256 << 20),
+}
+ROWS = (("recompute (no kvpark)", "recompute"), ("miss + background save", "miss_save"),
+        ("kvpark hit, host tier", "hit_host"), ("kvpark hit, disk tier (restarted daemon)", "hit_disk"),
+        ("engine prefix cache (no reset)", "engine_cache"))
 
 
 def engine(model: str, spec: dict) -> dict:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     r = subprocess.run([sys.executable, str(ENGINE), "run", "--model", model, "--spec", json.dumps(spec)],
-                       capture_output=True, text=True, env=env, timeout=900)
+                       capture_output=True, text=True, env=env, timeout=1800)
     line = next((l for l in r.stdout.splitlines() if l.startswith("RESULT ")), None)
     if r.returncode or not line:
         raise SystemExit(r.stderr[-3000:])
     return json.loads(line[7:])
 
 
+class Daemon:
+    def __init__(self, data: Path, shm: Path) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvpark.daemon.cli", "serve", "--listen", "127.0.0.1:0", "--data-dir",
+             str(data / "disk"), "--set", f"tiers.host.shm_dir={shm}", "--set", "tiers.host.capacity=1GiB",
+             "--set", "tiers.disk.capacity=4GiB", "--set", "tiers.device.enabled=false", "--set", "metrics.listen="],
+            stderr=subprocess.PIPE, text=True)
+        self.address = ""
+        assert self.proc.stderr is not None
+        for line in self.proc.stderr:
+            m = re.search(r'listening on ([^\s"]+)', line)
+            if m:
+                self.address = m.group(1)
+                break
+        if not self.address:
+            raise SystemExit("daemon did not start")
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)  # a graceful stop writes every sequence to disk
+        self.proc.wait(120)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(i * 7 + seed * 131 + (i * i * seed) % 97) % 500 + 5 for i in range(n)]
+
+
+def ms(rounds: list[dict]) -> float:
+    return statistics.median(r["seconds"] for r in rounds[1:]) * 1e3
+
+
+def run_shape(shape: str, rounds: int, tmp: Path, shm: Path) -> dict:
+    n, max_len, kv_bytes = SHAPES[shape]
+    model = str(tmp / f"model-{shape}")
+    subprocess.run([sys.executable, str(ENGINE), "make-model", model, "--shape", shape], check=True,
+                   capture_output=True)
+    base = {"max_tokens": 1, "max_model_len": max_len, "kv_bytes": kv_bytes}
+    same = [[prompt(n, 0)]] * rounds
+    fresh = [[prompt(n, 1 + r)] for r in range(rounds)]
+    out: dict[str, dict] = {}
+    out["recompute"] = engine(model, {**base, "round_prompts": same, "reset": True})
+    out["engine_cache"] = engine(model, {**base, "round_prompts": same, "reset": False})
+    d = Daemon(tmp / f"daemon-{shape}", shm)
+    try:
+        out["miss_save"] = engine(model, {**base, "round_prompts": fresh, "reset": True, "address": d.address})
+        out["hit_host"] = engine(model, {**base, "round_prompts": same, "reset": True, "settle": True,
+                                         "address": d.address})
+    finally:
+        d.stop()
+    d = Daemon(tmp / f"daemon-{shape}", shm)  # the same data dir: everything is on disk now
+    try:
+        out["hit_disk"] = engine(model, {**base, "round_prompts": fresh, "reset": True, "settle": True,
+                                         "address": d.address})
+    finally:
+        d.stop()
+    ttft = {k: ms(v["rounds"]) for k, v in out.items()}
+    # Identical tokens: every hit's first token is the recomputed one for the same prompt.
+    same_tokens = (all(r["tokens"] == out["recompute"]["rounds"][0]["tokens"] for r in out["hit_host"]["rounds"])
+                   and [r["tokens"] for r in out["hit_disk"]["rounds"]] == [r["tokens"] for r in
+                                                                          out["miss_save"]["rounds"]])
+    cached = {k: [r["cached"][0] for r in out[k]["rounds"][1:]] for k in ("hit_host", "hit_disk", "miss_save")}
+    ms_stats = out["miss_save"]["stats"]
+    steps = max(1, ms_stats.get("saves_queued", 0))
+    return {
+        "prompt_tokens": n,
+        "ttft_ms": ttft,
+        "vs_recompute": {k: v / ttft["recompute"] for k, v in ttft.items()},
+        "cached_tokens": cached,
+        "same_tokens": same_tokens,
+        "save_snapshot_ms_per_save": ms_stats.get("save_step_us", 0) / steps / 1e3,
+        "background_park_ms_per_save": ms_stats.get("save_us", 0) / max(1, ms_stats.get("saves", 0)) / 1e3,
+        "stats": {k: v["stats"] for k, v in out.items() if v["stats"]},
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--shapes", default="tiny,medium")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds per row; round 0 is a warm-up")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "vllm_ttft.json"))
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvpark-ttft-"))
-    (tmp / "shm").mkdir()
-    model = str(tmp / "model")
-    subprocess.run([sys.executable, str(ENGINE), "make-model", model], check=True, capture_output=True)
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "kvpark.daemon.cli", "serve", "--listen", "127.0.0.1:0", "--data-dir",
-         str(tmp / "disk"), "--set", f"tiers.host.shm_dir={tmp / 'shm'}", "--set", "tiers.host.capacity=256MiB"],
-        stderr=subprocess.PIPE, text=True)
-    address = ""
-    assert daemon.stderr is not None
-    for line in daemon.stderr:
-        m = re.search(r"listening on (\S+)", line)
-        if m:
-            address = m.group(1)
-            break
-    try:
-        prompt = [(i * 7) % 500 + 5 for i in range(480)]
-        spec = {"prompts": [prompt], "max_tokens": 1, "rounds": args.rounds, "reset": True}
-        plain = engine(model, spec)
-        kv = engine(model, {**spec, "address": address})
-        warm = engine(model, {**spec, "reset": False})  # the engine's own prefix cache, for reference
-    finally:
-        daemon.terminate()
-        daemon.wait(60)
-    cold = [r["seconds"] for r in plain["rounds"][1:]]  # round 0 also warms the engine up
-    hit = [r["seconds"] for r in kv["rounds"][1:]]
-    local = [r["seconds"] for r in warm["rounds"][1:]]
-    stats = kv["stats"]
-    out = {
-        "date": time.strftime("%Y-%m-%d"),
-        "prompt_tokens": len(prompt),
-        "cached_tokens_with_kvpark": kv["rounds"][-1]["cached"][0],
-        "ttft_ms": {"recompute": statistics.median(cold) * 1e3, "kvpark_hit": statistics.median(hit) * 1e3,
-                    "engine_prefix_cache": statistics.median(local) * 1e3},
-        "per_request_ms": {"restore": stats.get("load_us", 0) / max(1, stats.get("loads", 0)) / 1e3,
-                           "park": stats.get("save_us", 0) / max(1, stats.get("saves", 0)) / 1e3},
-        "stats": stats,
-        "same_tokens": plain["rounds"][-1]["tokens"] == kv["rounds"][-1]["tokens"],
-    }
-    t = out["ttft_ms"]
-    print(f"prompt {len(prompt)} tokens; kvpark served {out['cached_tokens_with_kvpark']} of them after reset")
-    print(f"{'path':<36}{'TTFT ms (median)':>18}{'vs recompute':>14}")
-    for name, key in (("recompute (no kvpark)", "recompute"), ("kvpark hit (after reset)", "kvpark_hit"),
-                      ("engine prefix cache (no reset)", "engine_prefix_cache")):
-        print(f"{name:<36}{t[key]:>18.2f}{t[key] / t['recompute']:>13.2f}x")
-    p = out["per_request_ms"]
-    print(f"kvpark per request: restore {p['restore']:.2f} ms, park {p['park']:.2f} ms; tokens identical: "
-          f"{out['same_tokens']}")
-    write_json(args.json, out)
+    # The host arena in tmpfs where there is one, as in a deployment.
+    shm = Path(tempfile.mkdtemp(prefix="kvpark-ttft-", dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp))
+    result = {"date": time.strftime("%Y-%m-%d"), "rounds": args.rounds, "loadavg": os.getloadavg(), "shapes": {}}
+    for shape in args.shapes.split(","):
+        r = run_shape(shape, args.rounds, tmp, shm)
+        result["shapes"][shape] = r
+        print(f"\n{shape}: prompt {r['prompt_tokens']} tokens; tokens identical: {r['same_tokens']}; "
+              f"kvpark served {r['cached_tokens']['hit_host']} (host) / {r['cached_tokens']['hit_disk']} (disk)")
+        print(f"{'path':<44}{'TTFT ms (median)':>18}{'vs recompute':>14}")
+        for name, key in ROWS:
+            print(f"{name:<44}{r['ttft_ms'][key]:>18.2f}{r['vs_recompute'][key]:>13.2f}x")
+        print(f"saves: snapshot {r['save_snapshot_ms_per_save']:.2f} ms in the step, background park "
+              f"{r['background_park_ms_per_save']:.2f} ms")
+    result["loadavg_after"] = os.getloadavg()
+    shutil.rmtree(shm, ignore_errors=True)
+    write_json(args.json, result)
     return 0
 
 

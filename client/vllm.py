@@ -424,8 +424,8 @@ class KVParkConnector(KVConnectorBase_V1):
     def _get_saver(self) -> BackgroundSaver:
         if self._saver is None:
             # Its own connection: a save never queues behind (or resets) this step's loads.
-            self._saver = BackgroundSaver(Conn(self._conn.address, self._conn.transport), self._save_timeout,
-                                          self._save_queue_bytes)
+            conn = Conn(self._conn.address, self._conn.transport, connect_timeout_s=min(5.0, self._save_timeout))
+            self._saver = BackgroundSaver(conn, self._save_timeout, self._save_queue_bytes)
         return self._saver
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import sys
 import time
 
@@ -84,6 +85,9 @@ def run(model: str, spec: dict) -> dict:
         })
         if spec.get("reset", True):
             assert llm.reset_prefix_cache()
+        if spec.get("freeze_pid") and len(rounds) == 1:
+            # A daemon that freezes after the first round, with that round's saves possibly in flight.
+            os.kill(int(spec["freeze_pid"]), signal.SIGSTOP)
         if spec.get("address") and spec.get("settle", False):
             from kvpark.client import vllm as kvv
 
