@@ -15,8 +15,10 @@ For each model shape, every row is a separate engine process against the same da
   from the disk tier (LMDB; warm in the OS page cache on this machine).
 - ``engine prefix cache``: no kvpark, no reset: vLLM's own cache, for reference.
 
-Round 0 of every row warms the engine up and is not counted; the figure is the median of
-the others. Shapes (random-weight Llamas built locally by tests/vllm/engine.py):
+Round 0 of every engine process warms it up and is not counted; the figure is the median
+of the others. ``recompute`` and ``miss + save`` run as ``--pairs`` alternating
+processes, so load from other work on the machine falls on both alike; the bench also
+reports the time the steps spent snapshotting, as a share of a miss's TTFT. Shapes (random-weight Llamas built locally by tests/vllm/engine.py):
 ``tiny`` (2 layers, hidden 64, 480-token prompt: the tests' model) and ``medium``
 (8 layers, hidden 1024, GQA 16/4, head_dim 64, bf16, 2048-token prompt: a prefill that
 is real work on a CPU).
@@ -39,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 from _common import write_json  # bench/ is on sys.path when a script here runs
@@ -90,74 +93,94 @@ def prompt(n: int, seed: int) -> list[int]:
     return [(i * 7 + seed * 131 + (i * i * seed) % 97) % 500 + 5 for i in range(n)]
 
 
-def ms(rounds: list[dict]) -> float:
-    return statistics.median(r["seconds"] for r in rounds[1:]) * 1e3
+def timed(rows: list[dict]) -> list[float]:
+    """Milliseconds of every round but each process's first (its warm-up)."""
+    return [r["seconds"] * 1e3 for row in rows for r in row["rounds"][1:]]
 
 
-def run_shape(shape: str, rounds: int, tmp: Path, shm: Path) -> dict:
+def run_shape(shape: str, rounds: int, pairs: int, tmp: Path, shm: Path) -> dict:
     n, max_len, kv_bytes = SHAPES[shape]
     model = str(tmp / f"model-{shape}")
     subprocess.run([sys.executable, str(ENGINE), "make-model", model, "--shape", shape], check=True,
                    capture_output=True)
     base = {"max_tokens": 1, "max_model_len": max_len, "kv_bytes": kv_bytes}
     same = [[prompt(n, 0)]] * rounds
-    fresh = [[prompt(n, 1 + r)] for r in range(rounds)]
-    out: dict[str, dict] = {}
-    out["recompute"] = engine(model, {**base, "round_prompts": same, "reset": True})
-    out["engine_cache"] = engine(model, {**base, "round_prompts": same, "reset": False})
+    fresh = [[[prompt(n, 1 + p * rounds + r)] for r in range(rounds)] for p in range(pairs)]
+    runs: dict[str, list[dict]] = {k: [] for _, k in ROWS}
     d = Daemon(tmp / f"daemon-{shape}", shm)
     try:
-        out["miss_save"] = engine(model, {**base, "round_prompts": fresh, "reset": True, "address": d.address})
-        out["hit_host"] = engine(model, {**base, "round_prompts": same, "reset": True, "settle": True,
-                                         "address": d.address})
+        # Recompute and miss + save alternate, process by process, so that the load other
+        # work puts on the machine falls on both alike; their ratio is the cost of saving.
+        for p in range(pairs):
+            runs["recompute"].append(engine(model, {**base, "round_prompts": same, "reset": True}))
+            runs["miss_save"].append(engine(model, {**base, "round_prompts": fresh[p], "reset": True,
+                                                    "address": d.address}))
+        runs["hit_host"].append(engine(model, {**base, "round_prompts": same, "reset": True, "settle": True,
+                                               "address": d.address}))
+        runs["engine_cache"].append(engine(model, {**base, "round_prompts": same, "reset": False}))
     finally:
         d.stop()
     d = Daemon(tmp / f"daemon-{shape}", shm)  # the same data dir: everything is on disk now
     try:
-        out["hit_disk"] = engine(model, {**base, "round_prompts": fresh, "reset": True, "settle": True,
-                                         "address": d.address})
+        runs["hit_disk"].append(engine(model, {**base, "round_prompts": fresh[0], "reset": True, "settle": True,
+                                               "address": d.address}))
     finally:
         d.stop()
-    ttft = {k: ms(v["rounds"]) for k, v in out.items()}
+    rounds_ms = {k: timed(v) for k, v in runs.items()}
+    ttft = {k: statistics.median(v) for k, v in rounds_ms.items()}
+    pair_ratios = [statistics.median(timed([m])) / statistics.median(timed([r]))
+                   for r, m in zip(runs["recompute"], runs["miss_save"])]
+    first = lambda k: runs[k][0]  # noqa: E731
     # Identical tokens: every hit's first token is the recomputed one for the same prompt.
-    same_tokens = (all(r["tokens"] == out["recompute"]["rounds"][0]["tokens"] for r in out["hit_host"]["rounds"])
-                   and [r["tokens"] for r in out["hit_disk"]["rounds"]] == [r["tokens"] for r in
-                                                                          out["miss_save"]["rounds"]])
-    cached = {k: [r["cached"][0] for r in out[k]["rounds"][1:]] for k in ("hit_host", "hit_disk", "miss_save")}
-    ms_stats = out["miss_save"]["stats"]
-    steps = max(1, ms_stats.get("saves_queued", 0))
+    same_tokens = (all(r["tokens"] == first("recompute")["rounds"][0]["tokens"] for r in first("hit_host")["rounds"])
+                   and [r["tokens"] for r in first("hit_disk")["rounds"]]
+                   == [r["tokens"] for r in first("miss_save")["rounds"]])
+    cached = {k: [r["cached"][0] for r in first(k)["rounds"][1:]] for k in ("hit_host", "hit_disk", "miss_save")}
+    miss = Counter[str]()
+    for m in runs["miss_save"]:
+        miss.update(m["stats"])
+    saves = max(1, miss["saves_queued"])
+    snapshot_ms = miss["save_step_us"] / saves / 1e3
     return {
         "prompt_tokens": n,
         "ttft_ms": ttft,
+        "rounds_ms": rounds_ms,
         "vs_recompute": {k: v / ttft["recompute"] for k, v in ttft.items()},
+        "miss_vs_recompute_per_pair": pair_ratios,
         "cached_tokens": cached,
         "same_tokens": same_tokens,
-        "save_snapshot_ms_per_save": ms_stats.get("save_step_us", 0) / steps / 1e3,
-        "background_park_ms_per_save": ms_stats.get("save_us", 0) / max(1, ms_stats.get("saves", 0)) / 1e3,
-        "stats": {k: v["stats"] for k, v in out.items() if v["stats"]},
+        "save_snapshot_ms": snapshot_ms,
+        "save_snapshot_share_of_miss_ttft": snapshot_ms / ttft["miss_save"],
+        "background_park_ms": miss["save_us"] / max(1, miss["saves"]) / 1e3,
+        "stats": {k: [r["stats"] for r in v] for k, v in runs.items() if v and v[0]["stats"]},
     }
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="tiny,medium")
-    ap.add_argument("--rounds", type=int, default=4, help="rounds per row; round 0 is a warm-up")
+    ap.add_argument("--rounds", type=int, default=4, help="rounds per engine process; round 0 is a warm-up")
+    ap.add_argument("--pairs", type=int, default=2, help="alternating recompute / miss + save processes")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "vllm_ttft.json"))
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvpark-ttft-"))
     # The host arena in tmpfs where there is one, as in a deployment.
     shm = Path(tempfile.mkdtemp(prefix="kvpark-ttft-", dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp))
-    result = {"date": time.strftime("%Y-%m-%d"), "rounds": args.rounds, "loadavg": os.getloadavg(), "shapes": {}}
+    result = {"date": time.strftime("%Y-%m-%d"), "rounds": args.rounds, "pairs": args.pairs,
+              "loadavg": os.getloadavg(), "shapes": {}}
     for shape in args.shapes.split(","):
-        r = run_shape(shape, args.rounds, tmp, shm)
+        r = run_shape(shape, args.rounds, args.pairs, tmp, shm)
         result["shapes"][shape] = r
         print(f"\n{shape}: prompt {r['prompt_tokens']} tokens; tokens identical: {r['same_tokens']}; "
               f"kvpark served {r['cached_tokens']['hit_host']} (host) / {r['cached_tokens']['hit_disk']} (disk)")
         print(f"{'path':<44}{'TTFT ms (median)':>18}{'vs recompute':>14}")
         for name, key in ROWS:
             print(f"{name:<44}{r['ttft_ms'][key]:>18.2f}{r['vs_recompute'][key]:>13.2f}x")
-        print(f"saves: snapshot {r['save_snapshot_ms_per_save']:.2f} ms in the step, background park "
-              f"{r['background_park_ms_per_save']:.2f} ms")
+        print(f"miss + save vs recompute, per alternating pair: "
+              f"{', '.join(f'{x:.3f}x' for x in r['miss_vs_recompute_per_pair'])}")
+        print(f"saves: snapshot {r['save_snapshot_ms']:.2f} ms in the step "
+              f"({100 * r['save_snapshot_share_of_miss_ttft']:.2f}% of a miss's TTFT), background park "
+              f"{r['background_park_ms']:.2f} ms")
     result["loadavg_after"] = os.getloadavg()
     shutil.rmtree(shm, ignore_errors=True)
     write_json(args.json, result)
