@@ -4,9 +4,12 @@ For each model shape, every row is a separate engine process against the same da
 (or none), with the same prompt length and ``max_tokens=1``:
 
 - ``recompute``: no kvpark; the engine's prefix cache is reset between rounds.
-- ``miss + save``: kvpark on, a fresh prompt each round: the lookup misses, the engine
-  prefills, and the connector snapshots the new blocks for its background saver. Its
-  ratio to ``recompute`` is what saving costs a request that misses.
+- ``miss, kvpark off`` and ``miss + save``: one engine with kvpark on, a fresh prompt
+  each round, the rounds alternating a request sent with
+  ``kv_transfer_params={"kvpark": "off"}`` (no lookup, no save) and a plain one (the
+  lookup misses, the engine prefills, the connector snapshots the new blocks for its
+  background saver). Their ratio, under the same load in the same process, is what
+  saving costs a request that misses.
 - ``kvpark hit (host)``: kvpark on, the same prompt each round, the engine's own cache
   reset between rounds: every round after the first loads all full blocks from the
   daemon's host tier (the background saves are waited for between rounds, untimed).
@@ -16,9 +19,8 @@ For each model shape, every row is a separate engine process against the same da
 - ``engine prefix cache``: no kvpark, no reset: vLLM's own cache, for reference.
 
 Round 0 of every engine process warms it up and is not counted; the figure is the median
-of the others. ``recompute`` and ``miss + save`` run as ``--pairs`` alternating
-processes, so load from other work on the machine falls on both alike; the bench also
-reports the time the steps spent snapshotting, as a share of a miss's TTFT. Shapes (random-weight Llamas built locally by tests/vllm/engine.py):
+of the others. The bench also reports the time the steps spent snapshotting, as a share
+of a miss's TTFT. Shapes (random-weight Llamas built locally by tests/vllm/engine.py):
 ``tiny`` (2 layers, hidden 64, 480-token prompt: the tests' model) and ``medium``
 (8 layers, hidden 1024, GQA 16/4, head_dim 64, bf16, 2048-token prompt: a prefill that
 is real work on a CPU).
@@ -26,6 +28,8 @@ is real work on a CPU).
 Needs the vLLM venv (`make test-vllm` builds .venv-vllm):
 
     .venv-vllm/bin/python bench/vllm_ttft.py [--shapes tiny,medium] [--rounds 4] [--json PATH]
+
+(``--rounds`` per engine process; the miss row's process runs ``2 * rounds - 1``.)
 """
 
 from __future__ import annotations
@@ -52,7 +56,8 @@ SHAPES = {  # prompt tokens, max_model_len, engine KV bytes
     "tiny": (480, 512, 64 << 20),
     "medium": (2048, 4096, 256 << 20),
 }
-ROWS = (("recompute (no kvpark)", "recompute"), ("miss + background save", "miss_save"),
+ROWS = (("recompute (no kvpark)", "recompute"), ("miss, kvpark off for the request", "miss_off"),
+        ("miss + background save", "miss_save"),
         ("kvpark hit, host tier", "hit_host"), ("kvpark hit, disk tier (restarted daemon)", "hit_disk"),
         ("engine prefix cache (no reset)", "engine_cache"))
 
@@ -98,23 +103,23 @@ def timed(rows: list[dict]) -> list[float]:
     return [r["seconds"] * 1e3 for row in rows for r in row["rounds"][1:]]
 
 
-def run_shape(shape: str, rounds: int, pairs: int, tmp: Path, shm: Path) -> dict:
+def run_shape(shape: str, rounds: int, tmp: Path, shm: Path) -> dict:
     n, max_len, kv_bytes = SHAPES[shape]
     model = str(tmp / f"model-{shape}")
     subprocess.run([sys.executable, str(ENGINE), "make-model", model, "--shape", shape], check=True,
                    capture_output=True)
     base = {"max_tokens": 1, "max_model_len": max_len, "kv_bytes": kv_bytes}
     same = [[prompt(n, 0)]] * rounds
-    fresh = [[[prompt(n, 1 + p * rounds + r)] for r in range(rounds)] for p in range(pairs)]
+    fresh = [[prompt(n, 1 + r)] for r in range(2 * rounds - 1)]
     runs: dict[str, list[dict]] = {k: [] for _, k in ROWS}
     d = Daemon(tmp / f"daemon-{shape}", shm)
     try:
-        # Recompute and miss + save alternate, process by process, so that the load other
-        # work puts on the machine falls on both alike; their ratio is the cost of saving.
-        for p in range(pairs):
-            runs["recompute"].append(engine(model, {**base, "round_prompts": same, "reset": True}))
-            runs["miss_save"].append(engine(model, {**base, "round_prompts": fresh[p], "reset": True,
-                                                    "address": d.address}))
+        runs["recompute"].append(engine(model, {**base, "round_prompts": same, "reset": True}))
+        # One process, fresh prompts, rounds alternating a request with kvpark off and
+        # one with it on (a miss, then the snapshot): the ratio of the two is the cost of
+        # saving, measured under the same load.
+        ab = engine(model, {**base, "round_prompts": fresh, "reset": True, "address": d.address,
+                            "off_rounds": list(range(1, 2 * rounds - 1, 2))})
         runs["hit_host"].append(engine(model, {**base, "round_prompts": same, "reset": True, "settle": True,
                                                "address": d.address}))
         runs["engine_cache"].append(engine(model, {**base, "round_prompts": same, "reset": False}))
@@ -122,23 +127,25 @@ def run_shape(shape: str, rounds: int, pairs: int, tmp: Path, shm: Path) -> dict
         d.stop()
     d = Daemon(tmp / f"daemon-{shape}", shm)  # the same data dir: everything is on disk now
     try:
-        runs["hit_disk"].append(engine(model, {**base, "round_prompts": fresh[0], "reset": True, "settle": True,
+        saved = [p for i, p in enumerate(fresh) if i % 2 == 0]  # the rounds that saved
+        runs["hit_disk"].append(engine(model, {**base, "round_prompts": saved, "reset": True, "settle": True,
                                                "address": d.address}))
     finally:
         d.stop()
-    rounds_ms = {k: timed(v) for k, v in runs.items()}
+    rounds_ms = {k: timed(v) for k, v in runs.items() if v}
+    ab_ms = [r["seconds"] * 1e3 for r in ab["rounds"]]
+    rounds_ms["miss_off"] = ab_ms[1::2]
+    rounds_ms["miss_save"] = ab_ms[2::2]
     ttft = {k: statistics.median(v) for k, v in rounds_ms.items()}
-    pair_ratios = [statistics.median(timed([m])) / statistics.median(timed([r]))
-                   for r, m in zip(runs["recompute"], runs["miss_save"])]
+    pair_ratios = [on / off for off, on in zip(rounds_ms["miss_off"], rounds_ms["miss_save"])]
     first = lambda k: runs[k][0]  # noqa: E731
     # Identical tokens: every hit's first token is the recomputed one for the same prompt.
     same_tokens = (all(r["tokens"] == first("recompute")["rounds"][0]["tokens"] for r in first("hit_host")["rounds"])
                    and [r["tokens"] for r in first("hit_disk")["rounds"]]
-                   == [r["tokens"] for r in first("miss_save")["rounds"]])
-    cached = {k: [r["cached"][0] for r in first(k)["rounds"][1:]] for k in ("hit_host", "hit_disk", "miss_save")}
-    miss = Counter[str]()
-    for m in runs["miss_save"]:
-        miss.update(m["stats"])
+                   == [r["tokens"] for i, r in enumerate(ab["rounds"]) if i % 2 == 0])
+    cached = {k: [r["cached"][0] for r in first(k)["rounds"][1:]] for k in ("hit_host", "hit_disk")}
+    cached["miss"] = [r["cached"][0] for r in ab["rounds"]]
+    miss = Counter(ab["stats"])
     saves = max(1, miss["saves_queued"])
     snapshot_ms = miss["save_step_us"] / saves / 1e3
     return {
@@ -146,13 +153,13 @@ def run_shape(shape: str, rounds: int, pairs: int, tmp: Path, shm: Path) -> dict
         "ttft_ms": ttft,
         "rounds_ms": rounds_ms,
         "vs_recompute": {k: v / ttft["recompute"] for k, v in ttft.items()},
-        "miss_vs_recompute_per_pair": pair_ratios,
+        "miss_save_vs_miss_off_per_pair": pair_ratios,
         "cached_tokens": cached,
         "same_tokens": same_tokens,
         "save_snapshot_ms": snapshot_ms,
         "save_snapshot_share_of_miss_ttft": snapshot_ms / ttft["miss_save"],
         "background_park_ms": miss["save_us"] / max(1, miss["saves"]) / 1e3,
-        "stats": {k: [r["stats"] for r in v] for k, v in runs.items() if v and v[0]["stats"]},
+        "stats": {**{k: v[0]["stats"] for k, v in runs.items() if v and v[0]["stats"]}, "miss_ab": ab["stats"]},
     }
 
 
@@ -160,24 +167,24 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="tiny,medium")
     ap.add_argument("--rounds", type=int, default=4, help="rounds per engine process; round 0 is a warm-up")
-    ap.add_argument("--pairs", type=int, default=2, help="alternating recompute / miss + save processes")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "vllm_ttft.json"))
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvpark-ttft-"))
     # The host arena in tmpfs where there is one, as in a deployment.
     shm = Path(tempfile.mkdtemp(prefix="kvpark-ttft-", dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp))
-    result = {"date": time.strftime("%Y-%m-%d"), "rounds": args.rounds, "pairs": args.pairs,
+    result = {"date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
               "loadavg": os.getloadavg(), "shapes": {}}
     for shape in args.shapes.split(","):
-        r = run_shape(shape, args.rounds, args.pairs, tmp, shm)
+        r = run_shape(shape, args.rounds, tmp, shm)
         result["shapes"][shape] = r
         print(f"\n{shape}: prompt {r['prompt_tokens']} tokens; tokens identical: {r['same_tokens']}; "
               f"kvpark served {r['cached_tokens']['hit_host']} (host) / {r['cached_tokens']['hit_disk']} (disk)")
         print(f"{'path':<44}{'TTFT ms (median)':>18}{'vs recompute':>14}")
         for name, key in ROWS:
             print(f"{name:<44}{r['ttft_ms'][key]:>18.2f}{r['vs_recompute'][key]:>13.2f}x")
-        print(f"miss + save vs recompute, per alternating pair: "
-              f"{', '.join(f'{x:.3f}x' for x in r['miss_vs_recompute_per_pair'])}")
+        off, on = r["ttft_ms"]["miss_off"], r["ttft_ms"]["miss_save"]
+        print(f"miss + save vs the same engine's kvpark-off requests: {on / off:.3f}x (median); per alternating "
+              f"pair: {', '.join(f'{x:.3f}x' for x in r['miss_save_vs_miss_off_per_pair'])}")
         print(f"saves: snapshot {r['save_snapshot_ms']:.2f} ms in the step "
               f"({100 * r['save_snapshot_share_of_miss_ttft']:.2f}% of a miss's TTFT), background park "
               f"{r['background_park_ms']:.2f} ms")

@@ -7,16 +7,12 @@ Load it with no vLLM patching::
 
 Primitives:
 - ``KVParkConnector``: a ``KVConnectorBase_V1``; one instance per role (scheduler, worker).
-- ``KVParkMetadata``: what the scheduler tells the worker each step (plain lists; it is
-  pickled between processes in multi-process mode).
-- ``STATS``: process-wide counters (lookups, hit blocks, loads, saves, their microseconds,
-  failures by kind).
-- ``layout_fingerprint(vllm_config, kv_cache_config) -> str``.
-- ``block_dim_of(layers, block_size) -> int | None``: where the block index sits in a KV
-  layer (FlashAttention ``[2, blocks, block_size, heads, dim]``: 1; CPU backend: 0).
-- ``load_blocks(client, layers, block_dim, ids, keys, stage_bytes)`` and
-  ``save_blocks(client, layers, block_dim, ids, keys, attrs, stage_bytes)``: the worker's
-  gather/scatter between the engine's KV layers and kvpark, in bounded chunks.
+- ``KVParkMetadata``: what the scheduler tells the worker each step (plain lists and
+  ``Grant``s; it is pickled between processes in multi-process mode).
+- ``layout_fingerprint(vllm_config, kv_cache_config) -> str``;
+  ``block_bytes_of(kv_cache_config) -> int``.
+- Re-exported from ``kvpark.client.vllm_io`` (the vLLM-free data path): ``STATS``,
+  ``block_dim_of``, ``load_blocks``, ``save_blocks``, ``wait_for_saves(timeout=None)``.
 
 What is stored: every *full* KV block a request computes, all layers together, as one
 plain kvpark sequence whose id is a chained content hash (layout fingerprint, parent key,
@@ -26,16 +22,30 @@ them into its freshly allocated blocks. Blocks are opaque bytes: the layout fing
 covers model, dtype, block size, KV heads, head size, layer count and the platform's
 kernel layout, so bytes are never read under another layout.
 
-Loads are restored and scattered into the engine's blocks inside ``start_load_kv``,
-before the forward pass, so every attention path (full CUDA graphs too, which never call
-``wait_for_layer_load``) reads loaded blocks. Loads and saves move at most
-``stage_bytes`` of blocks at a time: the staging tensors live inside the engine's memory
-budget.
+Saves are off the step: ``wait_for_save`` snapshots the blocks the step filled (one
+gather per layer into memory of its own) and hands them to a background thread, which
+parks them over its own connection. Each save commits within ``save_timeout_s`` of its
+step or is a counted, logged failure; ``shutdown`` (or the interpreter's exit) finishes
+the accepted ones or reports them (``kvpark.client.vllm_io.BackgroundSaver``).
+
+Loads take one round trip: the scheduler's ``Lookup`` also acquires the hit when it is
+in the daemon's memory (bytes inline when small, else a lease on host arena slots) and
+passes the ``Grant`` to the worker, which copies it out and releases the lease off its
+path. Otherwise (a disk hit, no arena mapping) the worker restores the blocks itself.
+Either way they are scattered into the engine's blocks inside ``start_load_kv``, before
+the forward pass, so every attention path (full CUDA graphs too, which never call
+``wait_for_layer_load``) reads loaded blocks. Loads and snapshots move at most
+``stage_bytes`` of blocks at a time: the staging tensors live inside the engine's
+memory budget.
+
+A request sent with ``SamplingParams(extra_args={"kv_transfer_params": {"kvpark": "off"}})``
+bypasses kvpark: it is neither looked up nor saved.
 
 Extra config keys: ``address`` (default ``$KVPARK_ADDRESS`` or 127.0.0.1:50551),
 ``lookup_timeout_s`` (0.5), ``load_timeout_s`` (10), ``save_timeout_s`` (10),
-``stage_bytes`` (256 MiB), ``transport`` ("auto"; the workers' data path, the scheduler
-always uses "inline"), ``cpu_amx_init`` (true).
+``stage_bytes`` (256 MiB), ``save_queue_bytes`` (2 x ``stage_bytes``: snapshots waiting
+for the saver), ``transport`` ("auto"; the workers' data path, the scheduler always uses
+"inline"), ``cpu_amx_init`` (true).
 
 On vLLM's CPU platform the worker-role connector asks the kernel for AMX tile permission
 when it starts (``kvpark.client.amx``): vLLM's CPU attention otherwise dies with SIGILL on
@@ -94,8 +104,8 @@ from .vllm_io import (
 
 log = logging.getLogger("kvpark.vllm")
 
-__all__ = ["KVParkConnector", "KVParkMetadata", "STATS", "block_dim_of", "layout_fingerprint", "load_blocks",
-           "save_blocks", "wait_for_saves"]
+__all__ = ["KVParkConnector", "KVParkMetadata", "STATS", "block_bytes_of", "block_dim_of", "layout_fingerprint",
+           "load_blocks", "save_blocks", "wait_for_saves"]
 
 
 
@@ -106,6 +116,12 @@ def _on_cpu_platform() -> bool:
         return bool(current_platform.is_cpu())
     except Exception:  # noqa: BLE001 - an unknown platform is not the CPU one
         return False
+
+
+def _opted_out(request: Any) -> bool:
+    """A request sent with ``kv_transfer_params={"kvpark": "off"}`` bypasses kvpark."""
+    params = getattr(request, "kv_transfer_params", None)
+    return isinstance(params, dict) and "kvpark" in params and not _flag(params["kvpark"])
 
 
 def _flag(value: Any) -> bool:
@@ -219,8 +235,10 @@ class KVParkConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
-        self._reqs[rid] = request
         self._local[rid] = num_computed_tokens
+        if _opted_out(request):
+            return 0, False  # neither looked up nor saved (and never tracked in _reqs)
+        self._reqs[rid] = request
         if not self.fingerprint:
             return 0, False
         tokens = request.all_token_ids
@@ -253,6 +271,8 @@ class KVParkConnector(KVConnectorBase_V1):
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
+        if _opted_out(request):
+            return
         self._reqs[rid] = request
         if num_external_tokens <= 0:
             self._drop_grant(rid)

@@ -71,13 +71,17 @@ def run(model: str, spec: dict) -> dict:
               enable_prefix_caching=spec.get("prefix_caching", True), **kw)
     start_s = time.perf_counter() - t0
     sp = SamplingParams(temperature=0, max_tokens=int(spec.get("max_tokens", 16)), ignore_eos=True)
+    # Rounds listed in "off_rounds" send their requests with kvpark turned off for them.
+    sp_off = SamplingParams(temperature=0, max_tokens=int(spec.get("max_tokens", 16)), ignore_eos=True,
+                            extra_args={"kv_transfer_params": {"kvpark": "off"}})
+    off_rounds = set(spec.get("off_rounds", []))
     # "round_prompts": a prompt list per round (fresh prompts each round); else "prompts" every round.
     per_round = spec.get("round_prompts") or [spec["prompts"]] * int(spec.get("rounds", 1))
     rounds = []
     for prompt_ids in per_round:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
         t = time.perf_counter()
-        outs = llm.generate(prompts, sp, use_tqdm=False)
+        outs = llm.generate(prompts, sp_off if len(rounds) in off_rounds else sp, use_tqdm=False)
         rounds.append({
             "seconds": time.perf_counter() - t,
             "tokens": [list(o.outputs[0].token_ids) for o in outs],

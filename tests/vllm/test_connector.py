@@ -80,6 +80,17 @@ def test_prefix_hit_after_reset_and_identical_tokens(model: str, baseline: dict,
     assert out["stats"]["saved_blocks"] >= 3 + 4 and not out["stats"].get("errors.save")
 
 
+def test_a_request_sent_with_kvpark_off_is_neither_looked_up_nor_saved(model: str, baseline: dict,
+                                                                        proc: Callable[..., Proc]) -> None:
+    d = proc()
+    # Step: round 1 opts out per request; round 2 (opted in) finds nothing from it.
+    out = engine(model, prompts=[PROMPT, OTHER], address=d.address, rounds=2, off_rounds=[0])
+    first, second = out["rounds"]
+    assert first["tokens"] == second["tokens"] == baseline["tokens"]
+    assert second["cached"] == [0, 0]
+    assert out["stats"]["lookups"] == 2 and out["stats"]["saved_blocks"] == 3 + 4
+
+
 def test_noise_in_the_store_changes_the_output(model: str, baseline: dict, proc: Callable[..., Proc]) -> None:
     d = proc()
     engine(model, prompts=[PROMPT], address=d.address, rounds=1)
