@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
@@ -40,7 +41,7 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from kvpark.proto import VERSION, convert
-from kvpark.proto.errors import InvalidArgument, TransportUnavailable
+from kvpark.proto.errors import InvalidArgument, LeaseExpired, TransportUnavailable
 from kvpark.proto.layout import TensorMeta, validate_seq_id
 from kvpark.proto.types import SeqInfo, Stat
 from kvpark.proto.v1 import kvpark_pb2 as pb
@@ -67,6 +68,10 @@ class Grant:
     inlined: bool
     lease_id: str
     reply: bytes  # the daemon's answer, kept as it came
+    # time.monotonic() (system-wide on Linux, so valid in another process on this host)
+    # past which a leased grant is refused: half the lease's life, so the copy out
+    # always ends well before the daemon could reuse the slots.
+    usable_until: float
 
 
 def _header(seq_id: str, tensors: Sequence[torch.Tensor]) -> pb.ParkHeader:
@@ -274,13 +279,15 @@ class Client:
             return int(r.prefix), None
         a = r.acquired
         n = min(int(r.prefix), skip + max_ids if max_ids else int(r.prefix)) - skip
-        return int(r.prefix), Grant(n, int(a.info.nbytes), bool(a.inlined), a.lease_id, a.SerializeToString())
+        usable = time.monotonic() + (a.expires_in_s / 2 if a.expires_in_s > 0 else float("inf"))
+        return int(r.prefix), Grant(n, int(a.info.nbytes), bool(a.inlined), a.lease_id, a.SerializeToString(), usable)
 
     def restore_grant(self, grant: Grant, *, into_flat: torch.Tensor, release: bool = True,
                       timeout: float | None = None) -> None:
         """Copy a grant's bytes into ``into_flat``. Inline grants need no round trip;
         leased ones are copied straight out of the arena (needs the ``shm`` transport,
-        else ``TransportUnavailable``, and the caller should ``release_grant``). With
+        else ``TransportUnavailable``; a grant past ``usable_until`` raises
+        ``LeaseExpired``; either way the caller should ``release_grant``). With
         ``release=False`` the lease stays held until ``release_grant``, so the caller
         can end it off its critical path."""
         if not isinstance(into_flat, torch.Tensor):
@@ -289,6 +296,8 @@ class Client:
         target = Target(into_flat=into_flat)
         if grant.inlined:
             r = Transport._from_bytes(reply.info, reply.data, target)
+        elif time.monotonic() > grant.usable_until:
+            raise LeaseExpired(f"grant {grant.lease_id} is too old to read safely; restore the ids instead")
         elif isinstance(self._transport, Shm):
             with self.rpc.deadline(timeout):
                 r = self._transport._restore_leased(reply, target, release=release)

@@ -81,7 +81,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from kvpark.proto.layout import dtype_name
 from kvpark.tiers import cuda
 
-from kvpark.proto.errors import TransportUnavailable
+from kvpark.proto.errors import LeaseExpired, TransportUnavailable
 
 from .amx import request_amx_permission
 from .client import Client, Grant
@@ -401,13 +401,14 @@ class KVParkConnector(KVConnectorBase_V1):
     def _load_grant(self, client: Client, ids: list[int], grant: Grant) -> int:
         """Scatter what the scheduler's lookup acquired: no round trip before the copy
         (the lease ends afterwards, off this path). Returns the blocks loaded: 0 when
-        this worker cannot read the grant (no shm) and loads them the usual way."""
+        this worker cannot read the grant (no shm, or it is too old to read safely) and
+        loads them the usual way."""
         try:
             staging = staging_for(self._layers, self._block_dim, len(ids))
             try:
                 client.restore_grant(grant, into_flat=staging, release=False)
-            except TransportUnavailable:
-                return 0
+            except (TransportUnavailable, LeaseExpired):
+                return 0  # loaded the usual way instead
             scatter_blocks(self._layers, self._block_dim, ids, staging)
         finally:
             self._release(grant)

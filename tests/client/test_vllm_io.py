@@ -7,6 +7,7 @@ or frozen daemon, and park the blocks as they were when the step snapshotted the
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import threading
 from typing import Callable, Iterator
@@ -14,7 +15,7 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
-from kvpark.client import Client, InvalidArgument, TransportUnavailable
+from kvpark.client import Client, InvalidArgument, LeaseExpired, TransportUnavailable
 from kvpark.client import vllm_io
 from kvpark.client.vllm_io import STATS, BackgroundSaver, Conn, gather_blocks, scatter_blocks, staging_for
 from kvpark.daemon.server import Daemon
@@ -225,6 +226,12 @@ def test_lookup_acquire_large_hit_is_leased_until_released(daemon: Callable[...,
         assert d.engine is not None and d.engine.leases.count == 1  # held until released
         c.release_grant(grant)
         assert d.engine.leases.count == 0
+        # A grant too old to read safely (its lease could be near its end) is refused.
+        _, grant = c.lookup_acquire(ks, skip=0)
+        assert grant is not None
+        with pytest.raises(LeaseExpired):
+            c.restore_grant(dataclasses.replace(grant, usable_until=0.0), into_flat=staging_for(kv, 0, 6))
+        c.release_grant(grant)
         # A client without the arena cannot copy a leased grant: it says so.
         _, grant = c.lookup_acquire(ks, skip=0)
         assert grant is not None
