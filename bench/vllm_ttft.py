@@ -8,8 +8,10 @@ For each model shape, every row is a separate engine process against the same da
   each round, the rounds alternating a request sent with
   ``kv_transfer_params={"kvpark": "off"}`` (no lookup, no save) and a plain one (the
   lookup misses, the engine prefills, the connector snapshots the new blocks for its
-  background saver). Their ratio, under the same load in the same process, is what
-  saving costs a request that misses.
+  background saver). Each round's saves are waited for after it, untimed. The ratio of
+  their TTFTs, under the same load in the same process, is what saving adds to the step
+  of a request that misses; the ratio of the CPU seconds the rounds took (engine process
+  plus daemon, the background park included) is what it costs the machine.
 - ``kvpark hit (host)``: kvpark on, the same prompt each round, the engine's own cache
   reset between rounds: every round after the first loads all full blocks from the
   daemon's host tier (the background saves are waited for between rounds, untimed).
@@ -27,7 +29,7 @@ is real work on a CPU).
 
 Needs the vLLM venv (`make test-vllm` builds .venv-vllm):
 
-    .venv-vllm/bin/python bench/vllm_ttft.py [--shapes tiny,medium] [--rounds 4] [--json PATH]
+    .venv-vllm/bin/python bench/vllm_ttft.py [--shapes tiny,medium] [--rounds N] [--json PATH]
 
 (``--rounds`` per engine process; the miss row's process runs ``2 * rounds - 1``.)
 """
@@ -52,9 +54,11 @@ from _common import write_json  # bench/ is on sys.path when a script here runs
 
 ROOT = Path(__file__).resolve().parents[1]
 ENGINE = ROOT / "tests" / "vllm" / "engine.py"
-SHAPES = {  # prompt tokens, max_model_len, engine KV bytes
-    "tiny": (480, 512, 64 << 20),
-    "medium": (2048, 4096, 256 << 20),
+SHAPES = {  # prompt tokens, max_model_len, engine KV bytes, rounds per engine process
+    # tiny rounds take milliseconds, where one preemption of a loaded machine's scheduler
+    # costs ~100 ms: many rounds, so that medians see through them.
+    "tiny": (480, 512, 64 << 20, 15),
+    "medium": (2048, 4096, 256 << 20, 7),
 }
 ROWS = (("recompute (no kvpark)", "recompute"), ("miss, kvpark off for the request", "miss_off"),
         ("miss + background save", "miss_save"),
@@ -104,7 +108,8 @@ def timed(rows: list[dict]) -> list[float]:
 
 
 def run_shape(shape: str, rounds: int, tmp: Path, shm: Path) -> dict:
-    n, max_len, kv_bytes = SHAPES[shape]
+    n, max_len, kv_bytes, default_rounds = SHAPES[shape]
+    rounds = rounds or default_rounds
     model = str(tmp / f"model-{shape}")
     subprocess.run([sys.executable, str(ENGINE), "make-model", model, "--shape", shape], check=True,
                    capture_output=True)
@@ -118,8 +123,10 @@ def run_shape(shape: str, rounds: int, tmp: Path, shm: Path) -> dict:
         # One process, fresh prompts, rounds alternating a request with kvpark off and
         # one with it on (a miss, then the snapshot): the ratio of the two is the cost of
         # saving, measured under the same load.
-        ab = engine(model, {**base, "round_prompts": fresh, "reset": True, "address": d.address,
-                            "off_rounds": list(range(1, 2 * rounds - 1, 2))})
+        # Each round's background saves are waited for after it (untimed), so its wall time
+        # is the step's own and its CPU time includes the saver's (and the daemon's) work.
+        ab = engine(model, {**base, "round_prompts": fresh, "reset": True, "address": d.address, "settle": True,
+                            "daemon_pid": d.proc.pid, "off_rounds": list(range(1, 2 * rounds - 1, 2))})
         runs["hit_host"].append(engine(model, {**base, "round_prompts": same, "reset": True, "settle": True,
                                                "address": d.address}))
         runs["engine_cache"].append(engine(model, {**base, "round_prompts": same, "reset": False}))
@@ -138,6 +145,10 @@ def run_shape(shape: str, rounds: int, tmp: Path, shm: Path) -> dict:
     rounds_ms["miss_save"] = ab_ms[2::2]
     ttft = {k: statistics.median(v) for k, v in rounds_ms.items()}
     pair_ratios = [on / off for off, on in zip(rounds_ms["miss_off"], rounds_ms["miss_save"])]
+    # CPU seconds (engine process + daemon) of the off and on rounds: load from other work
+    # stretches wall time but hardly the CPU a round itself burns.
+    cpu = [r["cpu_s"] + r["daemon_cpu_s"] for r in ab["rounds"]]
+    cpu_off, cpu_on = statistics.median(cpu[1::2]), statistics.median(cpu[2::2])
     first = lambda k: runs[k][0]  # noqa: E731
     # Identical tokens: every hit's first token is the recomputed one for the same prompt.
     same_tokens = (all(r["tokens"] == first("recompute")["rounds"][0]["tokens"] for r in first("hit_host")["rounds"])
@@ -156,6 +167,7 @@ def run_shape(shape: str, rounds: int, tmp: Path, shm: Path) -> dict:
         "miss_save_vs_miss_off_per_pair": pair_ratios,
         "cached_tokens": cached,
         "same_tokens": same_tokens,
+        "miss_cpu_s": {"off": cpu_off, "save": cpu_on, "ratio": cpu_on / cpu_off},
         "save_snapshot_ms": snapshot_ms,
         "save_snapshot_share_of_miss_ttft": snapshot_ms / ttft["miss_save"],
         "background_park_ms": miss["save_us"] / max(1, miss["saves"]) / 1e3,
@@ -166,13 +178,14 @@ def run_shape(shape: str, rounds: int, tmp: Path, shm: Path) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="tiny,medium")
-    ap.add_argument("--rounds", type=int, default=4, help="rounds per engine process; round 0 is a warm-up")
+    ap.add_argument("--rounds", type=int, default=0,
+                    help="rounds per engine process (round 0 is a warm-up); default: per shape, 15 tiny, 7 medium")
     ap.add_argument("--json", default=str(ROOT / "bench" / "results" / "vllm_ttft.json"))
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvpark-ttft-"))
     # The host arena in tmpfs where there is one, as in a deployment.
     shm = Path(tempfile.mkdtemp(prefix="kvpark-ttft-", dir="/dev/shm" if os.path.isdir("/dev/shm") else tmp))
-    result = {"date": time.strftime("%Y-%m-%d"), "rounds": args.rounds,
+    result = {"date": time.strftime("%Y-%m-%d"), "rounds": args.rounds or "per shape",
               "loadavg": os.getloadavg(), "shapes": {}}
     for shape in args.shapes.split(","):
         r = run_shape(shape, args.rounds, tmp, shm)
@@ -183,8 +196,12 @@ def main() -> int:
         for name, key in ROWS:
             print(f"{name:<44}{r['ttft_ms'][key]:>18.2f}{r['vs_recompute'][key]:>13.2f}x")
         off, on = r["ttft_ms"]["miss_off"], r["ttft_ms"]["miss_save"]
-        print(f"miss + save vs the same engine's kvpark-off requests: {on / off:.3f}x (median); per alternating "
-              f"pair: {', '.join(f'{x:.3f}x' for x in r['miss_save_vs_miss_off_per_pair'])}")
+        pairs = sorted(r["miss_save_vs_miss_off_per_pair"])
+        print(f"miss + save vs the same engine's kvpark-off requests: {on / off:.3f}x (ratio of medians); "
+              f"per alternating pair: median {statistics.median(pairs):.3f}x, {pairs[0]:.3f}x to {pairs[-1]:.3f}x")
+        c = r["miss_cpu_s"]
+        print(f"CPU of a miss (engine + daemon, saves settled): off {c['off'] * 1e3:.1f} ms, with save "
+              f"{c['save'] * 1e3:.1f} ms: {c['ratio']:.3f}x")
         print(f"saves: snapshot {r['save_snapshot_ms']:.2f} ms in the step "
               f"({100 * r['save_snapshot_share_of_miss_ttft']:.2f}% of a miss's TTFT), background park "
               f"{r['background_park_ms']:.2f} ms")

@@ -53,6 +53,18 @@ def make_model(out: str, shape: str = "tiny") -> None:
     LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(out)
 
 
+def _cpu_of(pid: int | None) -> float:
+    """CPU seconds (user + system) a process has used so far; 0 when not asked or not readable."""
+    if not pid:
+        return 0.0
+    try:
+        with open(f"/proc/{int(pid)}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
 def run(model: str, spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -81,9 +93,18 @@ def run(model: str, spec: dict) -> dict:
     for prompt_ids in per_round:
         prompts = [TokensPrompt(prompt_token_ids=p) for p in prompt_ids]
         t = time.perf_counter()
+        cpu, dcpu = time.process_time(), _cpu_of(spec.get("daemon_pid"))
         outs = llm.generate(prompts, sp_off if len(rounds) in off_rounds else sp, use_tqdm=False)
+        wall = time.perf_counter() - t
+        if spec.get("address") and spec.get("settle", False):
+            from kvpark.client import vllm as kvv
+
+            kvv.wait_for_saves()  # the round's background saves have committed (or failed), untimed
         rounds.append({
-            "seconds": time.perf_counter() - t,
+            "seconds": wall,
+            # CPU seconds of this process (background saves included when settled) and of the daemon.
+            "cpu_s": time.process_time() - cpu,
+            "daemon_cpu_s": _cpu_of(spec.get("daemon_pid")) - dcpu,
             "tokens": [list(o.outputs[0].token_ids) for o in outs],
             "cached": [o.num_cached_tokens for o in outs],
         })
@@ -92,10 +113,6 @@ def run(model: str, spec: dict) -> dict:
         if spec.get("freeze_pid") and len(rounds) == 1:
             # A daemon that freezes after the first round, with that round's saves possibly in flight.
             os.kill(int(spec["freeze_pid"]), signal.SIGSTOP)
-        if spec.get("address") and spec.get("settle", False):
-            from kvpark.client import vllm as kvv
-
-            kvv.wait_for_saves()  # the round's background saves have committed (or failed)
     stats = {}
     if spec.get("address"):
         from kvpark.client import vllm as kvv
