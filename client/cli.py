@@ -4,7 +4,8 @@ Commands (``--address`` defaults to ``$KVPARK_ADDRESS``, else 127.0.0.1:50551):
 - ``kvpark --version``.
 - ``kvpark health``: exit 0 when the daemon answers SERVING, 1 otherwise (scripts, probes).
 - ``kvpark stat``: a summary (sequences and shared blocks, then per tier its state,
-  capacity, use, copies held and evictions); ``--all`` lists every sequence with its tier,
+  capacity, use, copies held and evictions, and the caller's tenant row: usage and quota
+  per tier); ``--all`` lists every sequence with its tier,
   size, pin, TTL and age; ``--json``; ``--watch [SECONDS]`` a live view (rich) with a bar
   per tier and rates.
 - ``kvpark info ID``, ``drop ID``, ``pin ID``, ``unpin ID``, ``flush`` (write every
@@ -12,6 +13,8 @@ Commands (``--address`` defaults to ``$KVPARK_ADDRESS``, else 127.0.0.1:50551):
 - ``kvpark bench [--quick] [--out DIR]``: ``kvpark.client.bench``.
 - ``kvpark serve ...`` and ``kvpark config ...`` are the daemon's (``kvpark.daemon.cli``);
   they are handed over unchanged, so the daemon package never imports the client.
+
+``KVPARK_TOKEN`` and ``KVPARK_TLS_CA`` are used as the ``Client`` uses them.
 
 Output into a closed pipe (``kvpark stat | head -1``) ends quietly with exit 0.
 """
@@ -30,7 +33,8 @@ from kvpark.proto import VERSION
 from kvpark.proto.errors import KVParkError
 from kvpark.proto.types import SeqInfo, Stat
 
-from .client import DEFAULT_ADDRESS, Client
+from .client import DEFAULT_ADDRESS, TLS_CA_ENV, Client
+from .rpc import open_channel
 
 EXIT_ERROR = 1
 
@@ -79,7 +83,7 @@ def _health(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     address = _address(args)
-    with grpc.insecure_channel(address) as ch:
+    with open_channel(address, tls_ca=os.environ.get(TLS_CA_ENV) or None) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
                                                         timeout=args.timeout)
@@ -126,8 +130,14 @@ def _print_summary(address: str, st: Stat, seqs: list[SeqInfo]) -> None:
         print(f"{'remote':<8} {state}: {r.sequences} sequence(s) known there, {_human(r.bytes_written)} written, "
               f"{_human(r.bytes_read)} read, {r.pending_writes} pending, {r.errors} error(s), "
               f"{r.refused} refused, {r.outages} outage(s), {r.data_loss} bad value(s) deleted")
+    for ts in st.tenants:
+        use = [f"{tier} {_human(ts.used.get(tier, 0))} of "
+               + (_human(ts.quota[tier]) if tier in ts.quota else "unlimited") for tier in ("device", "host", "disk")]
+        print(f"tenant {ts.name}: {ts.sequences} sequence(s); " + ", ".join(use))
     print()
     print("held: sequences and shared blocks with a copy in the tier (one may be in several tiers)")
+    if st.tenants:
+        print("tenant disk: every byte the tenant has parked (each may land on disk)")
 
 
 def _print_all(seqs: list[SeqInfo], now: float) -> None:
@@ -152,6 +162,7 @@ def _stat(args: argparse.Namespace) -> int:
             out = {"version": c.server.server_version, "address": c.address, **_summary(st, seqs),
                    "tiers": {k: asdict(v) for k, v in st.tiers.items()},
                    "remote": asdict(st.remote) if st.remote is not None else None,
+                   "tenants": [asdict(t) for t in st.tenants],
                    "sequence_list": [_seq_json(s, now) for s in seqs]}
             print(json.dumps(out, indent=2))
             return 0

@@ -1,7 +1,11 @@
 """``Client``: the connection to one daemon and the data path it negotiated.
 
 Primitives:
-- ``Client(address=None, *, timeout=None, transport="auto")``: connects (Hello) at once.
+- ``Client(address=None, *, token=None, timeout=None, transport="auto", tls_ca=None,
+  tls_cert=None, tls_key=None)``: connects (Hello) at once. ``token``: the tenant's bearer
+  token (default ``KVPARK_TOKEN``), sent as ``authorization`` metadata on every call.
+  ``tls_ca`` (default ``KVPARK_TLS_CA``), ``tls_cert``, ``tls_key``: file paths or PEM
+  bytes; any of them makes the channel TLS (``tls_cert``/``tls_key``: mTLS).
   ``timeout`` is every call's deadline: ``None`` means ``KVPARK_TIMEOUT`` or 30 s,
   ``float("inf")`` means none; a transfer also gets its size at 50 MB/s on top. Every
   public call takes ``timeout=`` for itself alone.
@@ -52,6 +56,8 @@ from .rpc import Rpc
 from .transport import SMALL_POOL_BYTES, TRANSPORTS, CudaIpc, Restoring, Shm, Target, Transport, negotiate
 
 DEFAULT_ADDRESS = "127.0.0.1:50551"
+TOKEN_ENV = "KVPARK_TOKEN"  # the bearer token when ``token`` is not given
+TLS_CA_ENV = "KVPARK_TLS_CA"  # the CA bundle file when ``tls_ca`` is not given
 TRANSPORT_NAMES = ("auto", *TRANSPORTS)
 
 __all__ = ["Client", "DEFAULT_ADDRESS", "Grant", "Restoring", "SMALL_POOL_BYTES", "TRANSPORT_NAMES"]
@@ -82,12 +88,15 @@ def _header(seq_id: str, tensors: Sequence[torch.Tensor]) -> pb.ParkHeader:
 
 
 class Client:
-    def __init__(self, address: str | None = None, *, timeout: float | None = None,
-                 transport: str = "auto") -> None:
+    def __init__(self, address: str | None = None, *, token: str | None = None, timeout: float | None = None,
+                 transport: str = "auto", tls_ca: str | bytes | None = None, tls_cert: str | bytes | None = None,
+                 tls_key: str | bytes | None = None) -> None:
         if transport not in TRANSPORT_NAMES:
             raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORT_NAMES)}, got {transport!r}")
         self.address = address or os.environ.get("KVPARK_ADDRESS") or DEFAULT_ADDRESS
-        self.rpc = Rpc(self.address, timeout)
+        token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        tls_ca = tls_ca if tls_ca is not None else os.environ.get(TLS_CA_ENV) or None
+        self.rpc = Rpc(self.address, timeout, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
         self._auto = transport == "auto"
         self._ipc: Transport | None = None  # auto: the device pool, opened on first use
         self._ipc_tried = False
@@ -300,7 +309,12 @@ class Client:
             raise LeaseExpired(f"grant {grant.lease_id} is too old to read safely; restore the ids instead")
         elif isinstance(self._transport, Shm):
             with self.rpc.deadline(timeout):
-                r = self._transport._restore_leased(reply, target, release=release)
+                if reply.window_size:
+                    # Larger than the host tier: served window by window, each asked for,
+                    # and the lease ends with the last one.
+                    r = self._transport._restore_windows(reply, target)
+                else:
+                    r = self._transport._restore_leased(reply, target, release=release)
         else:
             raise TransportUnavailable(f"a leased grant needs the shm transport, this client uses {self.transport}")
         try:

@@ -1,7 +1,10 @@
 """The wire calls of one connection: stubs, deadlines, gRPC errors as typed exceptions.
 
 Primitives:
-- ``Rpc(address, timeout)``: the channel and one stub per method (``rpc.reserve``,
+- ``open_channel(address, token=None, tls_ca=None, tls_cert=None, tls_key=None)``: a
+  plain or TLS channel; with ``token`` every call carries ``authorization: Bearer``.
+- ``Rpc(address, timeout, token=None, tls_ca=None, tls_cert=None, tls_key=None)``: the
+  channel and one stub per method (``rpc.reserve``,
   ``rpc.acquire``, ...; ``rpc.park`` is the client-streamed Park, ``rpc.restore`` the
   server-streamed Restore).
 - ``call(stub, request, timeout=None)``: one unary call; a ``grpc.RpcError`` becomes
@@ -19,6 +22,7 @@ Primitives:
 
 from __future__ import annotations
 
+import collections
 import math
 import os
 import threading
@@ -80,12 +84,75 @@ def _identity(b: bytes) -> bytes:
     return b
 
 
+def _pem(value: str | bytes | None, what: str) -> bytes | None:
+    """PEM bytes as given, or read from a file path."""
+    if value is None or isinstance(value, bytes):
+        return value
+    try:
+        with open(value, "rb") as fh:
+            return fh.read()
+    except OSError as e:
+        raise InvalidArgument(f"{what}: cannot read {value}: {e.strerror or e}") from None
+
+
+class _Bearer(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+              grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call of the channel."""
+
+    def __init__(self, token: str) -> None:
+        self._md = ("authorization", f"Bearer {token}")
+
+    def _details(self, d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        return _CallDetails(d.method, d.timeout, [*(d.metadata or ()), self._md], d.credentials,
+                            getattr(d, "wait_for_ready", None), getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, cont: Callable[..., Any], d: grpc.ClientCallDetails, req: Any) -> Any:
+        return cont(self._details(d), req)
+
+    def intercept_unary_stream(self, cont: Callable[..., Any], d: grpc.ClientCallDetails, req: Any) -> Any:
+        return cont(self._details(d), req)
+
+    def intercept_stream_unary(self, cont: Callable[..., Any], d: grpc.ClientCallDetails, reqs: Any) -> Any:
+        return cont(self._details(d), reqs)
+
+    def intercept_stream_stream(self, cont: Callable[..., Any], d: grpc.ClientCallDetails, reqs: Any) -> Any:
+        return cont(self._details(d), reqs)
+
+
+class _CallDetails(
+    collections.namedtuple("_CallDetails", ("method", "timeout", "metadata", "credentials", "wait_for_ready",
+                                            "compression")),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+def open_channel(address: str, *, token: str | None = None, tls_ca: str | bytes | None = None,
+                 tls_cert: str | bytes | None = None, tls_key: str | bytes | None = None) -> grpc.Channel:
+    """A channel to ``address``: TLS when any ``tls_*`` is given (files or PEM bytes), and
+    every call carrying ``token`` as a bearer token when one is given."""
+    if tls_ca is not None or tls_cert is not None or tls_key is not None:
+        if (tls_cert is None) != (tls_key is None):
+            raise InvalidArgument("tls_cert and tls_key go together (a client certificate and its key)")
+        creds = grpc.ssl_channel_credentials(root_certificates=_pem(tls_ca, "tls_ca"),
+                                             private_key=_pem(tls_key, "tls_key"),
+                                             certificate_chain=_pem(tls_cert, "tls_cert"))
+        ch = grpc.secure_channel(address, creds, options=GRPC_OPTIONS)
+    else:
+        ch = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+    if token:
+        return grpc.intercept_channel(ch, _Bearer(token))
+    return ch
+
+
 class Rpc:
-    def __init__(self, address: str, timeout: float | None) -> None:
+    def __init__(self, address: str, timeout: float | None, *, token: str | None = None,
+                 tls_ca: str | bytes | None = None, tls_cert: str | bytes | None = None,
+                 tls_key: str | bytes | None = None) -> None:
         self.address = address
         self.default_timeout = resolve_timeout(timeout)
         self._local = threading.local()
-        self.channel = ch = grpc.insecure_channel(address, options=GRPC_OPTIONS)
+        self.channel = ch = open_channel(address, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
         u = lambda name, resp: ch.unary_unary(_SVC + name, request_serializer=_ser,  # noqa: E731
                                                response_deserializer=resp.FromString)
         self.hello = u("Hello", pb.HelloResponse)
@@ -93,6 +160,7 @@ class Rpc:
         self.commit = u("Commit", pb.SeqInfo)
         self.acquire = u("Acquire", pb.AcquireResponse)
         self.release = u("Release", pb.ReleaseResponse)
+        self.window = u("Window", pb.WindowResponse)
         self.prefetch = u("Prefetch", pb.PrefetchResponse)
         self.lookup = u("Lookup", pb.LookupResponse)
         self.park_small = u("ParkSmall", pb.SeqInfo)

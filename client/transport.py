@@ -9,6 +9,9 @@ gRPC carries control on every path; the bytes take the cheapest one the client r
 
 Payloads up to one message (inline) or ``SMALL_POOL_BYTES`` (shm, cuda_ipc) take one
 unary round trip (``ParkSmall``, ``Get``, an ``Acquire`` that answers inline) on every path.
+A payload larger than the daemon's pool moves through it one window at a time
+(``Reserve``/``Acquire`` answer ``window_size``; ``Window`` moves to the next); inline
+needs nothing of the kind (the daemon streams it to and from disk).
 
 Primitives:
 - ``Target``: where a restore's bytes go (``device``, ``into``, ``into_flat``) and the
@@ -123,6 +126,21 @@ def _chunks(it: Iterator[bytes], nbytes: int, what: str) -> Iterator[np.ndarray]
         yield np.frombuffer(data, dtype=np.uint8)
     if pos != nbytes:
         raise DataLoss(f"restore of {what!r}: stream ended after {pos} of {nbytes} bytes")
+
+
+def _window_plan(lengths: list[int], start: int,
+                 segs: list[tuple[int, int]]) -> Iterator[tuple[int, int, int, int]]:
+    """``(tensor, tensor offset, pool offset, n)`` for the payload bytes ``[start, start +
+    sum(segs))`` that one window holds in ``segs``."""
+    span = sum(n for _, n in segs)
+    dst = [start, *(n for _, n in segs), sum(lengths) - start - span]
+    for si, so, di, do, n in pieces(lengths, dst):
+        if 0 < di <= len(segs):
+            yield si, so, segs[di - 1][0] + do, n
+
+
+def _segs(msg: Any) -> list[tuple[int, int]]:
+    return [(s.offset, s.length) for s in msg.segments]
 
 
 class Transport(ABC):
@@ -291,6 +309,9 @@ class _Pool(Transport):
         r = rpc.call(rpc.reserve, pb.ReserveRequest(header=header, tier=self.tier))
         devices = {pool.device, *(f.device for f in flats)}
         try:
+            if r.window_size:
+                self._park_windows(r, flats, devices)
+                return convert.info_from_pb(rpc.call(rpc.commit, pb.CommitRequest(lease_id=r.lease_id)))
             segs = [(s.offset, s.length) for s in r.segments]
             for si, so, di, do, n in pieces([f.numel() for f in flats], [n for _, n in segs]):
                 base = segs[di][0] + do
@@ -310,6 +331,21 @@ class _Pool(Transport):
             raise
         return convert.info_from_pb(rpc.call(rpc.commit, pb.CommitRequest(lease_id=r.lease_id)))
 
+    def _park_windows(self, r: pb.ReserveResponse, flats: list[torch.Tensor], devices: set[torch.device]) -> None:
+        """Fill each window; asking for the next one hands the daemon the one just written."""
+        pool, rpc, size = self.pool, self.rpc, int(r.window_size)
+        lengths = [f.numel() for f in flats]
+        total, segs, k = sum(lengths), _segs(r), 0
+        while True:
+            for ti, to, base, n in _window_plan(lengths, k * size, segs):
+                pool[base : base + n].copy_(flats[ti][to : to + n])
+            cuda.Fence(*devices).wait()  # landed before the daemon reads the window
+            k += 1
+            if k * size >= total:
+                return
+            w = rpc.call(rpc.window, pb.WindowRequest(lease_id=r.lease_id, index=k), timeout=rpc.data_timeout(size))
+            segs = _segs(w)
+
     def prepare(self, devices: set[torch.device]) -> None:
         """Called with the devices of a call's tensors before its copies."""
 
@@ -324,7 +360,43 @@ class _Pool(Transport):
             return self._restore_stream(ids, target)
         if r.inlined:
             return self._from_bytes(r.info, r.data, target)
+        if r.window_size:
+            return self._restore_windows(r, target)
         return self._restore_leased(r, target)
+
+    def _restore_windows(self, r: pb.AcquireResponse, target: Target) -> Restoring:
+        """Copy each window out of the leased slots, then ask the daemon for the next;
+        a tensor is handed over once the windows holding it are copied."""
+        pool, rpc, size = self.pool, self.rpc, int(r.window_size)
+        try:
+            info = convert.info_from_pb(r.info)
+            out = target.outputs(info)
+        except BaseException:
+            rpc.release_quietly(r.lease_id)
+            raise
+        devices = {pool.device, *(f.device for f in out.flats)}
+
+        def tensors() -> Iterator[tuple[int, torch.Tensor]]:
+            lengths = [f.numel() for f in out.flats]
+            ends = np.cumsum(lengths).tolist() if lengths else []
+            segs, k, ti = _segs(r), 0, 0
+            while True:
+                for i, o, base, n in _window_plan(lengths, k * size, segs):
+                    out.flats[i][o : o + n].copy_(pool[base : base + n])
+                cuda.Fence(*devices).wait()  # read before the daemon overwrites the window
+                done = min((k + 1) * size, info.nbytes)
+                while out.flat is None and ti < len(lengths) and ends[ti] <= done:
+                    yield ti, out.finish_one(ti)
+                    ti += 1
+                if done >= info.nbytes:
+                    break
+                k += 1
+                w = rpc.call(rpc.window, pb.WindowRequest(lease_id=r.lease_id, index=k),
+                             timeout=rpc.data_timeout(size))
+                segs = _segs(w)
+            out.finish_flat()
+
+        return Restoring(info, tensors(), lambda: rpc.release_quietly(r.lease_id))
 
     def _restore_leased(self, r: pb.AcquireResponse, target: Target, release: bool = True) -> Restoring:
         """Copy straight out of the leased slots, one readiness mark per tensor. With

@@ -20,13 +20,15 @@ Primitives:
   writes to disk without a lock.
 - ``publish_blocks``, ``publish_commit``, ``publish``: make committed sequences visible.
 - ``expired(wall, grace_s) -> (ttl, unused)``: ids past their TTL, and shared blocks
-  nobody took up.
+  nobody took up (it looks only at sequences with a TTL and shared blocks, which the
+  catalog keeps apart, not at every indexed block).
 - ``adopt(manifests)``: index sequences found in the remote tier on a local miss;
   ``on_remote()``: how many indexed sequences have a remote copy.
 - ``retire(seq)``: unlink a sequence (drop, overwrite, expiry); memory is freed now or
   by the last reader or copy (``release_dropped``); shared blocks left unreferenced
   retire with it and are returned by ``take_orphans()`` for their disk copies.
-- ``free(tier, alloc)``; ``evictable(tier)``; ``over_high()``.
+- ``free(tier, alloc)``; ``evictable(tier)``; ``over_high()`` (a memory tier, or the disk
+  through ``disk_pressure``, past its high mark).
 - ``info``, ``info_of``, ``infos``, ``tier_stats``: read-only views.
 - ``check(disk_used)``: the invariants, as assertions.
 """
@@ -34,7 +36,7 @@ Primitives:
 from __future__ import annotations
 
 import threading
-from typing import Iterable
+from typing import Callable, Iterable
 
 from kvpark.proto.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
 from kvpark.proto.types import SeqInfo, TierStat
@@ -57,16 +59,25 @@ class Catalog:
         self._seqs: dict[str, Seq] = {}
         self._refcount: dict[str, int] = {}  # shared block id -> sequences using it (and commits pinning it)
         self._orphans: list[Seq] = []  # retired shared blocks whose disk copies still need deleting
+        # The indexed sequences ``expired`` looks at (a TTL, or a shared block): the
+        # maintenance pass runs it every second, and a scan of a million plain blocks
+        # there held the index lock for most of a second.
+        self._special: dict[Seq, None] = {}
         self._gen = 0
         self.version = 0  # bumped by every change that may make room (see ``notify``)
+        # Whether the disk tier is past its high mark with eviction on (set by the engine):
+        # that too wakes the maintenance thread, not only a memory tier past its mark.
+        self.disk_pressure: Callable[[], bool] = lambda: False
 
     def load(self, manifests: Iterable[Manifest]) -> int:
         """Index sequences found on disk; returns their payload bytes."""
         total = 0
         with self.lock:
             for m in manifests:
-                seq = Seq(manifest=m, on_disk=True)
-                self._seqs[m.seq_id] = seq
+                seq = Seq(m, on_disk=True)
+                self._seqs[m.seq_id] = seq  # load_manifests yields each id once
+                if m.shared or m.expires_at is not None:
+                    self._special[seq] = None
                 total += m.nbytes
                 self._gen = max(self._gen, m.gen)
                 for r in seq.refs:
@@ -123,7 +134,7 @@ class Catalog:
                 self.retire(b)
                 self._orphans.append(b)
             else:
-                self._seqs[b.seq_id] = b
+                self._index(b)
         self.notify()
 
     def publish(self, seq: Seq, old: Seq | None) -> None:
@@ -131,7 +142,7 @@ class Catalog:
         # so a block shared by the old and the new version never drops to zero.
         if old is not None:
             self.retire(old)
-        self._seqs[seq.seq_id] = seq
+        self._index(seq)
         self.notify()
 
     def publish_commit(self, seq: Seq, spec: ParkSpec, replace: Manifest | None) -> list[Seq]:
@@ -204,11 +215,20 @@ class Catalog:
         lease.block_allocs = []  # owned by the fresh block sequences (or freed) now
         return fresh, old
 
+    def _index(self, seq: Seq) -> None:
+        prev = self._seqs.get(seq.seq_id)
+        if prev is not None:
+            self._special.pop(prev, None)
+        self._seqs[seq.seq_id] = seq
+        if seq.shared or seq.expires_at is not None:
+            self._special[seq] = None
+
     def retire(self, seq: Seq) -> None:
         """Unlink ``seq``; memory is freed now, or by the last reader/copy."""
         seq.dropped = True
         if self._seqs.get(seq.seq_id) is seq:
             del self._seqs[seq.seq_id]
+            self._special.pop(seq, None)
         self.release_dropped(seq)
         for r in seq.refs:
             left = self._refcount.get(r, 0) - 1
@@ -225,8 +245,8 @@ class Catalog:
         """Ids past their TTL; and shared blocks nobody took up within ``grace_s`` of their
         park. A block known only from the remote tier holds nothing here and is left alone
         (another daemon's sequences may use it)."""
-        ttl = [s.seq_id for s in self._seqs.values() if s.expires_at is not None and s.expires_at <= wall]
-        unused = [s.seq_id for s in self._seqs.values()
+        ttl = [s.seq_id for s in self._special if s.expires_at is not None and s.expires_at <= wall]
+        unused = [s.seq_id for s in self._special
                   if s.shared and not self._refcount.get(s.seq_id) and s.manifest.created_at < wall - grace_s
                   and (s.res or s.on_disk) and s.seq_id not in ttl]
         return ttl, unused
@@ -238,7 +258,7 @@ class Catalog:
             if m.seq_id in self._seqs:
                 continue
             seq = Seq(manifest=m, on_remote=True)
-            self._seqs[m.seq_id] = seq
+            self._index(seq)
             self._gen = max(self._gen, m.gen)
             for r in seq.refs:
                 self._refcount[r] = self._refcount.get(r, 0) + 1
@@ -270,7 +290,9 @@ class Catalog:
             self.wake.notify_all()
 
     def over_high(self) -> bool:
-        return any(policy.over_high(t.alloc.used_bytes, t.alloc.capacity, t.high) for t in self.tiers.values())
+        """A tier the maintenance thread relieves is past its high mark (memory, or disk)."""
+        return (any(policy.over_high(t.alloc.used_bytes, t.alloc.capacity, t.high) for t in self.tiers.values())
+                or self.disk_pressure())
 
     def evictable(self, tier: str, exclude: Seq | None = None) -> list[policy.SeqMeta]:
         # Pinned sequences leave a tier only when a faster copy remains (they are never
@@ -348,7 +370,7 @@ class Catalog:
         gone = [s for s in leased if self._seqs.get(s.seq_id) is not s]
         for s in gone:
             assert s.dropped, f"{s.seq_id}: leased, not in the index, yet not dropped"
-            assert set(s.res) == {t for t, n in s.readers.items() if n}, (
+            assert set(s.res) == {t for t, n in s.readers.items() if n and t in MEM_TIERS}, (
                 f"{s.seq_id}: dropped, keeps {sorted(s.res)} for readers on {s.readers}")
         for name, mem in self.tiers.items():
             allocs = [s.res[name] for s in [*self._seqs.values(), *gone] if name in s.res]
@@ -370,6 +392,8 @@ class Catalog:
             for r in s.refs:
                 refs[r] = refs.get(r, 0) + 1
         assert refs == self._refcount, f"refcounts {self._refcount} != references {refs}"
+        special = [s for s in self._seqs.values() if s.shared or s.expires_at is not None]
+        assert set(map(id, special)) == set(map(id, self._special)), "expiry candidates out of step with the index"
         for r in refs:
             block = self._seqs.get(r)
             assert block is not None and block.shared, f"reference to missing shared block {r!r}"

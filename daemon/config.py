@@ -4,6 +4,8 @@ Primitives:
 - ``Config`` and its sections (``ServerConfig``, ``DeviceTierConfig``, ``HostTierConfig``,
   ``DiskTierConfig``, ``RemoteTierConfig``, ``PolicyConfig``, ``LeaseConfig``,
   ``CopyConfig``, ``MetricsConfig``); each field carries its default and description.
+- ``TenantConfig``: one ``[tenants.<name>]`` table (``token_sha256`` or ``token_file``,
+  ``quota = { device, host, disk }``, ``trusted_local``); ``Config.tenants`` maps names to them.
 - ``Config.remote_options``: the remote tier's ``RemoteOptions``, or None when it is off.
 - ``load(path=None, env=os.environ, overrides={}) -> Config``.
 - ``parse_size("64MiB") -> int``.
@@ -22,6 +24,7 @@ dotted keys: ``{"tiers.disk.path": "/data"}``.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
@@ -85,6 +88,13 @@ class ServerConfig:
     log_level: str = _f("info", "log level", choices=("debug", "info", "warning", "error"))
     log_format: str = _f("text", "log lines: text for people, json (one object per line) for log shippers",
                          choices=("text", "json"))
+    tls_cert: str = _f("", "PEM certificate chain file; with tls_key, gRPC is served over TLS")
+    tls_key: str = _f("", "PEM private key file of tls_cert")
+    tls_client_ca: str = _f("", "PEM CA bundle file; set: every client must present a certificate it signed (mTLS)")
+    insecure: bool = _f(False, "allow listening on a non-loopback address without tenants or without TLS "
+                        "(anyone who reaches the port can read and drop everything; tokens travel in clear)")
+    socket_group: str = _f("", 'a unix-socket listen address is mode 0600 (owner only); a group name here '
+                           "makes it 0660 with that group")
 
 
 @dataclass(frozen=True)
@@ -108,6 +118,11 @@ class HostTierConfig:
     shm_dir: str = _f("/dev/shm", "existing directory (a tmpfs) of the shared-memory arena file (mode 0600, "
                       'memory reserved at start, removed on stop); "" = private memory, no shm transport')
     prefault: bool = _f(True, "touch every arena page at start so no page fault lands in the hot path")
+    window_size: int = _f(0, "a sequence larger than its memory tier parks to disk and restores through one window "
+                          "of slots this large; 0 = auto (a quarter of the tier, at most 256MiB); whole slots",
+                          size=True)
+    group: str = _f("", 'the arena file is mode 0600 (owner only); a group name here makes it 0660 with that '
+                    "group, for shm clients running as other users")
     high_watermark: float = _f(0.0, "usage fraction that starts demotion to disk; 0 = policy.high_watermark")
     low_watermark: float = _f(0.0, "usage fraction demotion brings it down to; 0 = policy.low_watermark")
 
@@ -179,6 +194,21 @@ class MetricsConfig:
                      "A busy port stops the start-up with an error; nothing is ever sent, only scraped")
 
 
+TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+QUOTA_TIERS = ("device", "host", "disk")
+_TENANT_KEYS = ("token_sha256", "token_file", "quota", "trusted_local")
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    """One ``[tenants.<name>]`` table, resolved: the token is kept only as its sha256."""
+
+    name: str
+    token_sha256: str  # lower-case hex; token_file is read at load and hashed
+    quota: dict[str, int] = field(default_factory=dict)  # tier -> bytes; a tier not named is unlimited
+    trusted_local: bool = False  # may use the shm and cuda_ipc paths
+
+
 @dataclass(frozen=True)
 class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -187,6 +217,8 @@ class Config:
     leases: LeaseConfig = field(default_factory=LeaseConfig)
     copy: CopyConfig = field(default_factory=CopyConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    # Not a section: a table of named tables, built by _tenants() (reference() skips it).
+    tenants: dict[str, TenantConfig] = field(default_factory=dict, metadata={"tenants": True})
 
     @property
     def host_capacity(self) -> int:
@@ -259,7 +291,9 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
     for name, f in fields.items():
         tp = hints[name]
         key = prefix + name
-        if _is_section(tp):
+        if f.metadata.get("tenants"):
+            kwargs[name] = _tenants(data.get(name, {}))
+        elif _is_section(tp):
             sub = data.get(name, {})
             if not isinstance(sub, Mapping):
                 raise ConfigError(f"{key}: expected a table [{key}]")
@@ -268,6 +302,58 @@ def _build(cls: type, data: Mapping[str, Any], prefix: str) -> Any:
             real = float if tp is float else int if tp is int else bool if tp is bool else str
             kwargs[name] = _convert(key, f, real, data[name])
     return cls(**kwargs)
+
+
+def _tenant(name: str, data: Any) -> TenantConfig:
+    key = f"tenants.{name}"
+    if not TENANT_NAME.fullmatch(name):
+        raise ConfigError(f"{key}: a tenant name is 1-64 of A-Z a-z 0-9 _ . -")
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"{key}: expected a table [{key}]")
+    unknown = set(data) - set(_TENANT_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown key {key}.{sorted(unknown)[0]}; valid keys: {', '.join(_TENANT_KEYS)}")
+    digest, path = data.get("token_sha256", ""), data.get("token_file", "")
+    if bool(digest) == bool(path):
+        raise ConfigError(f"{key}: set exactly one of token_sha256 (hex sha256 of the token) or token_file")
+    if path:
+        try:
+            with open(path, "rb") as fh:
+                token = fh.read().strip()
+        except OSError as e:
+            raise ConfigError(f"{key}.token_file: cannot read {path}: {e.strerror or e}") from None
+        if not token:
+            raise ConfigError(f"{key}.token_file: {path} is empty")
+        digest = hashlib.sha256(token).hexdigest()
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-fA-F]{64}", digest):
+        raise ConfigError(f"{key}.token_sha256: expected 64 hex digits (sha256 of the token)")
+    quota = data.get("quota", {})
+    if not isinstance(quota, Mapping):
+        raise ConfigError(f'{key}.quota: expected a table like {{ host = "8GiB", disk = "100GiB" }}')
+    bad = set(quota) - set(QUOTA_TIERS)
+    if bad:
+        raise ConfigError(f"{key}.quota: unknown tier {sorted(bad)[0]}; valid tiers: {', '.join(QUOTA_TIERS)}")
+    trusted = data.get("trusted_local", False)
+    if isinstance(trusted, str) and trusted.lower() in ("true", "false"):
+        trusted = trusted.lower() == "true"  # from the environment
+    if not isinstance(trusted, bool):
+        raise ConfigError(f"{key}.trusted_local: expected true or false, got {trusted!r}")
+    return TenantConfig(name=name, token_sha256=digest.lower(),
+                        quota={t: parse_size(quota[t], f"{key}.quota.{t}") for t in QUOTA_TIERS if t in quota},
+                        trusted_local=trusted)
+
+
+def _tenants(data: Any) -> dict[str, TenantConfig]:
+    if not isinstance(data, Mapping):
+        raise ConfigError("tenants: expected tables [tenants.<name>]")
+    out = {name: _tenant(name, t) for name, t in data.items()}
+    seen: dict[str, str] = {}
+    for t in out.values():
+        # One token, one identity: a shared token would make the tenant a guess.
+        if t.token_sha256 in seen:
+            raise ConfigError(f"tenants.{t.name}: same token as tenants.{seen[t.token_sha256]}")
+        seen[t.token_sha256] = t.name
+    return out
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
@@ -324,6 +410,8 @@ def _resolve(cfg: Config) -> Config:
     if slot & (slot - 1) or not (64 << 10) <= slot <= (64 << 20):
         raise ConfigError(f"tiers.host.slot_size: must be a power of two between 64KiB and 64MiB, got {slot}")
     host = dataclasses.replace(host, capacity=(int(host.capacity) // slot) * slot)
+    if host.window_size < 0:
+        raise ConfigError(f"tiers.host.window_size: must be >= 0 (0 = auto), got {host.window_size}")
     if int(host.capacity) < slot:
         raise ConfigError(f"tiers.host.capacity: must hold at least one slot ({slot} bytes)")
     disk = cfg.tiers.disk
@@ -359,6 +447,11 @@ def _resolve(cfg: Config) -> Config:
             raise ConfigError(f'metrics.listen: expected host:port or "", got {cfg.metrics.listen!r}')
     if not (4 << 10) <= cfg.server.chunk_size <= (16 << 20):
         raise ConfigError(f"server.chunk_size: must be between 4KiB and 16MiB, got {cfg.server.chunk_size}")
+    srv = cfg.server
+    if bool(srv.tls_cert) != bool(srv.tls_key):
+        raise ConfigError("server.tls_cert and server.tls_key: set both (TLS) or neither")
+    if srv.tls_client_ca and not srv.tls_cert:
+        raise ConfigError("server.tls_client_ca: client certificates (mTLS) need server.tls_cert and tls_key too")
     _check_remote(cfg.tiers.remote)
     return dataclasses.replace(cfg, tiers=TiersConfig(device=dev, host=host, disk=disk, remote=cfg.tiers.remote))
 
@@ -409,6 +502,8 @@ def reference() -> list[tuple[str, Any, str]]:
     def walk(cls: type, prefix: str) -> None:
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
+            if f.metadata.get("tenants"):
+                continue  # named tables, documented on their own in docs/config.md
             if _is_section(hints[f.name]):
                 walk(hints[f.name], prefix + f.name + ".")
             else:
@@ -444,7 +539,8 @@ def to_toml(config: Config | None = None) -> str:
 
     def walk(cls: type, obj: Any, prefix: str) -> None:
         hints = typing.get_type_hints(cls)
-        plain = [f for f in dataclasses.fields(cls) if not _is_section(hints[f.name])]
+        plain = [f for f in dataclasses.fields(cls)
+                 if not _is_section(hints[f.name]) and not f.metadata.get("tenants")]
         if plain:
             lines.extend(["", f"[{prefix.rstrip('.')}]"])
             for f in plain:
@@ -461,4 +557,9 @@ def to_toml(config: Config | None = None) -> str:
                 walk(hints[f.name], getattr(obj, f.name) if obj is not None else None, prefix + f.name + ".")
 
     walk(Config, config, "")
+    for t in (config.tenants if config is not None else {}).values():
+        lines.extend(["", f"[tenants.{t.name}]", f'token_sha256 = "{t.token_sha256}"'])
+        if t.quota:
+            lines.append("quota = { " + ", ".join(f'{k} = "{format_size(v)}"' for k, v in t.quota.items()) + " }")
+        lines.append(f"trusted_local = {'true' if t.trusted_local else 'false'}")
     return "\n".join(lines) + "\n"

@@ -13,6 +13,9 @@ Primitives:
 - Restore: ``acquire(seq_ids, need=None, stream=False) -> ReadHandle`` (memory copies under
   a read lease, or disk records; ``grant(handle)`` is its frozen view),
   ``iter_chunks(handle, size)``, ``release``.
+- A payload larger than its memory tier moves through one window of slots at a time
+  (``window.py``): ``reserve`` hands out window 0, ``window(lease_id, index)`` the next
+  (a park) or reads it (a restore); ``acquire`` with ``need`` serves such a sequence so.
 - ``prefetch(seq_id, tier, wait, timeout) -> str``.
 - ``drop``, ``present``, ``info``, ``list``, ``stat``, ``hello() -> Capabilities``.
 - ``check_invariants()``: assert slot, refcount, lease and disk accounting (tests call
@@ -77,6 +80,7 @@ from .model import MAX_PARTS, MEM_TIERS, Capabilities, Grant, Lease, ParkSpec, P
 from .memory import MemoryTiers
 from .mover import ROOM_WAIT_S, Mover
 from .remote_tier import RemoteTier
+from .window import Windows
 
 log = logging.getLogger("kvpark.engine")
 
@@ -127,6 +131,9 @@ class Engine:
         self.copy = CopyEngine(config.copy.max_inflight_bytes, device=dev.device if dev is not None else None)
         self.mover = Mover(self.catalog, self.leases, self.disk, self.copy, config.policy, self.slot_size,
                            self.remote, metrics)
+        self.catalog.disk_pressure = self.mover.disk_pressure
+        self.windows = Windows(self.catalog, self.leases, self.disk, self.mover, self.tiers, self.slot_size,
+                               config.tiers.host.window_size, self._write_through, self._forget_remote)
         self._load_index()
 
     @property
@@ -165,7 +172,8 @@ class Engine:
             self.flush()
         if self.remote is not None:
             self.remote.close()  # background copies read memory copies: finish them first
-        self.leases.close()
+        self.leases.close()  # windowed parks under way delete what they staged
+        self.windows.close()
         self.copy.close()
         self.disk.close()
         self.memory.close()
@@ -239,10 +247,8 @@ class Engine:
         tier = self._tier_arg(tier or self.park_tier)
         order = [tier] if tier == "host" or not inline else [tier, "host"]
         if spec.total > max(self.tiers[t].alloc.capacity for t in order):
-            raise ResourceExhausted(
-                f"sequence of {spec.total} bytes is larger than the {tier} tier "
-                f"({self.tiers[tier].alloc.capacity} bytes)"
-            )
+            # Larger than any tier it may land in: through one window of slots to disk.
+            return self.windows.reserve(spec, max(order, key=lambda t: self.tiers[t].alloc.capacity))
         sizes = [b.nbytes for b in spec.blocks] + [spec.nbytes]
         for t in order:  # an inline park that cannot land on device lands on host
             mem = self.tiers[t]
@@ -290,6 +296,9 @@ class Engine:
             raise InvalidArgument("empty chunk")
         if offset + n > total:
             raise InvalidArgument(f"chunk [{offset}, {offset + n}) overruns the declared {total} bytes")
+        if lease.window is not None:
+            self.windows.write(lease, offset, data)
+            return
         mem = self.tiers[lease.tier]
         bs = self.slot_size
         with lease.lock:  # the reaper cannot free these slots while we copy into them
@@ -319,6 +328,8 @@ class Engine:
             if lease.ended:
                 raise LeaseExpired(f"write lease {lease_id!r} is gone (expired, aborted or never issued)")
             lease.ended = True
+        if lease.window is not None:
+            return self.windows.commit(lease, expect_nbytes)
         spec, alloc, tier = lease.spec, lease.alloc, lease.tier
         assert spec is not None and alloc is not None
         with self.catalog.lock:
@@ -381,6 +392,10 @@ class Engine:
             self.disk.sync()
         return info
 
+    def window(self, lease_id: str, index: int) -> tuple[tuple[int, int], ...]:
+        """Window ``index`` of a windowed park or restore: where its bytes lie (``window.py``)."""
+        return tuple(self.windows.move(self.leases.get(lease_id), index))
+
     def _write_through_disk(self, blocks: list[Seq], seq: Seq | None, replace: Manifest | None) -> None:
         """Every new sequence of one commit in one transaction, and one fsync."""
         todo = blocks + ([seq] if seq is not None else [])
@@ -441,6 +456,11 @@ class Engine:
                 c.access_count += 1
             if need is not None and sum(c.manifest.nbytes for c in comps) <= inline_max:
                 need = None
+            big = (need is not None and len(comps) == 1 and need not in comps[0].res
+                   and self.windows.needed(comps[0].manifest.nbytes, need))
+        if big:
+            assert need is not None
+            return self.windows.open_read(tops, comps[0], need)
         want = need or self.restore_to
         if want not in self.tiers:
             want = None  # restore_to = "device" on a daemon whose device tier did not come up
@@ -498,13 +518,15 @@ class Engine:
             tiers = ("host", "device")  # streams read CPU memory best
         for t in tiers:
             if t in seq.res:
-                seq.readers[t] = seq.readers.get(t, 0) + 1
+                seq.add_reader(t)
                 lease.parts.append((seq, t))
                 return Part(seq.manifest, seq.res[t], t, seq)
         return Part(seq.manifest, None, "disk", seq)
 
     def grant(self, handle: ReadHandle) -> Grant:
-        return Grant(handle.lease_id, handle.info, tuple(handle.segments()), self.config.leases.ttl_s)
+        w = handle.window
+        return Grant(handle.lease_id, handle.info, tuple(handle.segments()), self.config.leases.ttl_s,
+                     window_size=w.size if w is not None else 0)
 
     def iter_chunks(self, handle: ReadHandle, chunk_size: int) -> Iterator[tuple[int, list[memoryview]]]:
         """(payload offset, views) pieces of at most ``chunk_size`` bytes, in payload order.
@@ -706,7 +728,7 @@ class Engine:
         a parked shared block; readers equal read leases, and no copy is in flight.
         """
         with self.mover.quiet():
-            used = self.disk.used
+            used = self.disk.used - self.disk.staged  # windowed parks under way: not in the index yet
             with self.catalog.lock:
                 writes, readers, leased = self.leases.held()
                 self.catalog.check(used, writes, readers, leased)

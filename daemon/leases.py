@@ -14,12 +14,14 @@ Primitives:
 - ``LeaseTable(catalog, LeaseConfig)``.
 - ``issue_write(spec, tier, allocs) -> Lease`` and ``add(lease)`` (REQUIRES: index lock);
   ``new_read(stream) -> Lease``.
-- ``get_write(lease_id) -> Lease``; ``take_write(lease_id) -> Lease`` (REQUIRES: index
+- ``get(lease_id) -> Lease`` (any kind); ``get_write(lease_id) -> Lease``; ``take_write(lease_id) -> Lease`` (REQUIRES: index
   lock): remove a write lease for its commit.
 - ``extend(lease)``: push a write lease's idle deadline back.
-- ``end(lease)``, ``release(lease_id) -> bool``: free what a lease holds.
+- ``end(lease)``, ``release(lease_id) -> bool``: free what a lease holds (a windowed
+  park's staged disk blocks too; a windowed restore's window slots).
 - ``reap()``: end every expired lease. ``close()``: end them all.
-- ``transient()``: whether an open lease may still free room; ``count``; ``held()``.
+- ``transient()``: whether an open lease may still free room; ``count``; ``held()``;
+  ``open_writes()`` (REQUIRES: index lock); ``write_owner(lease_id)``.
 """
 
 from __future__ import annotations
@@ -65,6 +67,12 @@ class LeaseTable:
         # REQUIRES: index lock.
         self._leases[lease.lease_id] = lease
 
+    def get(self, lease_id: str) -> Lease:
+        lease = self._leases.get(lease_id)
+        if lease is None:
+            raise LeaseExpired(f"lease {lease_id!r} is gone (expired, released or never issued)")
+        return lease
+
     def get_write(self, lease_id: str) -> Lease:
         """An open write lease (a dict read: no lock needed for one lookup per chunk)."""
         lease = self._leases.get(lease_id)
@@ -98,12 +106,25 @@ class LeaseTable:
                 if lease.ended:
                     return False
                 lease.ended = True
+            if lease.window is not None and lease.window.on_end is not None:
+                # Before the slots go: waits out the window being written to disk, then
+                # deletes what was staged (never published, never visible).
+                lease.window.on_end()
             with self.catalog.lock:
                 self._leases.pop(lease.lease_id, None)
                 for a in lease.write_allocs():
                     self.catalog.free(lease.tier, a)
                 lease.alloc, lease.block_allocs = None, []
+                if lease.window is not None:
+                    lease.window.alloc = None
             return True
+        if lease.window is not None:
+            with lease.lock:  # waits out a window being moved right now
+                if lease.ended:
+                    return False
+                lease.ended = True
+            if lease.window.on_end is not None:
+                lease.window.on_end()  # before the slots go: the read in flight lands, the snapshot ends
         with self.catalog.lock:
             if self._leases.pop(lease.lease_id, None) is None and not lease.parts:
                 return False
@@ -114,10 +135,13 @@ class LeaseTable:
         # REQUIRES: index lock.
         self._leases.pop(lease.lease_id, None)
         for seq, tier in lease.parts:
-            seq.readers[tier] -= 1
-            assert seq.readers[tier] >= 0
+            seq.drop_reader(tier)
             self.catalog.release_dropped(seq)
         lease.parts = []
+        w = lease.window
+        if w is not None and w.alloc is not None:
+            self.catalog.free(w.tier, w.alloc)
+            w.alloc = None
         self.catalog.notify()  # a copy without readers may be demoted now
 
     def reap(self) -> None:
@@ -141,6 +165,18 @@ class LeaseTable:
         # REQUIRES: index lock.
         return any(l.expires_at is None or l.kind == "write" for l in self._leases.values())
 
+    def write_owner(self, lease_id: str) -> str | None:
+        """The sequence (or first new block) an open write lease parks; None if no such lease."""
+        lease = self._leases.get(lease_id)  # one dict read
+        if lease is None or lease.kind != "write" or lease.spec is None:
+            return None
+        return lease.spec.seq_id or (lease.spec.blocks[0].seq_id if lease.spec.blocks else "")
+
+    def open_writes(self) -> list[Lease]:
+        """Write leases not yet committed or aborted (quota accounting counts them)."""
+        # REQUIRES: index lock.
+        return [l for l in self._leases.values() if l.kind == "write"]
+
     def held(self) -> tuple[list[list[tuple[str, Allocation]]], dict[tuple[int, str], int], list[Seq]]:
         """What open leases hold: write slots per lease, readers per ``(id(seq), tier)``,
         and the sequences read leases hold (dropped ones among them)."""
@@ -151,6 +187,8 @@ class LeaseTable:
         for l in self._leases.values():
             if l.kind == "write":
                 writes.append([(l.tier, a) for a in l.write_allocs()])
+            elif l.window is not None and l.window.alloc is not None:
+                writes.append([(l.window.tier, l.window.alloc)])  # a windowed restore's slots
             for seq, tier in l.parts:
                 readers[(id(seq), tier)] = readers.get((id(seq), tier), 0) + 1
                 leased[id(seq)] = seq

@@ -55,7 +55,7 @@ class MemoryTiers:
         if removed:
             log.info("removed %d stale arena file(s) from %s", len(removed), host.shm_dir)
         cap = int(host.capacity)
-        arena = SharedArena.create(host.shm_dir, cap, prefault=host.prefault)
+        arena = SharedArena.create(host.shm_dir, cap, prefault=host.prefault, group=host.group)
         log.info("host arena: %d MiB in %d slots of %d KiB, %s (%.2fs to map)", cap >> 20, cap // host.slot_size,
                  host.slot_size >> 10, arena.path or "private memory", arena.prefault_s)
         # Page-locking only pays off for copies to and from a GPU pool; without one it

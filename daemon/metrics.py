@@ -40,7 +40,7 @@ _SECONDS_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 
 
 NAMES = (
     "kvpark_tier_capacity_bytes", "kvpark_tier_used_bytes", "kvpark_tier_sequences", "kvpark_tier_blocks",
-    "kvpark_sequences", "kvpark_leases",
+    "kvpark_sequences", "kvpark_leases", "kvpark_tenant_used_bytes", "kvpark_tenant_quota_bytes",
     "kvpark_parks_total", "kvpark_restores_total", "kvpark_park_bytes_total", "kvpark_restore_bytes_total",
     "kvpark_moves_total", "kvpark_evictions_total", "kvpark_checksum_failures_total",
     "kvpark_lease_expiries_total", "kvpark_errors_total",
@@ -77,6 +77,18 @@ class _TierCollector(Collector):
         yield blocks
         yield GaugeMetricFamily("kvpark_sequences", "Parked sequences and shared blocks", value=st.sequences)
         yield GaugeMetricFamily("kvpark_leases", "Open write reservations and read leases", value=st.leases)
+        if st.tenants:
+            t_used = GaugeMetricFamily("kvpark_tenant_used_bytes", "Bytes a tenant holds per tier (disk: every "
+                                       "byte it has parked)", labels=["tenant", "tier"])
+            t_quota = GaugeMetricFamily("kvpark_tenant_quota_bytes", "A tenant's quota per tier (absent: "
+                                        "unlimited)", labels=["tenant", "tier"])
+            for ts in st.tenants:
+                for tier, n in ts.used.items():
+                    t_used.add_metric([ts.name, tier], n)
+                for tier, n in ts.quota.items():
+                    t_quota.add_metric([ts.name, tier], n)
+            yield t_used
+            yield t_quota
 
 
 class Metrics:

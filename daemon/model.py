@@ -7,9 +7,16 @@ Primitives:
   ``ParkSpec.validate()`` checks everything that needs no index; ``ParkSpec.manifest()``
   is the disk record it commits as.
 - ``Seq``: a parked sequence in memory: its typed disk record (``Manifest``), ready
-  memory copies per tier, disk presence, readers, and the flags the invariants rest on.
+  memory copies per tier (``res``), disk presence, readers, and the flags the
+  invariants rest on. Slotted, since the index holds one per parked block: the read
+  counts (``readers``, changed only through ``add_reader`` / ``drop_reader``) and the
+  ``move_lock`` are made on first use.
+- ``TierMap``: a mapping from memory tier name to value in two slots (``Seq.res``),
+  fastest tier first; ``ReadCounts``: the same with ``disk`` too (read leases per tier).
 - ``Lease``: a write reservation or a read lease (possibly over several sequences);
   live engine state, never handed to the servicer.
+- ``Window``: a sequence larger than its memory tier, moving through one window of
+  slots at a time (``window.py``); hung on the write or read lease that holds the slots.
 - ``Part`` / ``ReadHandle``: what a restore reads, in payload order.
 - Frozen results for the servicer: ``Reservation`` (a write lease's id and slot
   segments), ``Grant`` (a read lease's id, the info and segments), ``Capabilities``
@@ -20,20 +27,24 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator, Mapping, MutableMapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Callable, Literal, TypeVar
 
 from kvpark.proto.errors import InvalidArgument
-from kvpark.proto.layout import TensorMeta, fingerprint, validate_seq_id, validate_tensors
+from kvpark.proto.layout import TensorMeta, validate_seq_id, validate_tensors
 from kvpark.proto.types import SeqInfo
 from kvpark.tiers.arena import Allocation
-from kvpark.tiers.disk import Manifest
+from kvpark.tiers import interning
+from kvpark.tiers.disk import Manifest, ReadTxn
 
 Tier = Literal["device", "host", "disk", "remote"]
 MemTierName = Literal["device", "host"]
 LeaseKind = Literal["write", "read"]
 MEM_TIERS: tuple[MemTierName, ...] = ("device", "host")
 MAX_PARTS = 1 << 16  # ids in one restore/lookup call, new blocks in one park
+V = TypeVar("V")
 
 
 @dataclass(frozen=True)
@@ -61,13 +72,18 @@ class ParkSpec:
         return sum(b.nbytes for b in self.blocks) + self.nbytes
 
     def manifest(self, gen: int, block_size: int) -> Manifest:
-        """The disk record this park commits as generation ``gen``."""
+        """The disk record this park commits as generation ``gen``.
+
+        Tensor metadata, fingerprint and attrs are interned: the blocks of one model
+        share them (``kvpark.tiers.interning``).
+        """
         now = time.time()
+        tensors, fp = interning.layout(self.tensors)
         return Manifest(
-            seq_id=self.seq_id, gen=gen, tensors=self.tensors, nbytes=self.nbytes, block_size=block_size,
-            fingerprint=fingerprint(self.tensors), priority=self.priority, created_at=now, last_access=now,
+            seq_id=self.seq_id, gen=gen, tensors=tensors, nbytes=interning.number(self.nbytes),
+            block_size=block_size, fingerprint=fp, priority=self.priority, created_at=now, last_access=now,
             pinned=self.pinned, expires_at=now + self.ttl_s if self.ttl_s > 0 else None, refs=tuple(self.refs),
-            shared=self.shared, attrs=dict(self.attrs),
+            shared=self.shared, attrs=interning.attrs(self.attrs),
         )
 
     def validate(self) -> None:
@@ -102,18 +118,136 @@ class ParkSpec:
             raise InvalidArgument(f"sequence {self.seq_id!r} cannot reference itself as a block")
 
 
-@dataclass(eq=False)
+class TierMap(MutableMapping[str, V]):
+    """A dict keyed by memory tier name (``device``, ``host``) in two slots.
+
+    ``Seq.res`` is one of these, and the read counts a ``ReadCounts``: a plain dict costs
+    64 bytes empty and 184 with one entry, and a million parked blocks each carry one.
+    Iteration goes fastest tier first. Any other key is a ``KeyError``.
+    """
+
+    __slots__ = ("device", "host")
+    _keys: frozenset[str] = frozenset(("device", "host"))
+    _order: tuple[str, ...] = ("device", "host")
+
+    def __init__(self, items: Mapping[str, V] | None = None) -> None:
+        for k in self._order:
+            setattr(self, k, None)
+        if items:
+            for k, v in items.items():
+                self[k] = v
+
+    def __getitem__(self, key: str) -> V:
+        v = getattr(self, key) if key in self._keys else None
+        if v is None:
+            raise KeyError(key)
+        return v
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        v = getattr(self, key) if key in self._keys else None
+        return default if v is None else v
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys and getattr(self, key) is not None  # type: ignore[arg-type]
+
+    def __setitem__(self, key: str, value: V) -> None:
+        if key not in self._keys:
+            raise KeyError(f"not a tier this map holds: {key!r}")
+        assert value is not None
+        setattr(self, key, value)
+
+    def __delitem__(self, key: str) -> None:
+        if key not in self:
+            raise KeyError(key)
+        setattr(self, key, None)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([k for k in self._order if getattr(self, k) is not None])
+
+    def __len__(self) -> int:
+        return sum(getattr(self, k) is not None for k in self._order)
+
+    def __bool__(self) -> bool:
+        return any(getattr(self, k) is not None for k in self._order)
+
+    def __repr__(self) -> str:
+        return repr(dict(self.items()))
+
+
+class ReadCounts(TierMap[int]):
+    """Read leases per tier: the memory tiers, and ``disk`` (a windowed restore reads
+    its sequence's disk records under a lease: ``window.py``)."""
+
+    __slots__ = ("disk",)
+    _keys = frozenset(("device", "host", "disk"))
+    _order = ("device", "host", "disk")
+
+
+class _Empty(ReadCounts):
+    """The shared, unchangeable read counts of a sequence nobody reads."""
+
+    __slots__ = ()
+
+    def __setitem__(self, key: str, value: int) -> None:
+        raise TypeError("Seq.readers is read-only; use Seq.add_reader / Seq.drop_reader")
+
+
+_NO_READERS: ReadCounts = _Empty()
+_NEW_LOCK = threading.Lock()  # makes a Seq's move lock exactly once (see Seq.move_lock)
+
+
+@dataclass(eq=False, slots=True)
 class Seq:
     manifest: Manifest
-    res: dict[str, Allocation] = field(default_factory=dict)  # ready memory copies
+    res: TierMap[Allocation] = field(default_factory=TierMap)  # ready memory copies
     on_disk: bool = False
     on_remote: bool = False  # a copy in the remote tier (Redis) is known to this daemon
-    readers: dict[str, int] = field(default_factory=dict)
+    _readers: ReadCounts | None = None  # read leases per tier; made on the first (see ``readers``)
     moving: int = 0  # copies in flight from this sequence's memory
     dropped: bool = False
     access_count: int = 0
     promotions: int = 0
-    move_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Made on first use: most of a million parked blocks never move, and a lock is 56
+    # bytes and a third of the time of rebuilding one index entry at restart.
+    _move_lock: threading.Lock | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.res, TierMap):
+            self.res = TierMap(self.res)
+
+    @property
+    def readers(self) -> Mapping[str, int]:
+        """Read leases on each memory copy (read-only: change it with ``add_reader`` /
+        ``drop_reader``). Most parked blocks are never being read: they share one empty map."""
+        return self._readers if self._readers is not None else _NO_READERS
+
+    def add_reader(self, tier: str) -> None:
+        r = self._readers
+        if r is None:
+            r = self._readers = ReadCounts()
+        r[tier] = r.get(tier, 0) + 1
+
+    def drop_reader(self, tier: str) -> None:
+        r = self._readers
+        n = r.get(tier, 0) if r is not None else 0
+        assert r is not None and n > 0, f"{self.seq_id}: no reader on {tier} to drop"
+        if n > 1:
+            r[tier] = n - 1
+        else:
+            del r[tier]
+            if not r:
+                self._readers = None
+
+    @property
+    def move_lock(self) -> threading.Lock:
+        """Serialises the moves of this sequence (``mover.py``)."""
+        lock = self._move_lock
+        if lock is None:
+            with _NEW_LOCK:
+                lock = self._move_lock
+                if lock is None:
+                    lock = self._move_lock = threading.Lock()
+        return lock
 
     @property
     def seq_id(self) -> str:
@@ -152,6 +286,67 @@ class Seq:
 
 
 @dataclass(eq=False)
+class Window:
+    """A windowed park or restore: payload window ``index`` sits in ``alloc`` now.
+
+    Window ``k`` is payload bytes ``[k * size, min((k + 1) * size, nbytes))``; ``size`` is
+    whole slots, so a window is whole disk blocks. With ``buffers`` = 2 the allocation
+    holds two windows and window ``k`` uses half ``k % 2``: the daemon writes one to disk
+    (or reads the next from it, ``pending``) while the client fills (or copies) the other.
+    REQUIRES: the lease's ``lock`` to move.
+    """
+
+    manifest: Manifest
+    tier: str
+    alloc: Allocation | None  # the window's slots (a write lease's are also its ``alloc``)
+    size: int
+    buffers: int = 1
+    reading: bool = False
+    index: int = 0
+    seq: "Seq | None" = None  # a restore: the sequence it reads
+    txn: ReadTxn | None = None  # a restore: one snapshot for every window (a drop meanwhile changes nothing)
+    pending: "Future[int] | None" = None  # the disk write (park) or read (restore) in flight: its window
+    # Run once the lease ends unpublished, outside the index lock and before its slots are
+    # freed: a park deletes what it staged; a restore ends its read transaction.
+    on_end: Callable[[], None] | None = None
+
+    @property
+    def count(self) -> int:
+        return max(1, -(-self.manifest.nbytes // self.size))
+
+    def span(self, index: int) -> tuple[int, int]:
+        """(payload offset, length) of window ``index``."""
+        start = index * self.size
+        return start, min(self.size, self.manifest.nbytes - start)
+
+    def extents(self, index: int) -> list[tuple[int, int]]:
+        """Window ``index``'s blocks in the pool: (offset, length), its last one cut short."""
+        assert self.alloc is not None
+        per = len(self.alloc.extents) // self.buffers
+        half = index % self.buffers
+        lengths = self.manifest.block_lengths
+        first = self.span(index)[0] // self.manifest.block_size
+        mine = self.alloc.extents[half * per:(half + 1) * per]
+        return [(off, n) for (off, _), n in zip(mine, lengths[first:first + per])]
+
+    def segments(self, index: int | None = None) -> list[tuple[int, int]]:
+        """Where window ``index`` (default: the current one) lies, contiguous runs merged."""
+        out: list[tuple[int, int]] = []
+        for off, n in self.extents(self.index if index is None else index):
+            if out and out[-1][0] + out[-1][1] == off:
+                out[-1] = (out[-1][0], out[-1][1] + n)
+            else:
+                out.append((off, n))
+        return out
+
+    def settle(self) -> None:
+        """Wait for the disk I/O in flight; its error is the caller's to ignore."""
+        job, self.pending = self.pending, None
+        if job is not None:
+            job.exception()
+
+
+@dataclass(eq=False)
 class Lease:
     lease_id: str
     kind: LeaseKind
@@ -163,7 +358,8 @@ class Lease:
     block_allocs: list[Allocation] = field(default_factory=list)  # write leases: spec.blocks, in order
     received: int = 0  # inline bytes written so far
     ended: bool = False  # write leases: released, committed or expired; no more writes
-    lock: threading.Lock = field(default_factory=threading.Lock)  # write leases: held while copying in
+    lock: threading.Lock = field(default_factory=threading.Lock)  # held while copying in (or a window moves)
+    window: Window | None = None  # a windowed park or restore
 
     def write_allocs(self) -> list[Allocation]:
         """Allocations in payload order (new shared blocks, then the sequence)."""
@@ -192,7 +388,13 @@ class ReadHandle:
     def lease_id(self) -> str:
         return self.lease.lease_id if self.lease is not None else ""
 
+    @property
+    def window(self) -> Window | None:
+        return self.lease.window if self.lease is not None else None
+
     def segments(self) -> list[tuple[int, int]]:
+        if self.window is not None:
+            return self.window.segments()
         out: list[tuple[int, int]] = []
         for p in self.parts:
             assert p.alloc is not None
@@ -208,6 +410,7 @@ class Reservation:
     tier: MemTierName
     segments: tuple[tuple[int, int], ...]  # (offset, length) in payload order
     expires_in_s: float
+    window_size: int = 0  # windowed: the segments hold window 0 of this many bytes each
 
 
 @dataclass(frozen=True)
@@ -218,6 +421,7 @@ class Grant:
     info: SeqInfo
     segments: tuple[tuple[int, int], ...]
     expires_in_s: float
+    window_size: int = 0  # windowed: the segments hold window 0 of this many bytes each
 
 
 @dataclass(frozen=True)

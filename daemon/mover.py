@@ -27,7 +27,7 @@ Primitives:
 - ``await_room(tier, need, exclude, deadline) -> bool``: demote, or wait on the catalog's
   ``changed`` condition for in-flight work to free room.
 - ``relieve() -> int``: one background pass: every tier past its high mark down to its low mark.
-- ``write_to_disk(seq) -> bool``; ``flush() -> int``.
+- ``write_to_disk(seq) -> bool``; ``flush() -> int`` (batched: ``flush.py``).
 - The remote tier (when configured), below disk: ``promote`` reads a sequence known
   only from remote straight into memory (verified); ``fetch_remote(seq)`` brings one
   onto the local disk instead (when memory has no room, or it is served from disk);
@@ -55,6 +55,7 @@ from kvpark.tiers.arena import Allocation
 from kvpark.tiers.copy import CopyEngine, CopyJob, runs
 from kvpark.tiers.disk import DiskStore
 
+from . import flush
 from .catalog import Catalog
 from .config import PolicyConfig
 from .leases import LeaseTable
@@ -130,7 +131,7 @@ class Mover:
                 with self.catalog.lock:  # still under move_lock: no demotion can start on it
                     if to not in seq.res or seq.dropped:
                         return False
-                    seq.readers[to] = seq.readers.get(to, 0) + 1
+                    seq.add_reader(to)
                     lease.parts.append((seq, to))
                     return True
         finally:
@@ -235,6 +236,8 @@ class Mover:
 
     def _alloc_in(self, tier: str, seq: Seq, make_room: bool) -> Allocation | None:
         mem = self.tiers[tier]
+        if seq.manifest.nbytes > mem.alloc.capacity:
+            return None  # never fits (a windowed park's sequence): it stays where it is, nothing is demoted for it
         deadline = time.monotonic() + ROOM_WAIT_S
         while True:
             with self.catalog.lock:
@@ -285,6 +288,13 @@ class Mover:
             raise
 
     def prefetch(self, seq: Seq, tier: str, wait: bool = False, timeout: float | None = None) -> str:
+        cap = self.tiers[tier].alloc.capacity
+        if seq.manifest.nbytes > cap:
+            if wait:
+                raise ResourceExhausted(f"sequence {seq.seq_id!r} ({seq.manifest.nbytes} bytes) is larger than the "
+                                        f"{tier} tier ({cap} bytes): it stays on disk, and restores stream it")
+            with self.catalog.lock:
+                return seq.tier
         with self.catalog.lock:
             if tier in seq.res:
                 return seq.tier
@@ -467,12 +477,16 @@ class Mover:
                         job.wait()
                     except Exception as e:  # noqa: BLE001 - the copy's slots were freed by its completion
                         log.warning("demotion copy from %s failed: %s", name, e)
-        if (self.remote is not None or self.disk_evicts) and not self.closed and \
-                policy.over_high(self.disk.used, self.disk.capacity, self.disk_high):
+        if not self.closed and self.disk_pressure():
             before = self.disk.used
             self.evict_disk(0, policy.background_target(self.disk.capacity, self.disk_low))
             moved += self.disk.used < before
         return moved
+
+    def disk_pressure(self) -> bool:
+        """The disk is past its high mark and something can evict from it."""
+        return (self.remote is not None or self.disk_evicts) and \
+            policy.over_high(self.disk.used, self.disk.capacity, self.disk_high)
 
     def write_to_disk(self, seq: Seq) -> bool:
         """Make sure ``seq`` has a disk copy; its memory copies are kept."""
@@ -502,6 +516,8 @@ class Mover:
                 # Waiters may demote it now. No version bump: a write that failed (disk
                 # full) must not send a make_room loop straight back to the same victim.
                 self.catalog.changed.notify_all()
+                if written and self.catalog.over_high():
+                    self.catalog.wake.notify_all()  # the disk, say, past its high mark
         if written and stale:
             self.disk.delete(seq.manifest)  # remove what we wrote
         return written and not stale
@@ -514,24 +530,9 @@ class Mover:
         self.disk.delete(seq.manifest)
 
     def flush(self) -> int:
-        """Write every memory-only sequence to disk (keeping its memory copies)."""
-        with self.catalog.lock:
-            todo = [s for s in self.catalog.sequences() if s.res and not s.on_disk]
-        total = len(todo)
-        done, last = 0, time.monotonic()
-        for s in todo:
-            try:
-                if self.write_to_disk(s):
-                    done += 1
-            except KVParkError as e:
-                log.error("flush: sequence %r not written: %s", s.seq_id, e)
-            if time.monotonic() - last > 1.0:
-                log.info("flush: %d/%d sequences on disk", done, total)
-                last = time.monotonic()
-        self.disk.sync()
-        if total:
-            log.info("flush: %d/%d memory-only sequence(s) written to disk", done, total)
-        return done
+        """Write every memory-only sequence to disk (keeping its memory copies), in
+        batches of one transaction each (``flush.py``)."""
+        return flush.flush(self)
 
     # ------------------------------------------------------------------ the remote tier
 

@@ -1,7 +1,10 @@
 """Server lifecycle: bind, serve, health, reflection, graceful drain.
 
 Primitives:
-- ``Daemon(config, disk_factory=DiskStore)``: ``start()`` binds (port 0 picks a free port) and begins serving;
+- ``Daemon(config, disk_factory=DiskStore)``: ``start()`` refuses an exposed address
+  (``auth.check_exposure``), binds (port 0 picks a free port; TLS with ``server.tls_cert``;
+  a unix socket made mode 0600, or 0660 with ``server.socket_group``), installs the
+  tenants' ``AuthInterceptor`` and begins serving;
   ``address`` is then the resolved address; ``stop(grace)`` stops taking calls, lets
   in-flight ones finish for ``grace`` seconds, flushes per policy and closes the tiers.
   Usable as a context manager (tests run real daemons this way). ``metrics`` is its
@@ -11,7 +14,9 @@ Primitives:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import os
 import re
 import socket
 import time
@@ -23,19 +28,36 @@ from grpc_reflection.v1alpha import reflection
 
 
 from kvpark.proto import GRPC_OPTIONS as CHANNEL_OPTIONS
+from kvpark.proto.errors import StartupError
 from kvpark.tiers.disk import DiskStore
-from kvpark.tiers.shm import boot_id
+from kvpark.tiers.shm import boot_id, group_id
 
+from .auth import AuthInterceptor, check_exposure, server_credentials
 from .config import Config
 from .engine import DiskFactory, Engine
 from .metrics import Metrics, MetricsServer
 from .servicer import SERVICE, handlers
+from .tenants import Tenants
 
 log = logging.getLogger("kvpark")
 
 def grpc_options() -> list[tuple[str, int]]:
     """The shared channel options (read at start, so a bench can vary them), no port reuse."""
     return [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+
+
+def _restrict_socket(listen: str, group: str) -> None:
+    """Exactly 0600 (owner only), or 0660 with ``group``, before the server starts serving.
+    A unix socket's mode is what guards connect()."""
+    path = listen[len("unix://"):] if listen.startswith("unix://") else listen[len("unix:"):]
+    if not os.path.exists(path):
+        return  # an abstract socket (unix-abstract:) has no file; nothing to guard
+    if group:
+        try:
+            os.chown(path, -1, group_id(group))
+        except PermissionError:
+            raise StartupError(f"server.socket_group: this user may not give files to group {group!r}") from None
+    os.chmod(path, 0o660 if group else 0o600)
 
 
 class Daemon:
@@ -54,18 +76,30 @@ class Daemon:
         self.metrics = Metrics()
         metrics_server = MetricsServer(self.metrics, self.config.metrics.listen)
         engine: Engine | None = None
+        check_exposure(self.config.server, self.config.tenants)
+        creds = server_credentials(self.config.server)
+        auth = [AuthInterceptor(self.config.tenants, self.metrics)] if self.config.tenants else None
         server = grpc.server(
             ThreadPoolExecutor(max_workers=self.config.server.max_workers, thread_name_prefix="kvpark-rpc"),
             options=grpc_options(),
+            interceptors=auth,
         )
         try:
             # The ports first: a busy one is reported at once, before the arena (GBs)
             # is reserved and mapped. Handlers may be added until the server starts.
             listen = self.config.server.listen
+            # A unix socket is created owner-only (umask 177): no moment exists in which
+            # another user could connect. (The umask is the process's; it only narrows.)
+            old_umask = os.umask(0o177) if listen.startswith("unix:") else None
             try:
-                port = server.add_insecure_port(listen)
+                port = server.add_insecure_port(listen) if creds is None else server.add_secure_port(listen, creds)
             except RuntimeError as e:
                 raise OSError(f"cannot listen on {listen}: {e}") from None
+            finally:
+                if old_umask is not None:
+                    os.umask(old_umask)
+            if listen.startswith("unix:"):
+                _restrict_socket(listen, self.config.server.socket_group)
             if not listen.startswith("unix:"):
                 if port == 0:
                     raise OSError(f"cannot listen on {listen} (address in use or invalid)")
@@ -76,8 +110,11 @@ class Daemon:
             metrics_server.start()
             t0 = time.perf_counter()
             engine = Engine(self.config, disk_factory=self._disk_factory, metrics=self.metrics)
-            self.metrics.watch(engine.stat)
-            rpc = handlers(engine, self.config.server, socket.gethostname(), boot_id(), self.metrics)
+            tenants = Tenants(engine, self.config.tenants)
+            # /metrics (loopback by default, the operator's) shows every tenant's row.
+            self.metrics.watch(lambda: dataclasses.replace(engine.stat(), tenants=tuple(tenants.all_stats())))
+            rpc = handlers(engine, self.config.server, socket.gethostname(), boot_id(), self.metrics,
+                           tenants=tenants)
             server.add_generic_rpc_handlers((rpc,))
             self._health = health.HealthServicer()
             health_pb2_grpc.add_HealthServicer_to_server(self._health, server)

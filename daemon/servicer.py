@@ -1,9 +1,12 @@
 """The gRPC servicer: protobuf in, engine call, protobuf out. Nothing else lives here.
 
 Primitives:
-- ``handlers(engine, ServerConfig, hostname, boot_id, metrics=None) -> grpc.GenericRpcHandler`` for service
-  ``kvpark.v1.KVPark``. With ``metrics``, parks and restores are counted and timed by
-  transport (inline for the streamed and one-message RPCs, shm or cuda_ipc for
+- ``handlers(engine, ServerConfig, hostname, boot_id, metrics=None, tenants=None) -> grpc.GenericRpcHandler``
+  for service ``kvpark.v1.KVPark``. Every handler starts with ``eng = self.tenants.view()``:
+  the engine itself on a daemon without tenants, else the calling tenant's
+  ``TenantView`` (its names namespaced, its quotas; ``kvpark.daemon.tenants``). A new RPC
+  does the same and is covered by auth with nothing else to do. With ``metrics``, parks
+  and restores are counted and timed by transport (inline for the streamed and one-message RPCs, shm or cuda_ipc for
   reserve/commit and acquire), and every error by its status code.
 
 ``Park`` and ``Restore`` use identity (de)serializers: their ``DataChunk`` messages are
@@ -26,6 +29,7 @@ from google.protobuf.message import DecodeError
 
 from kvpark.proto import convert
 from kvpark.proto.errors import ERROR_KEY, Internal, InvalidArgument, KVParkError
+from kvpark.proto.layout import MAX_SEQ_ID_BYTES
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import decode_chunk, encode_chunk
 
@@ -33,6 +37,7 @@ from .config import ServerConfig
 from .engine import Engine
 from .metrics import Metrics
 from .model import ParkSpec, ReadHandle
+from .tenants import Tenants
 
 log = logging.getLogger("kvpark.servicer")
 SERVICE = "kvpark.v1.KVPark"
@@ -107,8 +112,9 @@ _MAX_PENDING = 100_000  # reservations timed at once; beyond it the oldest (expi
 
 class Servicer:
     def __init__(self, engine: Engine, config: ServerConfig, hostname: str, boot_id: str,
-                 metrics: Metrics | None = None) -> None:
+                 metrics: Metrics | None = None, tenants: Tenants | None = None) -> None:
         self.engine = engine
+        self.tenants = tenants if tenants is not None else Tenants(engine, {})
         self.chunk_size = config.chunk_size
         self.hostname = hostname
         self.boot_id = boot_id
@@ -127,12 +133,13 @@ class Servicer:
 
     @_typed
     def Hello(self, req: pb.HelloRequest, context: grpc.ServicerContext) -> pb.HelloResponse:
-        h = self.engine.hello()
+        eng = self.tenants.view()
+        h = eng.hello()
         return pb.HelloResponse(
             server_version=h.server_version,
             transports=list(h.transports),
             chunk_size=h.chunk_size,
-            max_seq_id_len=256,
+            max_seq_id_len=getattr(eng, "max_seq_id_len", MAX_SEQ_ID_BYTES),
             arena=pb.ArenaInfo(
                 path=h.arena_path, size=h.arena_size, slot_size=h.slot_size,
                 hostname=self.hostname, boot_id=self.boot_id,
@@ -143,6 +150,7 @@ class Servicer:
 
     @_typed
     def Park(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> pb.SeqInfo:
+        eng = self.tenants.view()
         lease: str | None = None
         t0 = time.perf_counter()
         try:
@@ -152,62 +160,65 @@ class Servicer:
             head = None if decode_chunk(first) is not None else pb.ParkRequest.FromString(first)
             if head is None or head.WhichOneof("kind") != "header":
                 raise InvalidArgument("park stream must start with a header message")
-            lease = self.engine.reserve(_spec(head.header), inline=True).lease_id
+            lease = eng.reserve(_spec(head.header), inline=True).lease_id
             for raw in requests:
                 chunk = decode_chunk(raw)
                 if chunk is not None:
-                    self.engine.write_chunk(lease, chunk[0], chunk[1])
+                    eng.write_chunk(lease, chunk[0], chunk[1])
                     continue
                 msg = pb.ParkRequest.FromString(raw)
                 kind = msg.WhichOneof("kind")
                 if kind != "commit":
                     raise InvalidArgument(f"unexpected {kind or 'empty'} message inside a park stream")
                 lease_id, lease = lease, None
-                info = self.engine.commit(lease_id, expect_nbytes=msg.commit.nbytes)
+                info = eng.commit(lease_id, expect_nbytes=msg.commit.nbytes)
                 self._parked("inline", info.nbytes, t0)
                 return convert.info_to_pb(info)
             raise InvalidArgument("park stream ended before its commit message; nothing was stored")
         finally:
             if lease is not None:
-                self.engine.release(lease)
+                eng.release(lease)
 
     @_typed_stream
     def Restore(self, req: pb.RestoreRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
+        eng = self.tenants.view()
         ids = list(req.seq_ids) or req.seq_id
         t0 = time.perf_counter()
-        handle = self.engine.acquire(ids, stream=True, expect_layout=req.expect_layout)
+        handle = eng.acquire(ids, stream=True, expect_layout=req.expect_layout)
         try:
             yield pb.RestoreResponse(header=pb.RestoreHeader(info=convert.info_to_pb(handle.info))).SerializeToString()
-            for offset, views in self.engine.iter_chunks(handle, self.chunk_size):
+            for offset, views in eng.iter_chunks(handle, self.chunk_size):
                 if not context.is_active():
                     return
                 yield encode_chunk(offset, *views)
             self._restored("inline", handle.info.nbytes, t0)
         finally:
             if handle.lease_id:
-                self.engine.release(handle.lease_id)
+                eng.release(handle.lease_id)
 
     @_typed
     def ParkSmall(self, req: pb.ParkSmallRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
+        eng = self.tenants.view()
         t0 = time.perf_counter()
-        lease_id = self.engine.reserve(_spec(req.header), inline=True).lease_id
+        lease_id = eng.reserve(_spec(req.header), inline=True).lease_id
         committing = False
         try:
             if req.data:
-                self.engine.write_chunk(lease_id, 0, memoryview(req.data))
+                eng.write_chunk(lease_id, 0, memoryview(req.data))
             committing = True  # commit frees the slots itself when it fails
-            info = self.engine.commit(lease_id, expect_nbytes=len(req.data))
+            info = eng.commit(lease_id, expect_nbytes=len(req.data))
             self._parked("inline", info.nbytes, t0)
             return convert.info_to_pb(info)
         finally:
             if not committing:
-                self.engine.release(lease_id)
+                eng.release(lease_id)
 
     @_typed
     def Get(self, req: pb.GetRequest, context: grpc.ServicerContext) -> pb.GetResponse:
+        eng = self.tenants.view()
         ids = list(req.seq_ids) or req.seq_id
         t0 = time.perf_counter()
-        handle = self.engine.acquire(ids, stream=True, expect_layout=req.expect_layout)
+        handle = eng.acquire(ids, stream=True, expect_layout=req.expect_layout)
         try:
             info = convert.info_to_pb(handle.info)
             # The client's limit, never above one message's worth (the daemon builds it in memory).
@@ -218,26 +229,34 @@ class Servicer:
             return out
         finally:
             if handle.lease_id:
-                self.engine.release(handle.lease_id)
+                eng.release(handle.lease_id)
 
     def _join(self, handle: ReadHandle) -> bytes:
         return b"".join(v for _, views in self.engine.iter_chunks(handle, 1 << 30) for v in views)
 
     @_typed
     def Reserve(self, req: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
+        eng = self.tenants.view()
         t0 = time.perf_counter()
         tier = req.tier or "host"
-        r = self.engine.reserve(_spec(req.header), tier=tier)
+        r = eng.reserve(_spec(req.header), tier=tier)
         if self.metrics is not None:
             with self._pending_lock:
                 if len(self._pending) >= _MAX_PENDING:
                     self._pending.pop(next(iter(self._pending)))
                 self._pending[r.lease_id] = (t0, _TRANSPORT.get(tier, tier))
-        return pb.ReserveResponse(lease_id=r.lease_id, segments=_segments(r.segments), expires_in_s=r.expires_in_s)
+        return pb.ReserveResponse(lease_id=r.lease_id, segments=_segments(r.segments), expires_in_s=r.expires_in_s,
+                                  window_size=r.window_size)
+
+    @_typed
+    def Window(self, req: pb.WindowRequest, context: grpc.ServicerContext) -> pb.WindowResponse:
+        eng = self.tenants.view()
+        return pb.WindowResponse(segments=_segments(eng.window(req.lease_id, req.index)))
 
     @_typed
     def Commit(self, req: pb.CommitRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
-        info = self.engine.commit(req.lease_id)
+        eng = self.tenants.view()
+        info = eng.commit(req.lease_id)
         with self._pending_lock:
             started = self._pending.pop(req.lease_id, None)
         if started is not None:
@@ -246,13 +265,15 @@ class Servicer:
 
     @_typed
     def Acquire(self, req: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireResponse:
-        return self._acquire(list(req.seq_ids) or req.seq_id, req.tier, req.expect_layout, req.inline_max)
+        return self._acquire(self.tenants.view(), list(req.seq_ids) or req.seq_id, req.tier, req.expect_layout,
+                             req.inline_max)
 
-    def _acquire(self, ids: list[str] | str, tier: str, expect_layout: str, inline_max: int) -> pb.AcquireResponse:
+    def _acquire(self, eng: Any, ids: list[str] | str, tier: str, expect_layout: str,
+                 inline_max: int) -> pb.AcquireResponse:
         small = min(inline_max, self.chunk_size)
         t0 = time.perf_counter()
         need = tier or "host"
-        h = self.engine.acquire(ids, need=need, expect_layout=expect_layout, inline_max=small)
+        h = eng.acquire(ids, need=need, expect_layout=expect_layout, inline_max=small)
         if h.info.nbytes <= small:
             # Small: one round trip, bytes in the reply, no lease left behind.
             try:
@@ -261,30 +282,33 @@ class Servicer:
                 return out
             finally:
                 if h.lease_id:
-                    self.engine.release(h.lease_id)
-        g = self.engine.grant(h)
+                    eng.release(h.lease_id)
+        g = eng.grant(h)
         # Counted when the bytes are leased to the reader; its copy out is its own time.
         self._restored(_TRANSPORT.get(need, need), g.info.nbytes, t0)
         return pb.AcquireResponse(lease_id=g.lease_id, info=convert.info_to_pb(g.info), segments=_segments(g.segments),
-                                  expires_in_s=g.expires_in_s)
+                                  expires_in_s=g.expires_in_s, window_size=g.window_size)
 
     @_typed
     def Release(self, req: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
+        eng = self.tenants.view()
         with self._pending_lock:
             self._pending.pop(req.lease_id, None)  # a park the client gave up
-        return pb.ReleaseResponse(released=self.engine.release(req.lease_id))
+        return pb.ReleaseResponse(released=eng.release(req.lease_id))
 
     @_typed
     def Prefetch(self, req: pb.PrefetchRequest, context: grpc.ServicerContext) -> pb.PrefetchResponse:
+        eng = self.tenants.view()
         if req.timeout_s < 0:
             raise InvalidArgument(f"timeout_s must be >= 0, got {req.timeout_s}")
-        tier = self.engine.prefetch(req.seq_id, req.tier or "device", wait=req.wait, timeout=req.timeout_s or None)
+        tier = eng.prefetch(req.seq_id, req.tier or "device", wait=req.wait, timeout=req.timeout_s or None)
         return pb.PrefetchResponse(tier=tier)
 
     @_typed
     def Lookup(self, req: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
+        eng = self.tenants.view()
         ids = list(req.seq_ids)
-        present = self.engine.present(ids)
+        present = eng.present(ids)
         prefix = next((i for i, p in enumerate(present) if not p), len(present))
         out = pb.LookupResponse(prefix=prefix, present=present)
         if req.HasField("acquire") and prefix > req.acquire.skip:
@@ -293,8 +317,9 @@ class Servicer:
             try:
                 # Only what is in memory: a lookup answers at once; a read from disk
                 # belongs to the caller's own acquire, under its longer deadline.
-                if self.engine.in_memory(ids[a.skip : end]):
-                    out.acquired.CopyFrom(self._acquire(ids[a.skip : end], a.tier, a.expect_layout, a.inline_max))
+                if eng.in_memory(ids[a.skip : end]):
+                    out.acquired.CopyFrom(self._acquire(eng, ids[a.skip : end], a.tier, a.expect_layout,
+                                                        a.inline_max))
             except KVParkError as e:
                 # The lookup still answers; the caller acquires (and meets the error) itself.
                 log.debug("lookup's acquire of %d ids failed: %s", end - a.skip, e)
@@ -302,27 +327,33 @@ class Servicer:
 
     @_typed
     def Drop(self, req: pb.DropRequest, context: grpc.ServicerContext) -> pb.DropResponse:
-        return pb.DropResponse(dropped=self.engine.drop(req.seq_id))
+        eng = self.tenants.view()
+        return pb.DropResponse(dropped=eng.drop(req.seq_id))
 
     @_typed
     def Info(self, req: pb.InfoRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
-        return convert.info_to_pb(self.engine.info(req.seq_id))
+        eng = self.tenants.view()
+        return convert.info_to_pb(eng.info(req.seq_id))
 
     @_typed
     def List(self, req: pb.ListRequest, context: grpc.ServicerContext) -> pb.ListResponse:
-        return pb.ListResponse(sequences=[convert.info_to_pb(i) for i in self.engine.list()])
+        eng = self.tenants.view()
+        return pb.ListResponse(sequences=[convert.info_to_pb(i) for i in eng.list()])
 
     @_typed
     def Stat(self, req: pb.StatRequest, context: grpc.ServicerContext) -> pb.StatResponse:
-        return convert.stat_to_pb(self.engine.stat())
+        eng = self.tenants.view()
+        return convert.stat_to_pb(eng.stat())
 
     @_typed
     def Pin(self, req: pb.PinRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
-        return convert.info_to_pb(self.engine.pin(req.seq_id, req.pinned))
+        eng = self.tenants.view()
+        return convert.info_to_pb(eng.pin(req.seq_id, req.pinned))
 
     @_typed
     def Flush(self, req: pb.FlushRequest, context: grpc.ServicerContext) -> pb.FlushResponse:
-        return pb.FlushResponse(written=self.engine.flush())
+        eng = self.tenants.view()
+        return pb.FlushResponse(written=eng.flush())
 
 
 def _identity(b: bytes) -> bytes:
@@ -330,8 +361,8 @@ def _identity(b: bytes) -> bytes:
 
 
 def handlers(engine: Engine, config: ServerConfig, hostname: str, boot_id: str,
-             metrics: Metrics | None = None) -> grpc.GenericRpcHandler:
-    s = Servicer(engine, config, hostname, boot_id, metrics)
+             metrics: Metrics | None = None, tenants: Tenants | None = None) -> grpc.GenericRpcHandler:
+    s = Servicer(engine, config, hostname, boot_id, metrics, tenants)
 
     def unary(fn: Callable[..., Any], req_cls: Any) -> grpc.RpcMethodHandler:
         return grpc.unary_unary_rpc_method_handler(
@@ -354,6 +385,7 @@ def handlers(engine: Engine, config: ServerConfig, hostname: str, boot_id: str,
             "Commit": unary(s.Commit, pb.CommitRequest),
             "Acquire": unary(s.Acquire, pb.AcquireRequest),
             "Release": unary(s.Release, pb.ReleaseRequest),
+            "Window": unary(s.Window, pb.WindowRequest),
             "Prefetch": unary(s.Prefetch, pb.PrefetchRequest),
             "Lookup": unary(s.Lookup, pb.LookupRequest),
             "Drop": unary(s.Drop, pb.DropRequest),

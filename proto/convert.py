@@ -7,7 +7,7 @@ Primitives: ``meta_to_pb``/``meta_from_pb``, ``info_to_pb``/``info_from_pb``,
 from __future__ import annotations
 
 from .layout import TensorMeta
-from .types import RemoteStat, SeqInfo, Stat, TierStat
+from .types import RemoteStat, SeqInfo, Stat, TenantStat, TierStat
 from .v1 import kvpark_pb2 as pb
 
 
@@ -80,6 +80,8 @@ def stat_to_pb(s: Stat) -> pb.StatResponse:
             bytes_written=s.remote.bytes_written, bytes_read=s.remote.bytes_read, outages=s.remote.outages,
             pending_writes=s.remote.pending_writes, sequences=s.remote.sequences,
         ),
+        tenants=[pb.TenantStat(name=t.name, sequences=t.sequences, used_bytes=t.used, quota_bytes=t.quota)
+                 for t in s.tenants],
     )
 
 
@@ -92,4 +94,5 @@ def stat_from_pb(p: pb.StatResponse) -> Stat:
         leases=p.leases,
         remote=RemoteStat(r.state, r.errors, r.refused, r.data_loss, r.bytes_written, r.bytes_read, r.outages,
                           r.pending_writes, r.sequences) if p.HasField("remote") else None,
+        tenants=tuple(TenantStat(t.name, t.sequences, dict(t.used_bytes), dict(t.quota_bytes)) for t in p.tenants),
     )

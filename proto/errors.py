@@ -73,10 +73,14 @@ class DataLoss(KVParkError):
 
 
 class Unauthenticated(KVParkError):
+    """The daemon has tenants and the call carried no valid bearer token."""
+
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
 class PermissionDenied(KVParkError):
+    """The tenant may not do this (the shm / cuda_ipc paths without ``trusted_local``)."""
+
     code = grpc.StatusCode.PERMISSION_DENIED
 
 

@@ -57,8 +57,20 @@ class RemoteStat:
 
 
 @dataclass(frozen=True, slots=True)
+class TenantStat:
+    """One tenant's usage. ``used``/``quota``: tier -> bytes; "disk" counts every byte the
+    tenant has parked (each may land on disk); a tier missing from ``quota`` is unlimited."""
+
+    name: str
+    sequences: int = 0
+    used: dict[str, int] = field(default_factory=dict)
+    quota: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
 class Stat:
     tiers: dict[str, TierStat] = field(default_factory=dict)
     sequences: int = 0
     leases: int = 0
     remote: RemoteStat | None = None  # None: no remote tier configured
+    tenants: tuple[TenantStat, ...] = ()  # the caller's own row (all rows for /metrics); () without tenants

@@ -12,7 +12,12 @@ Primitives:
 - ``free(allocation)``.
 - ``used_bytes``, ``capacity``, ``free_bytes``, ``fits(nbytes)``.
 - ``Allocation.extents``: one ``(offset, length)`` per block, in payload order;
-  ``Allocation.segments()`` merges adjacent extents for clients.
+  ``Allocation.segments()`` merges adjacent extents for clients. An allocation is
+  stored as its full slots plus its tail packed into one int (the index holds one per
+  parked block, a million of them at scale); ``extents`` is derived from that.
+
+Tails are placed by first fit over the partial slots that still have a free granule
+(kept apart from the full ones), so placing one does not scan every partial slot.
 
 Pure bookkeeping: no memory is touched here, so it is unit-tested without I/O.
 Not thread-safe; the engine calls it under its lock.
@@ -20,26 +25,71 @@ Not thread-safe; the engine calls it under its lock.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 GRANULES_PER_SLOT = 64
 _FULL = (1 << GRANULES_PER_SLOT) - 1
 
 
-@dataclass(frozen=True, slots=True)
 class Allocation:
-    """Where a payload lives. ``extents[i]`` is block ``i``: ``(arena_offset, length)``."""
+    """Where a payload lives. ``extents[i]`` is block ``i``: ``(arena_offset, length)``.
 
-    extents: tuple[tuple[int, int], ...]
-    full_slots: tuple[int, ...]
-    tail: tuple[int, int, int] | None  # (slot, first granule, granule count)
-    charged: int  # bytes of capacity this allocation holds
+    Immutable. Stored compactly (a million small parked blocks each hold one): the full
+    slots, and the tail packed into one int; ``extents`` is derived on demand (and kept
+    only for payloads of more than one block, which are few and read block by block).
+    """
+
+    __slots__ = ("slot_size", "full_slots", "_tail", "_ext")
+
+    def __init__(self, slot_size: int, full_slots: tuple[int, ...], tail: tuple[int, int, int, int] | None) -> None:
+        self.slot_size = slot_size
+        self.full_slots = full_slots
+        # (slot, first granule, granule count, length) -> one int; 0: no tail (a tail is never empty).
+        self._tail = 0 if tail is None else (((tail[0] << 6 | tail[1]) << 6 | (tail[2] - 1)) * slot_size + tail[3])
+        self._ext: tuple[tuple[int, int], ...] | None = None
+
+    def _unpack(self) -> tuple[int, int, int, int]:
+        rest, length = divmod(self._tail, self.slot_size)
+        return rest >> 12, (rest >> 6) & 63, (rest & 63) + 1, length
+
+    @property
+    def tail(self) -> tuple[int, int, int] | None:
+        """(slot, first granule, granule count) of the packed tail, or None."""
+        return self._unpack()[:3] if self._tail else None
+
+    @property
+    def charged(self) -> int:
+        """Bytes of capacity this allocation holds."""
+        n = len(self.full_slots) * self.slot_size
+        return n + self._unpack()[2] * (self.slot_size // GRANULES_PER_SLOT) if self._tail else n
 
     @property
     def nbytes(self) -> int:
-        return sum(n for _, n in self.extents)
+        n = len(self.full_slots) * self.slot_size
+        return n + self._tail % self.slot_size if self._tail else n
+
+    @property
+    def extents(self) -> tuple[tuple[int, int], ...]:
+        if self._ext is not None:
+            return self._ext
+        ss = self.slot_size
+        ext = tuple((s * ss, ss) for s in self.full_slots)
+        if self._tail:
+            slot, g, _k, length = self._unpack()
+            ext += ((slot * ss + g * (ss // GRANULES_PER_SLOT), length),)
+        if self.full_slots:
+            self._ext = ext
+        return ext
+
+    def __eq__(self, other: object) -> bool:
+        return (isinstance(other, Allocation) and self.slot_size == other.slot_size
+                and self.full_slots == other.full_slots and self._tail == other._tail)
+
+    def __hash__(self) -> int:
+        return hash((self.slot_size, self.full_slots, self._tail))
+
+    def __repr__(self) -> str:
+        return f"Allocation(extents={self.extents}, charged={self.charged})"
 
     def segments(self) -> list[tuple[int, int]]:
         out: list[list[int]] = []
@@ -62,6 +112,10 @@ class SlotAllocator:
         self._free = np.ones(self.nslots, dtype=bool)
         self._nfree = self.nslots
         self._partial: dict[int, int] = {}  # slot -> bitmask of used granules
+        # The partial slots that still have a free granule, in the order they last gained
+        # one: a tail is placed by scanning these, not every partial slot (with a million
+        # small blocks nearly all are full, and a scan of them all made each park O(n)).
+        self._open: dict[int, None] = {}
         self.used_bytes = 0
 
     @property
@@ -82,9 +136,8 @@ class SlotAllocator:
 
     def _find_tail_slot(self, k: int) -> tuple[int, int] | None:
         want = (1 << k) - 1
-        for slot, mask in self._partial.items():
-            if mask == _FULL:
-                continue
+        for slot in self._open:
+            mask = self._partial[slot]
             for g in range(GRANULES_PER_SLOT - k + 1):
                 if not (mask >> g) & want:
                     return slot, g
@@ -121,7 +174,6 @@ class SlotAllocator:
             return None
         nfull, tail = self._split(nbytes)
         slots = self._take_slots(nfull)
-        extents = [(s * self.slot_size, self.slot_size) for s in slots]
         tail_rec = None
         charged = nfull * self.slot_size
         if tail:
@@ -130,15 +182,17 @@ class SlotAllocator:
             if found is None:
                 (slot,) = self._take_slots(1)
                 self._partial[slot] = 0
+                self._open[slot] = None
                 g = 0
             else:
                 slot, g = found
             self._partial[slot] |= ((1 << k) - 1) << g
-            tail_rec = (slot, g, k)
-            extents.append((slot * self.slot_size + g * self.granule, tail))
+            if self._partial[slot] == _FULL:
+                del self._open[slot]
+            tail_rec = (slot, g, k, tail)
             charged += k * self.granule
         self.used_bytes += charged
-        return Allocation(tuple(extents), tuple(slots), tail_rec, charged)
+        return Allocation(self.slot_size, tuple(slots), tail_rec)
 
     def free(self, a: Allocation) -> None:
         if a.full_slots:
@@ -151,8 +205,10 @@ class SlotAllocator:
             bits = ((1 << k) - 1) << g
             assert self._partial[slot] & bits == bits, "double free of arena granules"
             self._partial[slot] &= ~bits
+            self._open[slot] = None
             if self._partial[slot] == 0:
                 del self._partial[slot]
+                del self._open[slot]
                 self._free[slot] = True
                 self._nfree += 1
         self.used_bytes -= a.charged

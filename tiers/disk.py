@@ -8,6 +8,9 @@ Layout (one LMDB environment, three named sub-databases):
   priority, timestamps, generation). A restart rebuilds the index from this sub-database
   alone, without touching payloads.
 - ``meta``: the store's format version.
+- ``staging``: key ``seq_id utf-8 | 0x00 | generation (u64 BE)`` of a sequence being
+  written window by window (see below); empty value. Opening the store deletes the
+  blocks of every generation still listed here (a daemon that died mid-park).
 
 Each sequence is written (blocks + manifest, and removal of the generation it replaces)
 in one write transaction, so a crash leaves either the old or the new sequence, never a
@@ -17,6 +20,9 @@ mix. Every read verifies header, length, fingerprint and checksum and raises
 Primitives:
 - ``Manifest``: a sequence's typed disk record (tensors, sizes, generation, priority,
   timestamps, pin/TTL/refs/shared/attrs; the last five travel in the JSON ``extra`` map).
+  Slotted; ``decode`` shares the tensor tuples, attrs dicts and sizes that many
+  manifests repeat (``interning.py``), so a restart with a million blocks holds one
+  copy of each.
 - ``DiskStore(path, capacity, writemap)``; ``close()``; ``sync()``. The engine takes a
   ``disk_factory`` with this signature, so tests inject a subclass that records syncs,
   slows writes down or raises faults (the fault-injection seam). One daemon per directory:
@@ -34,6 +40,14 @@ Primitives:
 - ``read_txn()``: a read transaction whose ``read_block`` returns zero-copy verified views.
   ``DiskStore.on_corrupt`` (optional) is called for every record that fails verification.
 - ``update_manifest(m, sync=False) -> bool``: rewrite one generation's manifest (a pin).
+- Staged writes, for a sequence too large to hold in memory at once (``daemon/window.py``):
+  ``stage_begin(m)`` charges ``m.nbytes`` against ``capacity`` (``ResourceExhausted``
+  naming the sizes when it does not fit) and lists the generation in ``staging``;
+  ``stage_blocks(m, first, views)`` writes checksummed blocks ``first..`` (each window in
+  its own transaction: invisible, there is no manifest yet); ``stage_commit(m, replace,
+  sync) -> bool`` publishes the manifest (and removes ``replace``'s blocks) in one
+  transaction, False when a newer generation won (the staged blocks are deleted);
+  ``stage_abort(m)`` deletes what was staged. ``staged``: bytes charged to staged writes.
 
 Thread safety: LMDB serialises write transactions itself; the accounting has its own
 small lock, never held across I/O.
@@ -58,6 +72,8 @@ import xxhash
 from kvpark.proto.errors import DataLoss, ResourceExhausted, StartupError
 from kvpark.proto.layout import TensorMeta
 
+from . import interning
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"KVPB"
@@ -70,7 +86,7 @@ def checksum(view: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(view)
 
 
-@dataclass
+@dataclass(slots=True)
 class Manifest:
     seq_id: str
     gen: int
@@ -126,26 +142,39 @@ class Manifest:
 
     @staticmethod
     def decode(raw: bytes) -> "Manifest":
-        d = json.loads(raw)
+        # A restart decodes every manifest: the plain decoder (no encoding sniffing), and
+        # what a million blocks share (layouts, attrs, sizes) as one object each.
+        text = str(raw, "utf-8")
+        d, end = _JSON.raw_decode(text)
+        if end != len(text) and text[end:].strip():
+            raise ValueError(f"manifest has extra data after its JSON (at {end})")
+        if not isinstance(d, dict):
+            raise TypeError("a manifest is a JSON object")
         if d.get("v") != FORMAT_VERSION:
             raise ValueError(f"manifest format version {d.get('v')} (this build reads {FORMAT_VERSION})")
-        extra = dict(d.get("extra", {}))
-        return Manifest(
-            seq_id=d["seq_id"],
-            gen=int(d["gen"]),
-            tensors=tuple(TensorMeta.from_json(t) for t in d["tensors"]),
-            nbytes=int(d["nbytes"]),
-            block_size=int(d["block_size"]),
-            fingerprint=int(d["fingerprint"]),
-            priority=int(d.get("priority", 0)),
-            created_at=float(d.get("created_at", 0.0)),
-            last_access=float(d.get("last_access", 0.0)),
-            pinned=bool(extra.get("pinned", False)),
-            expires_at=float(extra["expires_at"]) if extra.get("expires_at") else None,
-            refs=tuple(extra.get("refs", ())),
-            shared=bool(extra.get("shared", False)),
-            attrs={str(k): str(v) for k, v in dict(extra.get("attrs", {})).items()},
+        tensors, fp = interning.layout_json(d["tensors"])
+        stored_fp = int(d["fingerprint"])
+        created_at = float(d.get("created_at", 0.0))
+        last_access = float(d.get("last_access", 0.0))
+        extra = d.get("extra")
+        m = Manifest(
+            d["seq_id"], int(d["gen"]), tensors, interning.number(int(d["nbytes"])),
+            interning.number(int(d["block_size"])), fp if fp == stored_fp else stored_fp, int(d.get("priority", 0)),
+            created_at, created_at if last_access == created_at else last_access,
         )
+        if extra:
+            extra = dict(extra)
+            m.pinned = bool(extra.get("pinned", False))
+            m.expires_at = float(extra["expires_at"]) if extra.get("expires_at") else None
+            m.refs = tuple(extra.get("refs", ()))
+            m.shared = bool(extra.get("shared", False))
+            m.attrs = interning.attrs_json(dict(extra.get("attrs", {})))
+        else:
+            m.attrs = interning.attrs({})
+        return m
+
+
+_JSON = json.JSONDecoder()
 
 
 @dataclass(frozen=True)
@@ -241,12 +270,16 @@ class DiskStore:
         self._acct = threading.Lock()
         self._held: dict[tuple[str, int], int] = {}  # (seq_id, gen) -> payload bytes stored
         self._used = 0  # sum of _held
+        self._staged: dict[tuple[str, int], int] = {}  # staged generations (also in _held)
         self._lock_fd = _lock_dir(path)
         data_file = os.path.join(path, "data.mdb")
         existing = os.path.getsize(data_file) if os.path.exists(data_file) else 0
         # Headroom over the payload capacity for LMDB pages, headers and manifests,
-        # so our accounting, not MDB_MAP_FULL, is what says "full".
-        map_size = max(capacity + capacity // 8 + (64 << 20), existing)
+        # so our accounting, not MDB_MAP_FULL, is what says "full". Small records need
+        # the most: a million 1 KiB KV blocks under random (content-hash) keys filled
+        # ~2.4x their payload in half-full B-tree pages plus a manifest each. The map is
+        # address space (and a sparse file under writemap), not disk.
+        map_size = max(capacity * 3 + (64 << 20), existing)
         self.env = lmdb.open(
             path,
             map_size=map_size,
@@ -262,13 +295,33 @@ class DiskStore:
         self._blocks = self.env.open_db(b"blocks")
         self._manifests = self.env.open_db(b"manifests")
         meta = self.env.open_db(b"meta")
+        self._staging = self.env.open_db(b"staging")
         with self.env.begin(write=True) as txn:
             v = txn.get(b"format", db=meta)
             if v is None:
                 txn.put(b"format", str(FORMAT_VERSION).encode(), db=meta)
             elif int(v) != FORMAT_VERSION:
                 raise RuntimeError(f"disk tier at {path} has format {int(v)}; this build reads {FORMAT_VERSION}")
+        self._clean_staging()
         self.env.sync(True)
+
+    def _clean_staging(self) -> None:
+        """Delete the blocks of every generation a dead daemon left staged (never published)."""
+        with self.env.begin(write=True) as txn:
+            left = [bytes(k) for k, _ in txn.cursor(db=self._staging)]
+            for prefix in left:
+                cur = txn.cursor(db=self._blocks)
+                keys = []
+                if cur.set_range(prefix):
+                    for k in cur.iternext(keys=True, values=False):
+                        if not bytes(k).startswith(prefix):
+                            break
+                        keys.append(bytes(k))
+                for k in keys:
+                    txn.delete(k, db=self._blocks)
+                txn.delete(prefix, db=self._staging)
+        if left:
+            log.warning("disk tier: deleted %d unfinished windowed park(s) left by a previous run", len(left))
 
     def close(self) -> None:
         self.env.sync(True)
@@ -411,6 +464,77 @@ class DiskStore:
             self._forget((m.seq_id, m.gen))
         if sync:
             self.sync()
+
+    # ------------------------------------------------------------------ staged writes
+
+    @staticmethod
+    def _stage_key(m: Manifest) -> bytes:
+        return m.seq_id.encode() + b"\x00" + struct.pack(">Q", m.gen)  # the prefix of its block keys
+
+    @property
+    def staged(self) -> int:
+        """Bytes charged to staged writes not yet published or aborted."""
+        with self._acct:
+            return sum(self._staged.values())
+
+    def stage_begin(self, m: Manifest) -> None:
+        key = (m.seq_id, m.gen)
+        with self._acct:
+            if m.nbytes > self.capacity or self._used + m.nbytes > self.capacity:
+                raise ResourceExhausted(
+                    f"disk tier cannot take a {m.nbytes}-byte sequence: {self._used} of {self.capacity} bytes used")
+            self._hold(key, m.nbytes)
+            self._staged[key] = m.nbytes
+        try:
+            with self.env.begin(write=True) as txn:
+                txn.put(self._stage_key(m), b"", db=self._staging)
+        except BaseException:
+            with self._acct:
+                self._forget(key)
+                self._staged.pop(key, None)
+            raise
+
+    def stage_blocks(self, m: Manifest, first: int, blocks: Sequence[memoryview]) -> None:
+        lengths = m.block_lengths
+        try:
+            with self.env.begin(write=True) as txn:
+                for i, view in enumerate(blocks, first):
+                    if len(view) != lengths[i]:
+                        raise ValueError(f"block {i}: {len(view)} bytes, expected {lengths[i]}")
+                    head = HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0, m.fingerprint, len(view), checksum(view))
+                    txn.put(block_key(m.seq_id, m.gen, i), b"".join((head, view)), db=self._blocks)
+        except lmdb.MapFullError:
+            raise ResourceExhausted(f"disk tier full at {self.path} (LMDB map)") from None
+
+    def stage_commit(self, m: Manifest, replace: Manifest | None = None, sync: bool = False) -> bool:
+        key = (m.seq_id, m.gen)
+        with self.env.begin(write=True) as txn:
+            cur = txn.get(m.seq_id.encode(), db=self._manifests)
+            won = cur is None or Manifest.decode(cur).gen <= m.gen
+            if won:
+                if replace is not None and replace.gen != m.gen:
+                    self._delete_blocks(txn, replace)
+                txn.put(m.seq_id.encode(), m.encode(), db=self._manifests)
+            else:
+                self._delete_blocks(txn, m)
+            txn.delete(self._stage_key(m), db=self._staging)
+        with self._acct:
+            self._staged.pop(key, None)
+            if not won:
+                self._forget(key)
+            elif replace is not None and replace.gen != m.gen:
+                self._forget((replace.seq_id, replace.gen))
+        if sync:
+            self.sync()
+        return won
+
+    def stage_abort(self, m: Manifest) -> None:
+        with self.env.begin(write=True) as txn:
+            self._delete_blocks(txn, m)
+            txn.delete(self._stage_key(m), db=self._staging)
+        with self._acct:
+            self._staged.pop((m.seq_id, m.gen), None)
+            self._forget((m.seq_id, m.gen))
 
     @contextmanager
     def read_txn(self) -> Iterator[ReadTxn]:

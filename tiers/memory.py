@@ -2,7 +2,7 @@
 
 Primitives:
 - ``MemTier(name, pool, slot_size, high, low)``; ``alloc`` is its ``SlotAllocator``.
-- ``views(allocation) -> list[memoryview]``: CPU-readable block views (zero-copy for CPU
+- ``views(allocation)`` / ``views_at(extents)`` -> ``list[memoryview]``: CPU-readable block views (zero-copy for CPU
   pools; a device pool's blocks come over in one batched page-locked D2H, for the rare
   disk write or stream served from device).
 - ``write(offset, data)``: put CPU bytes at a pool offset (inline parks, disk promotions);
@@ -13,6 +13,7 @@ Primitives:
 from __future__ import annotations
 
 import warnings
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -50,10 +51,13 @@ class MemTier:
         return self.pool[offset : offset + n]
 
     def views(self, a: Allocation) -> list[memoryview]:
+        return self.views_at(a.extents)
+
+    def views_at(self, extents: Sequence[tuple[int, int]]) -> list[memoryview]:
         if self._view is not None:
             v = self._view
-            return [v[o : o + n] for o, n in a.extents]
-        return [memoryview(t.numpy()) for t in cuda.to_host([self.pool[o : o + n] for o, n in a.extents])]
+            return [v[o : o + n] for o, n in extents]
+        return [memoryview(t.numpy()) for t in cuda.to_host([self.pool[o : o + n] for o, n in extents])]
 
     def write(self, offset: int, data: memoryview) -> None:
         n = len(data)

@@ -1,7 +1,8 @@
 """The shared-memory file behind the host arena.
 
 Primitives:
-- ``SharedArena.create(shm_dir, size, prefault)``: a new file, mode 0600, its memory
+- ``SharedArena.create(shm_dir, size, prefault, group="")``: a new file, mode 0600 (0660
+  with ``group`` as its group), its memory
   reserved for real (``posix_fallocate``) before it is mapped, so neither the daemon nor
   a client that maps it can ever take SIGBUS for a page the file system cannot supply.
   Too little room raises ``StartupError`` naming the directory, its free bytes, the size
@@ -17,6 +18,7 @@ Primitives:
   share one ``/dev/shm``.
 - ``free_bytes(path)``, ``fs_type(path)``: what the directory can hold, and its file system.
 - ``boot_id()``: this boot of this host; an arena is shared only within one.
+- ``group_id(name) -> int``: a group's gid (``StartupError`` when unknown).
 
 Pages are touched once at creation (``MAP_POPULATE``) so that neither the daemon nor a
 client takes page faults in the hot path: a fresh buffer costs ~1.5-2 GB/s in faults
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import grp
 import logging
 import mmap
 import os
@@ -75,6 +78,16 @@ def fs_type(path: str) -> str:
     return kind
 
 
+def group_id(name: str) -> int:
+    """The gid of group ``name`` (a number is taken as a gid); ``StartupError`` when unknown."""
+    if name.isdigit():
+        return int(name)
+    try:
+        return grp.getgrnam(name).gr_gid
+    except KeyError:
+        raise StartupError(f"group {name!r} does not exist on this host") from None
+
+
 def _no_room(shm_dir: str, size: int) -> StartupError:
     try:
         free = f"{free_bytes(shm_dir) >> 20} MiB free"
@@ -98,7 +111,7 @@ class SharedArena:
         self.prefault_s = 0.0
 
     @classmethod
-    def create(cls, shm_dir: str, size: int, prefault: bool = True) -> "SharedArena":
+    def create(cls, shm_dir: str, size: int, prefault: bool = True, group: str = "") -> "SharedArena":
         t0 = time.perf_counter()
         if not shm_dir:
             log.info("tiers.host.shm_dir is empty: the host arena is private memory, shm transport off")
@@ -112,7 +125,7 @@ class SharedArena:
                 log.warning("tiers.host.shm_dir %s is on %s, not tmpfs/hugetlbfs: the arena is a file on disk",
                             shm_dir, kind or "an unknown file system")
             try:
-                arena = cls._create_file(shm_dir, size, prefault)
+                arena = cls._create_file(shm_dir, size, prefault, group)
             except PermissionError as e:
                 log.warning("shared-memory arena unavailable in %s (%s); using private memory, shm transport off",
                             shm_dir, e)
@@ -121,7 +134,7 @@ class SharedArena:
         return arena
 
     @classmethod
-    def _create_file(cls, shm_dir: str, size: int, prefault: bool) -> "SharedArena":
+    def _create_file(cls, shm_dir: str, size: int, prefault: bool, group: str = "") -> "SharedArena":
         token = secrets.token_hex(6)
         # Made under a name remove_stale() ignores, locked, then renamed: no other daemon
         # can see it unlocked.
@@ -131,6 +144,14 @@ class SharedArena:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.fchmod(fd, 0o600)  # the umask may only remove bits; make the mode exact
+            if group:
+                # Before the rename: the file is never visible under its name with a wider mode.
+                try:
+                    os.fchown(fd, -1, group_id(group))
+                except PermissionError:
+                    raise StartupError(f"tiers.host.group: this user may not give files to group {group!r} "
+                                       "(it must be one of the daemon user's groups)") from None
+                os.fchmod(fd, 0o660)
             try:
                 # Reserve every page now: on tmpfs this fails with ENOSPC up front instead
                 # of a SIGBUS in whichever process first touches a page that is not there.

@@ -194,14 +194,30 @@ class ReserveRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("lease_id", "segments", "expires_in_s")
+    __slots__ = ("lease_id", "segments", "expires_in_s", "window_size")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SIZE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     expires_in_s: float
-    def __init__(self, lease_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ...) -> None: ...
+    window_size: int
+    def __init__(self, lease_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., window_size: _Optional[int] = ...) -> None: ...
+
+class WindowRequest(_message.Message):
+    __slots__ = ("lease_id", "index")
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    index: int
+    def __init__(self, lease_id: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
+
+class WindowResponse(_message.Message):
+    __slots__ = ("segments",)
+    SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    segments: _containers.RepeatedCompositeFieldContainer[Segment]
+    def __init__(self, segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -224,20 +240,22 @@ class AcquireRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., tier: _Optional[str] = ..., seq_ids: _Optional[_Iterable[str]] = ..., expect_layout: _Optional[str] = ..., inline_max: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "info", "segments", "expires_in_s", "data", "inlined")
+    __slots__ = ("lease_id", "info", "segments", "expires_in_s", "data", "inlined", "window_size")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     INLINED_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_SIZE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     info: SeqInfo
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     expires_in_s: float
     data: bytes
     inlined: bool
-    def __init__(self, lease_id: _Optional[str] = ..., info: _Optional[_Union[SeqInfo, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., data: _Optional[bytes] = ..., inlined: _Optional[bool] = ...) -> None: ...
+    window_size: int
+    def __init__(self, lease_id: _Optional[str] = ..., info: _Optional[_Union[SeqInfo, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., data: _Optional[bytes] = ..., inlined: _Optional[bool] = ..., window_size: _Optional[int] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
@@ -430,14 +448,42 @@ class RemoteStat(_message.Message):
     sequences: int
     def __init__(self, state: _Optional[str] = ..., errors: _Optional[int] = ..., refused: _Optional[int] = ..., data_loss: _Optional[int] = ..., bytes_written: _Optional[int] = ..., bytes_read: _Optional[int] = ..., outages: _Optional[int] = ..., pending_writes: _Optional[int] = ..., sequences: _Optional[int] = ...) -> None: ...
 
+class TenantStat(_message.Message):
+    __slots__ = ("name", "sequences", "used_bytes", "quota_bytes")
+    class UsedBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class QuotaBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    QUOTA_BYTES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    sequences: int
+    used_bytes: _containers.ScalarMap[str, int]
+    quota_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, name: _Optional[str] = ..., sequences: _Optional[int] = ..., used_bytes: _Optional[_Mapping[str, int]] = ..., quota_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
+
 class StatResponse(_message.Message):
-    __slots__ = ("tiers", "sequences", "leases", "remote")
+    __slots__ = ("tiers", "sequences", "leases", "remote", "tenants")
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
+    TENANTS_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStat]
     sequences: int
     leases: int
     remote: RemoteStat
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., sequences: _Optional[int] = ..., leases: _Optional[int] = ..., remote: _Optional[_Union[RemoteStat, _Mapping]] = ...) -> None: ...
+    tenants: _containers.RepeatedCompositeFieldContainer[TenantStat]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., sequences: _Optional[int] = ..., leases: _Optional[int] = ..., remote: _Optional[_Union[RemoteStat, _Mapping]] = ..., tenants: _Optional[_Iterable[_Union[TenantStat, _Mapping]]] = ...) -> None: ...

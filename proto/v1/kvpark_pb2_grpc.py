@@ -74,6 +74,11 @@ class KVParkStub:
                 request_serializer=kvpark_dot_v1_dot_kvpark__pb2.AcquireRequest.SerializeToString,
                 response_deserializer=kvpark_dot_v1_dot_kvpark__pb2.AcquireResponse.FromString,
                 _registered_method=True)
+        self.Window = channel.unary_unary(
+                '/kvpark.v1.KVPark/Window',
+                request_serializer=kvpark_dot_v1_dot_kvpark__pb2.WindowRequest.SerializeToString,
+                response_deserializer=kvpark_dot_v1_dot_kvpark__pb2.WindowResponse.FromString,
+                _registered_method=True)
         self.Release = channel.unary_unary(
                 '/kvpark.v1.KVPark/Release',
                 request_serializer=kvpark_dot_v1_dot_kvpark__pb2.ReleaseRequest.SerializeToString,
@@ -181,6 +186,16 @@ class KVParkServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Window(self, request, context):
+        """A payload larger than its tier moves through one window of segments at a
+        time (Reserve/Acquire answer window_size > 0): a park asks for the next
+        window once it has written the current one (the daemon writes it to disk);
+        a restore asks for any window, which the daemon reads into the segments.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Release(self, request, context):
         """Ends a read lease, or aborts an uncommitted write lease.
         """
@@ -282,6 +297,11 @@ def add_KVParkServicer_to_server(servicer, server):
                     servicer.Acquire,
                     request_deserializer=kvpark_dot_v1_dot_kvpark__pb2.AcquireRequest.FromString,
                     response_serializer=kvpark_dot_v1_dot_kvpark__pb2.AcquireResponse.SerializeToString,
+            ),
+            'Window': grpc.unary_unary_rpc_method_handler(
+                    servicer.Window,
+                    request_deserializer=kvpark_dot_v1_dot_kvpark__pb2.WindowRequest.FromString,
+                    response_serializer=kvpark_dot_v1_dot_kvpark__pb2.WindowResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -545,6 +565,33 @@ class KVPark:
             '/kvpark.v1.KVPark/Acquire',
             kvpark_dot_v1_dot_kvpark__pb2.AcquireRequest.SerializeToString,
             kvpark_dot_v1_dot_kvpark__pb2.AcquireResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Window(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/kvpark.v1.KVPark/Window',
+            kvpark_dot_v1_dot_kvpark__pb2.WindowRequest.SerializeToString,
+            kvpark_dot_v1_dot_kvpark__pb2.WindowResponse.FromString,
             options,
             channel_credentials,
             insecure,

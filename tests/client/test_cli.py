@@ -157,3 +157,27 @@ def test_serve_logs_json_lines(proc: Callable[..., Proc]) -> None:
     assert doc["level"] == "info" and doc["logger"] == "kvpark" and doc["msg"].startswith("kvpark listening on")
     assert doc["ts"].endswith("Z") and time.strptime(doc["ts"][:19], "%Y-%m-%dT%H:%M:%S")
     assert p.terminate() == 0
+
+
+def test_stat_shows_the_callers_tenant_row(daemon: Callable[..., Daemon], capsys: pytest.CaptureFixture[str],
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import hashlib
+
+    sha = lambda t: hashlib.sha256(t.encode()).hexdigest()  # noqa: E731
+    d = daemon(**{"tenants.alice.token_sha256": sha("ta"), "tenants.alice.quota": {"host": "4MiB"},
+                  "tenants.bob.token_sha256": sha("tb")})
+    with Client(d.address, token="ta") as c:
+        c.park("s", [torch.ones(1024)])
+    rc, _, err = run(capsys, "stat", "--address", d.address)
+    assert rc == 1 and "Unauthenticated" in err
+    monkeypatch.setenv("KVPARK_TOKEN", "ta")
+    rc, out, _ = run(capsys, "stat", "--address", d.address)
+    assert rc == 0 and "1 sequence(s)" in out
+    assert "tenant alice: 1 sequence(s); device 0 B of unlimited, host 4.0 KiB of 4.0 MiB, disk 4.0 KiB of unlimited" \
+        in out and "bob" not in out
+    rc, out, _ = run(capsys, "stat", "--json", "--address", d.address)
+    assert json.loads(out)["tenants"] == [{"name": "alice", "sequences": 1, "used": {"device": 0, "host": 4096,
+                                           "disk": 4096}, "quota": {"host": 4 << 20}}]
+    monkeypatch.setenv("KVPARK_TOKEN", "tb")
+    rc, out, _ = run(capsys, "stat", "--address", d.address)
+    assert rc == 0 and "0 sequence(s)" in out and "tenant bob: 0 sequence(s)" in out

@@ -45,8 +45,8 @@ def test_env_then_overrides(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "overrides,match",
     [
-        ({"tiers.host.capcity": "1GiB"}, r"tiers\.host\.capcity.*valid keys: capacity, high_watermark, low_watermark, prefault, shm_dir, slot_size"),
-        ({"polcy.write": "x"}, r"unknown key polcy.*valid keys: copy, leases, metrics, policy, server, tiers"),
+        ({"tiers.host.capcity": "1GiB"}, r"tiers\.host\.capcity.*valid keys: capacity, group, high_watermark, low_watermark, prefault, shm_dir, slot_size"),
+        ({"polcy.write": "x"}, r"unknown key polcy.*valid keys: copy, leases, metrics, policy, server, tenants, tiers"),
         ({"policy.write": "sometimes"}, r"policy\.write.*write_back, write_through"),
         ({"policy.eviction": "mru"}, r"policy\.eviction.*lru"),
         ({"tiers.host.capacity": "lots"}, r"tiers\.host\.capacity.*64MiB"),
@@ -117,3 +117,37 @@ def test_the_example_config_in_deploy_loads_and_lists_every_key() -> None:
     text = example.read_text()
     missing = [k for k, _, _ in reference() if f"\n{k.rsplit('.', 1)[1]} = " not in text]
     assert not missing, f"deploy/kvpark.toml lacks {missing}"
+
+
+def test_tenant_tables_resolve_validate_and_round_trip(tmp_path: Path) -> None:
+    import hashlib
+
+    digest = hashlib.sha256(b"s3cret").hexdigest()
+    (tmp_path / "bob.token").write_text("  other-token\n")
+    f = tmp_path / "t.toml"
+    f.write_text(f'[tenants.alice]\ntoken_sha256 = "{digest.upper()}"\nquota = {{ host = "8MiB", disk = "1GiB" }}\n'
+                 f'trusted_local = true\n\n[tenants.bob]\ntoken_file = "{tmp_path / "bob.token"}"\n')
+    cfg = load(f, env={"KVPARK__TENANTS__BOB__TRUSTED_LOCAL": "true"})
+    alice, bob = cfg.tenants["alice"], cfg.tenants["bob"]
+    assert alice.token_sha256 == digest and alice.quota == {"host": 8 << 20, "disk": 1 << 30} and alice.trusted_local
+    assert bob.token_sha256 == hashlib.sha256(b"other-token").hexdigest() and bob.quota == {} and bob.trusted_local
+    text = to_toml(cfg)
+    assert "other-token" not in text and "s3cret" not in text
+    again = tmp_path / "again.toml"
+    again.write_text(text)
+    assert load(again, env={}) == cfg
+    bad = [
+        ({"tenants.a.token_sha256": digest, "tenants.a.token_file": str(f)}, "exactly one of"),
+        ({"tenants.a.quota": {"host": "1GiB"}}, "exactly one of"),
+        ({"tenants.a.token_sha256": "abc"}, "64 hex digits"),
+        ({"tenants.a.token_sha256": digest, "tenants.a.qouta": {}}, "unknown key tenants.a.qouta"),
+        ({"tenants.a.token_sha256": digest, "tenants.a.quota": {"gpu": "1GiB"}}, "unknown tier gpu"),
+        ({"tenants.a.token_sha256": digest, "tenants.b.token_sha256": digest}, "same token as tenants.a"),
+        ({"tenants.a.token_file": str(tmp_path / "missing")}, "cannot read"),
+        ({"tenants.a b.token_sha256": digest}, "a tenant name is"),
+        ({"server.tls_cert": "/x.pem"}, "set both"),
+        ({"server.tls_client_ca": "/ca.pem"}, "need server.tls_cert"),
+    ]
+    for overrides, match in bad:
+        with pytest.raises(ConfigError, match=match):
+            load(env={}, overrides=overrides)

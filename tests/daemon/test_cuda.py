@@ -151,6 +151,28 @@ def test_cuda_ipc_read_back_in_another_process_and_inline_after_a_forced_demotio
         p.kill()
 
 
+def test_larger_than_the_device_pool_through_cuda_ipc(tmp_path: Path) -> None:
+    # 3x the 64 MiB device pool: parked through device windows to disk (the daemon's D2H of
+    # each window), restored through them (H2D into the pool, device-to-device out).
+    p = gpu_proc(tmp_path)
+    try:
+        with Client(p.address) as c:
+            src = [gblob(40, 96 * MiB), gblob(41, 96 * MiB + 5)]
+            assert c.park("big", src).tier == "disk"
+            dst = [torch.empty_like(t) for t in src]
+            c.restore("big", into=dst)
+            assert all(torch.equal(a, b) for a, b in zip(src, dst))
+            assert [torch.equal(a, b) for a, b in zip(c.restore("big", device="cuda:0"), src)] == [True, True]
+            one = gblob(42, 200 * MiB)  # above the 128 MiB host tier too
+            assert c.park("one", [one]).tier == "disk"
+            got = read_in_child(p.address, "cuda_ipc", [("one", one.numel())])
+            assert got["_pool"] and got["one"] == digest(one)
+            assert wait_until(lambda: c.stat().leases == 0)
+            assert c.stat().tiers["device"].used_bytes == 0
+    finally:
+        p.kill()
+
+
 def test_a_pool_on_the_second_gpu(tmp_path: Path, daemon: Callable[..., Daemon]) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs two GPUs (only one is visible)")

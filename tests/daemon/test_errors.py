@@ -174,9 +174,10 @@ def test_client_disconnect_mid_park_leaves_nothing(daemon: Callable[..., Daemon]
 
 
 def test_park_larger_than_every_tier_is_resource_exhausted(daemon: Callable[..., Daemon]) -> None:
-    d = daemon(**{"tiers.host.capacity": "4MiB"})
+    # Larger than the host tier alone streams to disk (test_large_seq.py); past the disk too, refused.
+    d = daemon(**{"tiers.host.capacity": "4MiB", "tiers.disk.capacity": "4MiB"})
     with Client(d.address) as c:
-        with pytest.raises(ResourceExhausted, match="larger than the host tier"):
+        with pytest.raises(ResourceExhausted, match="larger than the host tier .* and than the disk tier"):
             c.park("huge", [torch.zeros(5 << 20, dtype=torch.uint8)])
         assert_clean(c)
 

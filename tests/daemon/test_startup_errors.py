@@ -71,3 +71,17 @@ def test_start_up_logs_the_effective_config(proc) -> None:
     out = p.output()
     assert "listening on" in out and "host arena" in out and "to map" in out
     assert "disk tier:" in out and "eviction=lfu" in out and "write=write_back" in out and "disk_full=evict" in out
+
+
+def test_an_open_daemon_off_loopback_is_refused(tmp_path: Path) -> None:
+    (tmp_path / "shm").mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK")}
+    r = subprocess.run([sys.executable, "-m", "kvpark.daemon.cli", "serve", "--listen", "0.0.0.0:0",
+                        "--data-dir", str(tmp_path / "disk"), "--set", f"tiers.host.shm_dir={tmp_path / 'shm'}",
+                        "--set", "tiers.host.capacity=16MiB", "--set", "metrics.listen="],
+                       capture_output=True, text=True, env=env, timeout=60)
+    assert r.returncode == 2, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "cannot start" in ln]
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "0.0.0.0:0 is not loopback" in lines[0] and "server.insecure" in lines[0]
+    assert list((tmp_path / "shm").iterdir()) == []

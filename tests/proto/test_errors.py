@@ -90,3 +90,18 @@ def test_a_real_daemon_raises_each_provokable_class_by_name(daemon: Callable[...
         # The layout check compares values: a matching layout restores.
         _, out = c.restore_many(["s"], expect_layout="L1")
         assert torch.equal(out[0], torch.ones(10))
+
+
+def test_a_daemon_with_tenants_raises_unauthenticated_and_permission_denied_by_name(
+        daemon: Callable[..., Daemon]) -> None:
+    import hashlib
+
+    d = daemon(**{"tenants.t.token_sha256": hashlib.sha256(b"tok").hexdigest()})
+    with pytest.raises(client.Unauthenticated) as e:
+        client.Client(d.address, token="other")
+    assert type(e.value) is client.Unauthenticated and e.value.code == CONTRACT["Unauthenticated"]
+    with client.Client(d.address, token="tok") as c:
+        head = pb.ParkHeader(seq_id="s", tensors=[pb.TensorMeta(dtype="uint8", shape=[8], nbytes=8)], nbytes=8)
+        with pytest.raises(client.PermissionDenied) as p:
+            c.rpc.call(c.rpc.reserve, pb.ReserveRequest(header=head, tier="host"))
+        assert type(p.value) is client.PermissionDenied and p.value.code == CONTRACT["PermissionDenied"]

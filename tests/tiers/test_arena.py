@@ -71,3 +71,25 @@ def test_random_churn_never_overlaps_and_accounting_is_exact() -> None:
     for x in live:
         a.free(x)
     assert a.used_bytes == 0 and a.alloc(32 * MiB) is not None
+
+
+def test_a_granule_freed_in_a_full_slot_is_reused_before_a_new_slot() -> None:
+    # Tails are placed by scanning only the partial slots with a free granule; a slot
+    # that filled up and then had a granule freed must be found again.
+    a = SlotAllocator(64 * MiB, MiB)
+    granule = MiB // 64
+    tails = [a.alloc(granule) for _ in range(64 * 8)]  # eight full slots of one-granule tails
+    assert all(t is not None for t in tails)
+    hole = tails[64 * 3 + 17]
+    assert hole is not None
+    a.free(hole)
+    again = a.alloc(granule)
+    assert again is not None and again.extents == hole.extents and again.tail == hole.tail
+    assert a.used_bytes == 8 * MiB
+    # An allocation's compact form gives back what it was made of.
+    x = a.alloc(3 * MiB + 5 * granule + 7)
+    assert x is not None
+    assert x.nbytes == 3 * MiB + 5 * granule + 7 and x.charged == 3 * MiB + 6 * granule
+    assert [n for _, n in x.extents] == [MiB, MiB, MiB, 5 * granule + 7] and len(x.full_slots) == 3
+    a.free(x)
+    assert a.used_bytes == 8 * MiB

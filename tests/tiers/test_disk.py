@@ -86,3 +86,42 @@ def test_bad_manifest_is_reported_not_fatal(tmp_path: Path) -> None:
     good, bad = s.load_manifests()
     assert [g.seq_id for g in good] == ["ok"] and len(bad) == 1 and bad[0].startswith("broken")
     s.close()
+
+
+def test_staged_writes_are_invisible_until_committed_and_cleaned_after_a_crash(tmp_path: Path) -> None:
+    from kvpark.proto.errors import ResourceExhausted
+
+    s = DiskStore(str(tmp_path), 10_000)
+    # 1. Charged up front; a sequence past the capacity is refused naming the sizes.
+    with pytest.raises(ResourceExhausted, match="cannot take a 20000-byte sequence: 0 of 10000"):
+        s.stage_begin(manifest("huge", 1, 20_000))
+    m = manifest("seq", 2, 3000)
+    s.stage_begin(m)
+    assert (s.used, s.staged) == (3000, 3000)
+    s.stage_blocks(m, 0, payload(m, 1)[:2])
+    s.stage_blocks(m, 2, payload(m, 1)[2:])
+    assert s.load_manifests()[0] == [] and read_all(s, m)  # blocks are there, the manifest is not
+    # 2. A newer generation on disk wins over an older staged one; its blocks go.
+    newer = manifest("other", 9, 100)
+    s.write(newer, payload(newer, 5))
+    old = manifest("other", 3, 1500)
+    s.stage_begin(old)
+    s.stage_blocks(old, 0, payload(old, 7))
+    assert not s.stage_commit(old)
+    assert s.used == 3100 and s.staged == 3000
+    # 3. A "crash" with one park staged: the next open deletes its blocks.
+    s.close()
+    s = DiskStore(str(tmp_path), 10_000)
+    manifests, _ = s.load_manifests()
+    assert [x.seq_id for x in manifests] == ["other"] and s.used == 100
+    with pytest.raises(DataLoss, match="missing"):
+        read_all(s, m)
+    # 4. Committed, it is a sequence like any other.
+    s.stage_begin(m)
+    s.stage_blocks(m, 0, payload(m, 3))
+    assert s.stage_commit(m, sync=True) and s.staged == 0
+    s.close()
+    s = DiskStore(str(tmp_path), 10_000)
+    assert sorted(x.seq_id for x in s.load_manifests()[0]) == ["other", "seq"]
+    assert read_all(s, m)[:1] == b"\x03"
+    s.close()

@@ -1,0 +1,122 @@
+"""Per-tenant usage and quotas: what each tenant holds in each tier, and making room
+for a park out of the tenant's own data only.
+
+Primitives:
+- ``Quotas(engine)``.
+- ``usage(prefix) -> (sequences, {tier: bytes})`` (REQUIRES: index lock): payload bytes
+  of the tenant's copies in ``device`` and ``host``, and under ``disk`` every byte it has
+  parked (each may land on disk; under write_through they all do); open write leases
+  count as if committed.
+- ``admit(tenant, prefix, spec, tier)``: before a park of ``spec`` (already namespaced)
+  into memory tier ``tier``: for that tier and for disk, if the tenant's usage plus the
+  park is over its quota, demote (memory) or drop (disk) the tenant's own coldest
+  sequences, by the eviction policy, until it fits; ``ResourceExhausted`` naming the
+  tenant and the quota when its own data cannot make the room. Another tenant's data is
+  never touched. The caller serialises admits of one tenant (``lock(name)``).
+- ``stat(tenant, prefix) -> TenantStat``.
+
+Quotas are checked when a park is admitted. A restore or prefetch that promotes a
+tenant's sequence back into memory is not refused for quota; the tenant's next park
+brings it back under.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+from kvpark.proto.errors import FailedPrecondition, ResourceExhausted
+from kvpark.proto.types import TenantStat
+from kvpark.tiers import policy
+
+from .config import QUOTA_TIERS, TenantConfig
+from .model import ParkSpec
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+
+class Quotas:
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+        self._locks: dict[str, threading.Lock] = {}
+        self._guard = threading.Lock()
+
+    def lock(self, name: str) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(name, threading.Lock())
+
+    def usage(self, prefix: str, replacing: str = "") -> tuple[int, dict[str, int]]:
+        # REQUIRES: index lock. ``replacing``: a sequence an overwrite will replace (not counted).
+        used = {t: 0 for t in QUOTA_TIERS}
+        n = 0
+        for s in self.engine.catalog.sequences():
+            if not s.seq_id.startswith(prefix) or s.seq_id == replacing:
+                continue
+            n += 1
+            for t in s.res:
+                used[t] += s.manifest.nbytes
+            used["disk"] += s.manifest.nbytes
+        for lease in self.engine.leases.open_writes():
+            spec = lease.spec
+            if spec is not None and (spec.seq_id or (spec.blocks[0].seq_id if spec.blocks else "")).startswith(prefix):
+                used[lease.tier] += spec.total
+                used["disk"] += spec.total
+        return n, used
+
+    def admit(self, tenant: TenantConfig, prefix: str, spec: ParkSpec, tier: str) -> None:
+        replacing = spec.seq_id if spec.overwrite else ""
+        for t in dict.fromkeys((tier, "disk")):
+            quota = tenant.quota.get(t)
+            if quota is None:
+                continue
+            if spec.total > quota:
+                raise ResourceExhausted(f"tenant {tenant.name!r}: a park of {spec.total} bytes is larger than its "
+                                        f"whole {t} quota ({quota} bytes)")
+            self._fit(tenant, prefix, t, spec.total, quota, replacing)
+
+    def _fit(self, tenant: TenantConfig, prefix: str, tier: str, need: int, quota: int, replacing: str) -> None:
+        eng = self.engine
+        tried: set[str] = set()
+        while True:
+            with eng.catalog.lock:
+                used = self.usage(prefix, replacing)[1][tier]
+                if used + need <= quota:
+                    return
+                victims = [v for v in self._order(prefix, tier) if v not in tried and v != replacing]
+            if not victims:
+                verb = "dropped" if tier == "disk" else "demoted"
+                raise ResourceExhausted(
+                    f"tenant {tenant.name!r} is over its {tier} quota ({quota} bytes): {used} used, {need} more "
+                    f"needed, and none of its own data can be {verb} (pinned, being read, or shared blocks in use)")
+            tried.add(victims[0])
+            if tier == "disk":
+                try:
+                    eng.drop(victims[0], everywhere=False)  # a remote copy, if any, stays there
+                except FailedPrecondition:
+                    pass  # a shared block taken up meanwhile
+            else:
+                eng.mover.demote(victims[0], tier)
+
+    def _order(self, prefix: str, tier: str) -> list[str]:
+        """The tenant's own sequences that may leave ``tier``, coldest first. REQUIRES: index lock."""
+        cat = self.engine.catalog
+        name = self.engine.config.policy.eviction
+        if tier != "disk":
+            return policy.demotion_order(name, [m for m in cat.evictable(tier) if m.seq_id.startswith(prefix)])
+        cands = [
+            policy.SeqMeta(s.seq_id, s.manifest.nbytes, s.manifest.last_access, s.manifest.priority,
+                           s.access_count, s.manifest.created_at, s.promotions)
+            for s in cat.sequences()
+            if s.seq_id.startswith(prefix) and not s.pinned and not any(s.readers.values()) and not s.moving
+            and not (s.shared and cat.refcount(s.seq_id))
+        ]
+        return policy.demotion_order(name, cands)
+
+    def stat(self, tenant: TenantConfig, prefix: str) -> TenantStat:
+        with self.engine.catalog.lock:
+            n, used = self.usage(prefix)
+        return TenantStat(tenant.name, n, used, dict(tenant.quota))
+
+
+__all__ = ["Quotas"]

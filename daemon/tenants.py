@@ -1,0 +1,226 @@
+"""One tenant's view of the engine: its names namespaced, its quotas applied, its data paths.
+
+The servicer asks ``Tenants.view()`` for the engine of the running call. Without tenants
+configured that is the engine itself (names, replies and the on-disk format as they
+always were); with tenants it is a ``TenantView`` for the caller that ``auth`` bound.
+
+Primitives:
+- ``SEP``: what joins a tenant's name to each id it uses ("alice" + SEP + "chat-1"). A
+  tenant name cannot contain it, so no id one tenant can send lands in another's space.
+- ``Tenants(engine, tenants)``: ``view() -> Engine | TenantView`` for the running call
+  (``Unauthenticated`` if tenants are configured and no tenant is bound: the last line of
+  defence should the interceptor ever be bypassed); ``all_stats()`` (every tenant's row,
+  for /metrics).
+- ``TenantView``: the engine calls the servicer makes (``hello``, ``reserve``,
+  ``write_chunk``, ``commit``, ``release``, ``acquire``, ``grant``, ``iter_chunks``,
+  ``prefetch``, ``present``, ``in_memory``, ``drop``, ``info``, ``list``, ``stat``, ``pin``, ``flush``),
+  each id (sequence, reference, shared block) qualified on the way in and shown bare on
+  the way out, errors included. ``max_seq_id_len`` is what is left of the id limit.
+
+Shared blocks are content-addressed by the ids the client computes; qualifying them
+means a prefix hit, a dedup and the time a lookup takes only ever reflect the caller's
+own blocks. Lease ids are 128-bit random capabilities issued to the caller; a commit of
+another tenant's write lease is refused all the same. Tenants not ``trusted_local`` get
+no arena and no device pool: Hello offers them inline only, and Reserve and Acquire
+(the shm / cuda_ipc calls) are refused with PERMISSION_DENIED.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator, Mapping
+
+from kvpark.proto.errors import (
+    InvalidArgument,
+    KVParkError,
+    LeaseExpired,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+)
+from kvpark.proto.layout import MAX_SEQ_ID_BYTES, validate_seq_id
+from kvpark.proto.types import SeqInfo, Stat, TenantStat
+
+from .auth import current_tenant
+from .config import TenantConfig
+from .model import Capabilities, Grant, ParkSpec, ReadHandle, Reservation
+from .quota import Quotas
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+SEP = "\u241f"  # SYMBOL FOR UNIT SEPARATOR: printable (ids may not hold control characters), rare in ids
+
+
+@contextmanager
+def _scrubbed(prefix: str) -> Iterator[None]:
+    """Errors name ids as the tenant sent them."""
+    try:
+        yield
+    except KVParkError as e:
+        if prefix not in e.message:
+            raise
+        raise type(e)(e.message.replace(prefix, "")) from None
+
+
+class TenantView:
+    def __init__(self, engine: "Engine", tenant: TenantConfig, quotas: Quotas) -> None:
+        self.engine = engine
+        self.tenant = tenant
+        self.quotas = quotas
+        self.prefix = tenant.name + SEP
+        self.max_seq_id_len = MAX_SEQ_ID_BYTES - len(self.prefix.encode())
+
+    # ------------------------------------------------------------------ names
+
+    def _ns(self, seq_id: str) -> str:
+        validate_seq_id(seq_id)
+        if len(seq_id.encode("utf-8")) > self.max_seq_id_len:
+            raise InvalidArgument(f"seq_id is {len(seq_id.encode('utf-8'))} bytes; the limit for tenant "
+                                  f"{self.tenant.name!r} is {self.max_seq_id_len}")
+        return self.prefix + seq_id
+
+    def _bare(self, seq_id: str) -> str:
+        return seq_id[len(self.prefix):] if seq_id.startswith(self.prefix) else seq_id
+
+    def _spec(self, spec: ParkSpec) -> ParkSpec:
+        return dataclasses.replace(
+            spec,
+            seq_id=self._ns(spec.seq_id) if spec.seq_id else "",  # "": a batch of blocks only
+            refs=tuple(self._ns(r) for r in spec.refs),
+            blocks=tuple(self._spec(b) for b in spec.blocks),
+        )
+
+    def _out(self, info: SeqInfo, shown: str | None = None) -> SeqInfo:
+        return dataclasses.replace(info, seq_id=self._bare(info.seq_id) if shown is None else shown,
+                                   refs=tuple(self._bare(r) for r in info.refs))
+
+    def _trusted(self, what: str) -> None:
+        if not self.tenant.trusted_local:
+            raise PermissionDenied(f"tenant {self.tenant.name!r} is not trusted_local: {what} is not offered to it "
+                                   "(inline transport only)")
+
+    # ------------------------------------------------------------------ park
+
+    def hello(self) -> Capabilities:
+        h = self.engine.hello()
+        if self.tenant.trusted_local:
+            return h
+        return dataclasses.replace(h, transports=("inline",), arena_path="", arena_size=0, ipc_handle=b"",
+                                   device="", device_size=0, device_uuid="")
+
+    def reserve(self, spec: ParkSpec, inline: bool = False, tier: str | None = None) -> Reservation:
+        if not inline:
+            self._trusted("the shm / cuda_ipc park path")
+        with _scrubbed(self.prefix):
+            spec = self._spec(spec)
+            spec.validate()  # before any room is made for it
+            landing = tier or self.engine.park_tier
+            with self.quotas.lock(self.tenant.name):
+                try:
+                    self.quotas.admit(self.tenant, self.prefix, spec, landing)
+                except ResourceExhausted:
+                    if not (inline and landing == "device"):
+                        raise
+                    # As the engine does for room: an inline park that cannot land on the
+                    # device lands on host, under the host quota.
+                    landing = tier = "host"
+                    self.quotas.admit(self.tenant, self.prefix, spec, landing)
+                return self.engine.reserve(spec, inline=inline, tier=tier)
+
+    def write_chunk(self, lease_id: str, offset: int, data: memoryview) -> None:
+        self.engine.write_chunk(lease_id, offset, data)
+
+    def commit(self, lease_id: str, expect_nbytes: int | None = None) -> SeqInfo:
+        owner = self.engine.leases.write_owner(lease_id)
+        if owner is not None and not owner.startswith(self.prefix):
+            # Answered as for a lease that never was: its holder learns nothing either way.
+            raise LeaseExpired(f"write lease {lease_id!r} is gone (expired, aborted or never issued)")
+        with _scrubbed(self.prefix):
+            return self._out(self.engine.commit(lease_id, expect_nbytes=expect_nbytes))
+
+    def release(self, lease_id: str) -> bool:
+        return self.engine.release(lease_id)
+
+    def window(self, lease_id: str, index: int) -> tuple[tuple[int, int], ...]:
+        # Windows are arena slots: the shm / cuda_ipc path of a sequence larger than its tier.
+        self._trusted("the windowed shm / cuda_ipc path")
+        return self.engine.window(lease_id, index)
+
+    # ------------------------------------------------------------------ restore
+
+    def acquire(self, seq_ids: str | list[str], need: str | None = None, stream: bool = False,
+                expect_layout: str = "", inline_max: int = 0) -> ReadHandle:
+        if need is not None:
+            self._trusted("the shm / cuda_ipc restore path")
+        ids = [seq_ids] if isinstance(seq_ids, str) else list(seq_ids)
+        with _scrubbed(self.prefix):
+            h = self.engine.acquire([self._ns(s) for s in ids], need=need, stream=stream,
+                                    expect_layout=expect_layout, inline_max=inline_max)
+        return dataclasses.replace(h, info=self._out(h.info, ",".join(ids)))
+
+    def grant(self, handle: ReadHandle) -> Grant:
+        return self.engine.grant(handle)
+
+    def iter_chunks(self, handle: ReadHandle, chunk_size: int) -> Iterator[tuple[int, list[memoryview]]]:
+        with _scrubbed(self.prefix):
+            yield from self.engine.iter_chunks(handle, chunk_size)
+
+    def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None) -> str:
+        with _scrubbed(self.prefix):
+            return self.engine.prefetch(self._ns(seq_id), tier, wait=wait, timeout=timeout)
+
+    # ------------------------------------------------------------------ queries
+
+    def present(self, seq_ids: list[str]) -> list[bool]:
+        with _scrubbed(self.prefix):
+            return self.engine.present([self._ns(s) for s in seq_ids])
+
+    def in_memory(self, seq_ids: list[str]) -> bool:
+        with _scrubbed(self.prefix):
+            return self.engine.in_memory([self._ns(s) for s in seq_ids])
+
+    def drop(self, seq_id: str) -> bool:
+        with _scrubbed(self.prefix):
+            return self.engine.drop(self._ns(seq_id))
+
+    def info(self, seq_id: str) -> SeqInfo:
+        with _scrubbed(self.prefix):
+            return self._out(self.engine.info(self._ns(seq_id)))
+
+    def list(self) -> list[SeqInfo]:
+        return [self._out(i) for i in self.engine.list() if i.seq_id.startswith(self.prefix)]
+
+    def pin(self, seq_id: str, pinned: bool = True) -> SeqInfo:
+        with _scrubbed(self.prefix):
+            return self._out(self.engine.pin(self._ns(seq_id), pinned))
+
+    def flush(self) -> int:
+        return self.engine.flush()
+
+    def stat(self) -> Stat:
+        # The daemon's tiers as a whole, and this tenant's own row only: no tenant learns
+        # another's name or usage.
+        return dataclasses.replace(self.engine.stat(), tenants=(self.quotas.stat(self.tenant, self.prefix),))
+
+
+class Tenants:
+    def __init__(self, engine: "Engine", tenants: Mapping[str, TenantConfig]) -> None:
+        self.engine = engine
+        self.quotas = Quotas(engine)
+        self.views = {name: TenantView(engine, t, self.quotas) for name, t in tenants.items()}
+
+    def view(self) -> "Engine | TenantView":
+        if not self.views:
+            return self.engine
+        t = current_tenant()
+        if t is None or t.name not in self.views:
+            raise Unauthenticated("no tenant bound to this call")
+        return self.views[t.name]
+
+    def all_stats(self) -> list[TenantStat]:
+        return [self.quotas.stat(v.tenant, v.prefix) for v in self.views.values()]
+
+
+__all__ = ["SEP", "TenantView", "Tenants"]
