@@ -8,6 +8,7 @@ or frozen daemon, and park the blocks as they were when the step snapshotted the
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import socket
 import threading
 from typing import Callable, Iterator
@@ -253,3 +254,20 @@ def test_lookup_acquire_leaves_disk_reads_to_the_caller(daemon: Callable[..., Da
     with Client(d2.address) as c:
         assert {s.tier for s in c.list()} == {"disk"}
         assert c.lookup_acquire(ks, skip=0) == (3, None)
+
+
+def test_lookup_acquire_stays_inside_the_tenant(daemon: Callable[..., Daemon]) -> None:
+    tokens = {"alice": "alice-secret-token", "bob": "bob-secret-token"}
+    d = daemon(**{f"tenants.{n}.token_sha256": hashlib.sha256(t.encode()).hexdigest() for n, t in tokens.items()},
+               **{"tenants.alice.trusted_local": True})
+    ks = keys("tenant", 2)
+    with Client(d.address, token=tokens["alice"]) as a, Client(d.address, token=tokens["bob"]) as b:
+        mine, theirs = park_blocks(a, ks, layers(9), [0, 1]), park_blocks(b, ks, layers(10), [0, 1])
+        # Step: the same ids in two namespaces: each tenant's lookup acquires its own bytes.
+        hit, grant = a.lookup_acquire(ks)
+        assert hit == 2 and grant is not None
+        out = staging_for(layers(9), 0, 2)
+        a.restore_grant(grant, into_flat=out)
+        assert torch.equal(out, mine) and not torch.equal(out, theirs)
+        # A tenant without the local paths gets the prefix, and no grant (it restores inline).
+        assert b.lookup_acquire(ks) == (2, None)
