@@ -12,6 +12,10 @@ Primitives:
 - ``park(seq_id, tensors, ...) -> SeqInfo``; ``park_batch(items) -> int``.
 - ``restore(seq_id, *, device=None, into=None, layerwise=False)``; ``restore_many(seq_ids, ...)``.
 - ``present``, ``lookup``, ``prefetch``, ``drop``, ``info``, ``list``, ``stat``.
+- ``lookup_acquire(seq_ids, skip=0, max_ids=0, expect_layout="") -> (prefix, Grant | None)``:
+  a prefix lookup that also acquires the hit past ``skip`` in the same round trip;
+  ``restore_grant(grant, into_flat=..., release=True)`` copies it out (no further round
+  trip when it came inline); ``release_grant(grant)`` ends its lease.
 - ``pin(seq_id, pinned=True) -> SeqInfo``; ``flush() -> int`` (sequences written to disk).
 - ``deadline(seconds)``: bound every call the calling thread makes inside the block.
 - ``transport``: the path negotiated at connect: "cuda_ipc" (only when forced), "shm"
@@ -33,14 +37,16 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 import torch
 
 from kvpark.proto import VERSION, convert
 from kvpark.proto import packed as packing
-from kvpark.proto.errors import InvalidArgument, TransportUnavailable
+from kvpark.proto.errors import InvalidArgument, LeaseExpired, TransportUnavailable
 from kvpark.proto.layout import TensorMeta, validate_seq_id
 from kvpark.proto.types import SeqInfo, Stat
 from kvpark.proto.v1 import kvpark_pb2 as pb
@@ -48,14 +54,31 @@ from kvpark.tiers import cuda
 
 from .payload import as_tensors, byte_view, check_into
 from .rpc import Rpc
-from .transport import SMALL_POOL_BYTES, TRANSPORTS, CudaIpc, Restoring, Target, Transport, negotiate
+from .transport import SMALL_POOL_BYTES, TRANSPORTS, CudaIpc, Restoring, Shm, Target, Transport, negotiate
 
 DEFAULT_ADDRESS = "127.0.0.1:50551"
 TOKEN_ENV = "KVPARK_TOKEN"  # the bearer token when ``token`` is not given
 TLS_CA_ENV = "KVPARK_TLS_CA"  # the CA bundle file when ``tls_ca`` is not given
 TRANSPORT_NAMES = ("auto", *TRANSPORTS)
 
-__all__ = ["Client", "DEFAULT_ADDRESS", "Restoring", "SMALL_POOL_BYTES", "TRANSPORT_NAMES"]
+__all__ = ["Client", "DEFAULT_ADDRESS", "Grant", "Restoring", "SMALL_POOL_BYTES", "TRANSPORT_NAMES"]
+
+
+@dataclass(frozen=True)
+class Grant:
+    """Sequences a ``lookup_acquire`` acquired: their bytes inline, or a lease on host
+    arena slots (until ``release_grant`` or the daemon's lease deadline). Plain data, so
+    it can be handed to another process, which restores it through its own client."""
+
+    count: int  # how many ids, from the lookup's ``skip``
+    nbytes: int
+    inlined: bool
+    lease_id: str
+    reply: bytes  # the daemon's answer, kept as it came
+    # time.monotonic() (system-wide on Linux, so valid in another process on this host)
+    # past which a leased grant is refused: half the lease's life, so the copy out
+    # always ends well before the daemon could reuse the slots.
+    usable_until: float
 
 
 def _header(seq_id: str, tensors: Sequence[torch.Tensor], packed: bool = False) -> pb.ParkHeader:
@@ -256,6 +279,61 @@ class Client:
     def lookup(self, seq_ids: Sequence[str], *, timeout: float | None = None) -> int:
         """How many of ``seq_ids``, from the first, are parked (a prefix lookup)."""
         return int(self._call(self.rpc.lookup, pb.LookupRequest(seq_ids=list(seq_ids)), timeout).prefix)
+
+    def lookup_acquire(self, seq_ids: Sequence[str], *, skip: int = 0, max_ids: int = 0,
+                       expect_layout: str = "", timeout: float | None = None) -> tuple[int, Grant | None]:
+        """A prefix lookup that also acquires ``seq_ids[skip:prefix]`` (at most ``max_ids``
+        of them when > 0) in the same round trip: inline when they fit the small path,
+        else under one lease on the host arena. Returns the prefix and the grant (``None``
+        when nothing past ``skip`` is parked or the daemon could not acquire it)."""
+        if skip < 0 or max_ids < 0:
+            raise InvalidArgument(f"skip and max_ids must be >= 0, got {skip} and {max_ids}")
+        acq = pb.LookupAcquire(skip=skip, max_ids=max_ids, tier="host", expect_layout=expect_layout,
+                               inline_max=SMALL_POOL_BYTES)
+        r = self._call(self.rpc.lookup, pb.LookupRequest(seq_ids=list(seq_ids), acquire=acq), timeout)
+        if not r.HasField("acquired"):
+            return int(r.prefix), None
+        a = r.acquired
+        n = min(int(r.prefix), skip + max_ids if max_ids else int(r.prefix)) - skip
+        usable = time.monotonic() + (a.expires_in_s / 2 if a.expires_in_s > 0 else float("inf"))
+        return int(r.prefix), Grant(n, int(a.info.nbytes), bool(a.inlined), a.lease_id, a.SerializeToString(), usable)
+
+    def restore_grant(self, grant: Grant, *, into_flat: torch.Tensor, release: bool = True,
+                      timeout: float | None = None) -> None:
+        """Copy a grant's bytes into ``into_flat``. Inline grants need no round trip;
+        leased ones are copied straight out of the arena (needs the ``shm`` transport,
+        else ``TransportUnavailable``; a grant past ``usable_until`` raises
+        ``LeaseExpired``; either way the caller should ``release_grant``). With
+        ``release=False`` the lease stays held until ``release_grant``, so the caller
+        can end it off its critical path."""
+        if not isinstance(into_flat, torch.Tensor):
+            raise InvalidArgument(f"into_flat must be a tensor, got {type(into_flat).__name__}")
+        reply = pb.AcquireResponse.FromString(grant.reply)
+        target = Target(into_flat=into_flat)
+        if grant.inlined:
+            r = Transport._from_bytes(reply.info, reply.data, target)
+        elif time.monotonic() > grant.usable_until:
+            raise LeaseExpired(f"grant {grant.lease_id} is too old to read safely; restore the ids instead")
+        elif isinstance(self._transport, Shm):
+            with self.rpc.deadline(timeout):
+                if reply.window_size:
+                    # Larger than the host tier: served window by window, each asked for,
+                    # and the lease ends with the last one.
+                    r = self._transport._restore_windows(reply, target)
+                else:
+                    r = self._transport._restore_leased(reply, target, release=release)
+        else:
+            raise TransportUnavailable(f"a leased grant needs the shm transport, this client uses {self.transport}")
+        try:
+            for _ in r:
+                pass
+        finally:
+            r.close()
+
+    def release_grant(self, grant: Grant) -> None:
+        """End a grant's lease (nothing to do for an inline one); never raises."""
+        if grant.lease_id:
+            self.rpc.release_quietly(grant.lease_id)
 
     def _call(self, stub: Any, req: Any, timeout: float | None) -> Any:
         """One control call under ``timeout`` (``None``: the connection's default)."""

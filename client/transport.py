@@ -498,8 +498,9 @@ class _Pool(Transport):
 
         return Restoring(info, tensors(), lambda: rpc.release_quietly(r.lease_id))
 
-    def _restore_leased(self, r: pb.AcquireResponse, target: Target) -> Restoring:
-        """Copy straight out of the leased slots, one readiness mark per tensor."""
+    def _restore_leased(self, r: pb.AcquireResponse, target: Target, release: bool = True) -> Restoring:
+        """Copy straight out of the leased slots, one readiness mark per tensor. With
+        ``release=False`` the lease outlives the copies; the caller ends it."""
         pool = self.pool
         copies: cuda.LayerCopier | None = None
 
@@ -511,7 +512,8 @@ class _Pool(Transport):
                 if copies is not None:
                     copies.synchronize()
             finally:
-                self.rpc.release_quietly(r.lease_id)
+                if release:
+                    self.rpc.release_quietly(r.lease_id)
 
         try:
             info = convert.info_from_pb(r.info)

@@ -7,16 +7,12 @@ Load it with no vLLM patching::
 
 Primitives:
 - ``KVParkConnector``: a ``KVConnectorBase_V1``; one instance per role (scheduler, worker).
-- ``KVParkMetadata``: what the scheduler tells the worker each step (plain lists; it is
-  pickled between processes in multi-process mode).
-- ``STATS``: process-wide counters (lookups, hit blocks, loads, saves, their microseconds,
-  failures by kind).
-- ``layout_fingerprint(vllm_config, kv_cache_config) -> str``.
-- ``block_dim_of(layers, block_size) -> int | None``: where the block index sits in a KV
-  layer (FlashAttention ``[2, blocks, block_size, heads, dim]``: 1; CPU backend: 0).
-- ``load_blocks(client, layers, block_dim, ids, keys, stage_bytes)`` and
-  ``save_blocks(client, layers, block_dim, ids, keys, attrs, stage_bytes)``: the worker's
-  gather/scatter between the engine's KV layers and kvpark, in bounded chunks.
+- ``KVParkMetadata``: what the scheduler tells the worker each step (plain lists and
+  ``Grant``s; it is pickled between processes in multi-process mode).
+- ``layout_fingerprint(vllm_config, kv_cache_config) -> str``;
+  ``block_bytes_of(kv_cache_config) -> int``.
+- Re-exported from ``kvpark.client.vllm_io`` (the vLLM-free data path): ``STATS``,
+  ``block_dim_of``, ``load_blocks``, ``save_blocks``, ``wait_for_saves(timeout=None)``.
 
 What is stored: every *full* KV block a request computes, all layers together, as one
 plain kvpark sequence whose id is a chained content hash (layout fingerprint, parent key,
@@ -26,16 +22,30 @@ them into its freshly allocated blocks. Blocks are opaque bytes: the layout fing
 covers model, dtype, block size, KV heads, head size, layer count and the platform's
 kernel layout, so bytes are never read under another layout.
 
-Loads are restored and scattered into the engine's blocks inside ``start_load_kv``,
-before the forward pass, so every attention path (full CUDA graphs too, which never call
-``wait_for_layer_load``) reads loaded blocks. Loads and saves move at most
-``stage_bytes`` of blocks at a time: the staging tensors live inside the engine's memory
-budget.
+Saves are off the step: ``wait_for_save`` snapshots the blocks the step filled (one
+gather per layer into memory of its own) and hands them to a background thread, which
+parks them over its own connection. Each save commits within ``save_timeout_s`` of its
+step or is a counted, logged failure; ``shutdown`` (or the interpreter's exit) finishes
+the accepted ones or reports them (``kvpark.client.vllm_io.BackgroundSaver``).
+
+Loads take one round trip: the scheduler's ``Lookup`` also acquires the hit when it is
+in the daemon's memory (bytes inline when small, else a lease on host arena slots) and
+passes the ``Grant`` to the worker, which copies it out and releases the lease off its
+path. Otherwise (a disk hit, no arena mapping) the worker restores the blocks itself.
+Either way they are scattered into the engine's blocks inside ``start_load_kv``, before
+the forward pass, so every attention path (full CUDA graphs too, which never call
+``wait_for_layer_load``) reads loaded blocks. Loads and snapshots move at most
+``stage_bytes`` of blocks at a time: the staging tensors live inside the engine's
+memory budget.
+
+A request sent with ``SamplingParams(extra_args={"kv_transfer_params": {"kvpark": "off"}})``
+bypasses kvpark: it is neither looked up nor saved.
 
 Extra config keys: ``address`` (default ``$KVPARK_ADDRESS`` or 127.0.0.1:50551),
 ``lookup_timeout_s`` (0.5), ``load_timeout_s`` (10), ``save_timeout_s`` (10),
-``stage_bytes`` (256 MiB), ``transport`` ("auto"; the workers' data path, the scheduler
-always uses "inline"), ``cpu_amx_init`` (true).
+``stage_bytes`` (256 MiB), ``save_queue_bytes`` (2 x ``stage_bytes``: snapshots waiting
+for the saver), ``transport`` ("auto"; the workers' data path, the scheduler always uses
+"inline"), ``cpu_amx_init`` (true).
 
 On vLLM's CPU platform the worker-role connector asks the kernel for AMX tile permission
 when it starts (``kvpark.client.amx``): vLLM's CPU attention otherwise dies with SIGILL on
@@ -55,9 +65,8 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
-from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -69,27 +78,35 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from kvpark.proto.errors import DeadlineExceeded, Unavailable
 from kvpark.proto.layout import dtype_name
 from kvpark.tiers import cuda
 
-from .keys import extend as extend_keys
+from kvpark.proto.errors import LeaseExpired, TransportUnavailable
+
 from .amx import request_amx_permission
-from .client import Client
+from .client import Client, Grant
+from .keys import extend as extend_keys
+from .vllm_io import (
+    STATS,
+    BackgroundSaver,
+    Conn,
+    block_dim_of,
+    block_bytes,
+    count,
+    gather_blocks,
+    load_blocks,
+    miss,
+    save_blocks,
+    scatter_blocks,
+    staging_for,
+    wait_for_saves,
+)
 
 log = logging.getLogger("kvpark.vllm")
-STATS: Counter[str] = Counter()
-_logged: set[str] = set()
 
+__all__ = ["KVParkConnector", "KVParkMetadata", "STATS", "block_bytes_of", "block_dim_of", "layout_fingerprint",
+           "load_blocks", "save_blocks", "wait_for_saves"]
 
-def _miss(kind: str, err: BaseException) -> None:
-    """Count a failure and log it once per kind (then every 100th), never raise."""
-    STATS[f"errors.{kind}"] += 1
-    n = STATS[f"errors.{kind}"]
-    if kind not in _logged or n % 100 == 0:
-        _logged.add(kind)
-        log.warning("kvpark %s failed (%s: %s); treated as a cache miss [%d so far]", kind, type(err).__name__,
-                    err, n)
 
 
 def _on_cpu_platform() -> bool:
@@ -101,76 +118,17 @@ def _on_cpu_platform() -> bool:
         return False
 
 
+def _opted_out(request: Any) -> bool:
+    """A request sent with ``kv_transfer_params={"kvpark": "off"}`` bypasses kvpark."""
+    params = getattr(request, "kv_transfer_params", None)
+    return isinstance(params, dict) and "kvpark" in params and not _flag(params["kvpark"])
+
+
 def _flag(value: Any) -> bool:
     """A boolean extra-config value; JSON configs may carry it as a string."""
     if isinstance(value, str):
         return value.strip().lower() not in ("0", "false", "no", "off", "")
     return bool(value)
-
-
-def block_dim_of(layers: list[torch.Tensor], block_size: int) -> int | None:
-    """The dimension that indexes blocks in these KV layers, or None for an unknown layout."""
-    shapes = {tuple(t.shape) for t in layers}
-    if not layers or len(shapes) != 1:
-        return None
-    first = layers[0]
-    if first.dim() == 5 and first.shape[0] == 2:
-        return 1  # FlashAttention: [2, num_blocks, block_size, heads, head_dim]
-    if first.dim() == 4 and first.shape[2] == block_size:
-        return 0  # CPU backend: [num_blocks, heads, block_size, 2*head_dim]
-    return None
-
-
-def _per_chunk(layers: list[torch.Tensor], block_dim: int, stage_bytes: int) -> int:
-    per_block = sum(t.numel() * t.element_size() // t.shape[block_dim] for t in layers)
-    return max(1, stage_bytes // max(1, per_block))
-
-
-def _block_shape(layers: list[torch.Tensor], block_dim: int) -> tuple[int, ...]:
-    s = list(layers[0].shape)
-    del s[block_dim]
-    return tuple(s)
-
-
-def load_blocks(client: Client, layers: list[torch.Tensor], block_dim: int, ids: list[int], keys: list[str],
-                stage_bytes: int) -> int:
-    """Restore ``keys`` and scatter them into block ``ids`` of every layer, a bounded chunk
-    at a time through one reused staging tensor. Returns how many blocks landed; raises
-    on the first failure (blocks from there on are not loaded)."""
-    step = _per_chunk(layers, block_dim, stage_bytes)
-    L, dev = len(layers), layers[0].device
-    staging = torch.empty((min(step, len(ids)), L, *_block_shape(layers, block_dim)), dtype=layers[0].dtype,
-                          device=dev)
-    done = 0
-    for lo in range(0, len(ids), step):
-        n = min(step, len(ids) - lo)
-        chunk = staging[:n]
-        client.restore_many(keys[lo : lo + n], into_flat=chunk)
-        idx = torch.as_tensor(ids[lo : lo + n], dtype=torch.long, device=dev)
-        for layer, kv in enumerate(layers):
-            src = chunk[:, layer]
-            if block_dim == 1:
-                src = src.transpose(0, 1)  # [n, 2, ...] -> [2, n, ...]
-            kv.index_copy_(block_dim, idx, src)
-        done += n
-    return done
-
-
-def save_blocks(client: Client, layers: list[torch.Tensor], block_dim: int, ids: list[int], keys: list[str],
-                attrs: dict[str, str], stage_bytes: int) -> int:
-    """Gather block ``ids`` of every layer and park each as ``keys[i]`` (all layers of one
-    block together, ``[L, *block]``), a bounded chunk at a time. Returns bytes new to kvpark."""
-    step = _per_chunk(layers, block_dim, stage_bytes)
-    dev = layers[0].device
-    new = 0
-    for lo in range(0, len(ids), step):
-        idx = torch.as_tensor(ids[lo : lo + step], dtype=torch.long, device=dev)
-        per_layer = [kv.index_select(block_dim, idx) for kv in layers]
-        if block_dim == 1:
-            per_layer = [t.transpose(0, 1) for t in per_layer]
-        packed = torch.stack(per_layer, dim=1)  # [n, L, *block]
-        new += client.park_batch({key: [packed[j]] for j, key in enumerate(keys[lo : lo + step])}, attrs=attrs)
-    return new
 
 
 def layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
@@ -196,44 +154,20 @@ def layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
     return ":".join(parts)
 
 
+def block_bytes_of(kv_cache_config: Any) -> int:
+    """Bytes of one block, all layers, from the engine's KV cache config (0: unknown)."""
+    try:
+        group = kv_cache_config.kv_cache_groups[0]
+        return int(group.kv_cache_spec.page_size_bytes) * len(group.layer_names)
+    except Exception:  # noqa: BLE001 - an unknown config: no folded acquire
+        return 0
+
+
 @dataclass
 class KVParkMetadata(KVConnectorMetadata):
-    loads: list[tuple[str, list[int], list[str]]] = field(default_factory=list)  # (req, block ids, keys)
+    # (req, block ids, keys, what the lookup acquired for the leading ids, if anything)
+    loads: list[tuple[str, list[int], list[str], Grant | None]] = field(default_factory=list)
     saves: list[tuple[str, list[int], list[str]]] = field(default_factory=list)
-
-
-class _Conn:
-    """A lazily (re)connected client; while the daemon is down, calls fail fast."""
-
-    def __init__(self, address: str, transport: str) -> None:
-        self.address = address
-        self.transport = transport
-        self._client: Client | None = None
-        self._retry_at = 0.0
-        self._lock = threading.Lock()
-
-    def get(self) -> Client:
-        with self._lock:
-            if self._client is not None:
-                return self._client
-            if time.monotonic() < self._retry_at:
-                raise ConnectionError(f"kvpark daemon at {self.address} was unreachable; retrying later")
-            try:
-                self._client = Client(self.address, timeout=5.0, transport=self.transport)
-            except Exception:
-                self._retry_at = time.monotonic() + 2.0
-                raise
-            return self._client
-
-    def reset(self) -> None:
-        with self._lock:
-            if self._client is not None:
-                try:
-                    self._client.close()
-                except Exception:  # noqa: BLE001 - closing a broken channel
-                    pass
-            self._client = None
-            self._retry_at = time.monotonic() + 2.0
 
 
 class KVParkConnector(KVConnectorBase_V1):
@@ -244,20 +178,23 @@ class KVParkConnector(KVConnectorBase_V1):
         transport = str(extra.get("transport", "auto"))
         if role == KVConnectorRole.SCHEDULER:
             transport = "inline"  # it only sends lookups: no arena mapping, no CUDA context
-        self._conn = _Conn(address, transport)
+        self._conn = Conn(address, transport)
         self._lookup_timeout = float(extra.get("lookup_timeout_s", 0.5))
         self._load_timeout = float(extra.get("load_timeout_s", 10.0))
         self._save_timeout = float(extra.get("save_timeout_s", 10.0))
         self._stage_bytes = int(extra.get("stage_bytes", 256 << 20))
+        # Snapshots not yet parked may hold this much before a step waits for the saver.
+        self._save_queue_bytes = int(extra.get("save_queue_bytes", 2 * self._stage_bytes))
+        self._saver: BackgroundSaver | None = None
         self.block_size = int(vllm_config.cache_config.block_size)
         try:
             self.fingerprint = layout_fingerprint(vllm_config, kv_cache_config)
         except ValueError as e:
-            _miss("setup", e)
+            miss("setup", e)
             self.fingerprint = ""
         if role == KVConnectorRole.WORKER and _on_cpu_platform() and _flag(extra.get("cpu_amx_init", True)):
             # Before the engine's first forward, which may attend over KV we load.
-            STATS[f"amx.{request_amx_permission()}"] += 1
+            count(f"amx.{request_amx_permission()}", 1)
         if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":
             # A kvpark failure must be a miss the engine recomputes, never a failed request.
             log.info("kvpark: setting kv_load_failure_policy=recompute")
@@ -268,11 +205,17 @@ class KVParkConnector(KVConnectorBase_V1):
         self._chain: dict[str, list[str]] = {}
         self._stored: dict[str, int] = {}  # full blocks known to be in kvpark
         self._local: dict[str, int] = {}  # local prefix-cache hit (tokens) at lookup time
-        self._pending_loads: dict[str, tuple[list[int], list[str]]] = {}
+        self._pending_loads: dict[str, tuple[list[int], list[str], Grant | None]] = {}
+        self._grants: dict[str, Grant] = {}  # acquired by a lookup, not yet handed to the worker
+        # Most blocks one lookup acquires: a grant is copied out through one staging
+        # tensor, which must stay within stage_bytes (0: never fold the acquire in).
+        per_block = block_bytes_of(kv_cache_config)
+        self._grant_max = self._stage_bytes // per_block if per_block else 0
         # Worker state.
         self._layers: list[torch.Tensor] = []
         self._block_dim = 0
         self._failed: set[int] = set()
+        self._releaser: ThreadPoolExecutor | None = None
 
     # ------------------------------------------------------------------ keys
 
@@ -292,8 +235,10 @@ class KVParkConnector(KVConnectorBase_V1):
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         rid = request.request_id
-        self._reqs[rid] = request
         self._local[rid] = num_computed_tokens
+        if _opted_out(request):
+            return 0, False  # neither looked up nor saved (and never tracked in _reqs)
+        self._reqs[rid] = request
         if not self.fingerprint:
             return 0, False
         tokens = request.all_token_ids
@@ -301,11 +246,19 @@ class KVParkConnector(KVConnectorBase_V1):
         if limit <= num_computed_tokens // self.block_size:
             return 0, False
         keys = self._keys(rid, tokens, limit)
-        STATS["lookups"] += 1
+        count("lookups", 1)
+        self._drop_grant(rid)  # asked again (not scheduled last time): a fresh answer
+        skip = num_computed_tokens // self.block_size
         try:
             client = self._conn.get()
             with client.deadline(self._lookup_timeout):
-                hit = client.lookup(keys) if keys else 0
+                if self._grant_max > 0:
+                    # One round trip: the lookup also acquires the hit (inline when small).
+                    hit, grant = client.lookup_acquire(keys, skip=skip, max_ids=self._grant_max)
+                    if grant is not None:
+                        self._grants[rid] = grant
+                else:
+                    hit = client.lookup(keys)
         except Exception as e:  # noqa: BLE001 - never break the engine
             self._conn_error("lookup", e)
             return 0, False
@@ -313,24 +266,31 @@ class KVParkConnector(KVConnectorBase_V1):
         ext = hit * self.block_size - num_computed_tokens
         if ext <= 0:
             return 0, False
-        STATS["hit_blocks"] += ext // self.block_size
+        count("hit_blocks", ext // self.block_size)
         return ext, False
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         rid = request.request_id
+        if _opted_out(request):
+            return
         self._reqs[rid] = request
         if num_external_tokens <= 0:
+            self._drop_grant(rid)
             return
         ids = list(blocks.get_block_ids()[0])
         start = self._local.get(rid, 0) // self.block_size
         n = num_external_tokens // self.block_size
         keys = self._chain.get(rid, [])[start : start + n]
-        self._pending_loads[rid] = (ids[start : start + n], keys)
+        grant = self._grants.pop(rid, None)
+        if grant is not None and grant.count > n:
+            self._release(grant)
+            grant = None
+        self._pending_loads[rid] = (ids[start : start + n], keys, grant)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         meta = KVParkMetadata()
-        for rid, (ids, keys) in self._pending_loads.items():
-            meta.loads.append((rid, ids, keys))
+        for rid, (ids, keys, grant) in self._pending_loads.items():
+            meta.loads.append((rid, ids, keys, grant))
         self._pending_loads.clear()
         for nr in scheduler_output.scheduled_new_reqs:
             self._blocks[nr.req_id] = list(nr.block_ids[0])
@@ -365,13 +325,36 @@ class KVParkConnector(KVConnectorBase_V1):
         return False, None
 
     def _forget(self, rid: str) -> None:
+        self._drop_grant(rid)
+        pending = self._pending_loads.get(rid)
+        if pending is not None and pending[2] is not None:
+            self._release(pending[2])
         for d in (self._reqs, self._blocks, self._chain, self._stored, self._local, self._pending_loads):
             d.pop(rid, None)  # type: ignore[attr-defined]
 
     def _conn_error(self, kind: str, e: BaseException) -> None:
-        _miss(kind, e)
-        if isinstance(e, (Unavailable, DeadlineExceeded)):
-            self._conn.reset()  # reconnect later (after a back-off), not on every request
+        self._conn.failed(kind, e)
+
+    def _drop_grant(self, rid: str) -> None:
+        grant = self._grants.pop(rid, None)
+        if grant is not None:
+            self._release(grant)
+
+    def _release(self, grant: Grant) -> None:
+        """End a grant's lease off the calling path (the daemon's lease deadline is the
+        backstop when even that fails)."""
+        if not grant.lease_id:
+            return
+        if self._releaser is None:
+            self._releaser = ThreadPoolExecutor(1, thread_name_prefix="kvpark-release")
+
+        def release() -> None:
+            try:
+                self._conn.get().release_grant(grant)
+            except Exception:  # noqa: BLE001 - the lease expires on its own
+                pass
+
+        self._releaser.submit(release)
 
     # ------------------------------------------------------------------ worker side
 
@@ -379,7 +362,7 @@ class KVParkConnector(KVConnectorBase_V1):
         layers = list(kv_caches.values())
         dim = block_dim_of(layers, self.block_size)
         if dim is None:
-            _miss("setup", ValueError(f"unknown KV layout {sorted({tuple(t.shape) for t in layers})}"))
+            miss("setup", ValueError(f"unknown KV layout {sorted({tuple(t.shape) for t in layers})}"))
             self.fingerprint = ""
             return
         self._block_dim = dim
@@ -394,22 +377,43 @@ class KVParkConnector(KVConnectorBase_V1):
         meta = self._meta()
         if meta is None or not meta.loads or not self._layers:
             return
-        for rid, ids, keys in meta.loads:
+        for rid, ids, keys, grant in meta.loads:
             if not ids:
                 continue
             t0 = time.perf_counter()
+            done = 0
             try:
                 client = self._conn.get()
                 with client.deadline(self._load_timeout):
-                    done = load_blocks(client, self._layers, self._block_dim, ids, keys, self._stage_bytes)
+                    if grant is not None:
+                        done = self._load_grant(client, ids[: grant.count], grant)
+                    done += load_blocks(client, self._layers, self._block_dim, ids[done:], keys[done:],
+                                        self._stage_bytes) if done < len(ids) else 0
             except Exception as e:  # noqa: BLE001 - a failed load is a miss, recomputed by the engine
                 self._conn_error("load", e)
-                STATS["load_failures"] += 1
-                self._failed.update(ids)
+                count("load_failures", 1)
+                self._failed.update(ids[done:])
                 continue
-            STATS["loads"] += 1
-            STATS["loaded_blocks"] += done
-            STATS["load_us"] += int((time.perf_counter() - t0) * 1e6)
+            count("loads", 1)
+            count("loaded_blocks", done)
+            count("load_us", int((time.perf_counter() - t0) * 1e6))
+
+    def _load_grant(self, client: Client, ids: list[int], grant: Grant) -> int:
+        """Scatter what the scheduler's lookup acquired: no round trip before the copy
+        (the lease ends afterwards, off this path). Returns the blocks loaded: 0 when
+        this worker cannot read the grant (no shm, or it is too old to read safely) and
+        loads them the usual way."""
+        try:
+            staging = staging_for(self._layers, self._block_dim, len(ids))
+            try:
+                client.restore_grant(grant, into_flat=staging, release=False)
+            except (TransportUnavailable, LeaseExpired):
+                return 0  # loaded the usual way instead
+            scatter_blocks(self._layers, self._block_dim, ids, staging)
+        finally:
+            self._release(grant)
+        count("grant_loads", 1)
+        return len(ids)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # every load was scattered in start_load_kv
@@ -418,23 +422,32 @@ class KVParkConnector(KVConnectorBase_V1):
         return  # whole blocks (all layers) are saved together in wait_for_save
 
     def wait_for_save(self) -> None:
+        """Snapshot the blocks this step filled and hand them to the background saver.
+
+        The step waits for the gather (one copy of the new blocks) and nothing else: the
+        park runs on the saver's thread, after the step, from memory the saver owns."""
         meta = self._meta()
         if meta is None or not meta.saves or not self._layers:
             return
         ids = [i for _rid, bids, _keys in meta.saves for i in bids]
         keys = [k for _rid, _bids, bkeys in meta.saves for k in bkeys]
+        saver = self._get_saver()
         t0 = time.perf_counter()
+        step = max(1, self._stage_bytes // max(1, block_bytes(self._layers, self._block_dim)))
         try:
-            client = self._conn.get()
-            with client.deadline(self._save_timeout):
-                save_blocks(client, self._layers, self._block_dim, ids, keys, {"layout": self.fingerprint},
-                            self._stage_bytes)
+            for lo in range(0, len(ids), step):
+                packed = gather_blocks(self._layers, self._block_dim, ids[lo : lo + step])
+                saver.submit(keys[lo : lo + step], packed, {"layout": self.fingerprint})
         except Exception as e:  # noqa: BLE001 - a failed save only costs a future miss
-            self._conn_error("save", e)
-            return
-        STATS["saves"] += 1
-        STATS["saved_blocks"] += len(set(keys))
-        STATS["save_us"] += int((time.perf_counter() - t0) * 1e6)
+            miss("save", e)
+        count("save_step_us", int((time.perf_counter() - t0) * 1e6))
+
+    def _get_saver(self) -> BackgroundSaver:
+        if self._saver is None:
+            # Its own connection: a save never queues behind (or resets) this step's loads.
+            conn = Conn(self._conn.address, self._conn.transport, connect_timeout_s=min(5.0, self._save_timeout))
+            self._saver = BackgroundSaver(conn, self._save_timeout, self._save_queue_bytes)
+        return self._saver
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
@@ -450,4 +463,13 @@ class KVParkConnector(KVConnectorBase_V1):
         return meta if isinstance(meta, KVParkMetadata) else None
 
     def shutdown(self) -> None:
+        """Finish the accepted saves (each within ``save_timeout_s``), report any that did
+        not finish, then disconnect."""
+        if self._saver is not None:
+            self._saver.close()
+            self._saver.conn.reset()
+        if self._releaser is not None:
+            self._releaser.shutdown(wait=True)
+        for rid in list(self._grants):
+            self._drop_grant(rid)
         self._conn.reset()

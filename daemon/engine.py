@@ -652,6 +652,12 @@ class Engine:
             out = [p or there[sid] for sid, p in zip(seq_ids, out)]
         return out
 
+    def in_memory(self, seq_ids: list[str]) -> bool:
+        """Whether every id is parked with a ready memory copy (reading it takes no disk I/O)."""
+        with self.catalog.lock:
+            return all(p for p in self.catalog.present(seq_ids)) and all(
+                self.catalog.get(sid).res for sid in seq_ids)
+
     def info(self, seq_id: str) -> SeqInfo:
         validate_seq_id(seq_id)
         self._adopt([seq_id])

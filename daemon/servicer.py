@@ -302,15 +302,18 @@ class Servicer:
 
     @_typed
     def Acquire(self, req: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireResponse:
-        eng = self.tenants.view()
-        ids = list(req.seq_ids) or req.seq_id
-        small = min(req.inline_max, self.chunk_size)
+        return self._acquire(self.tenants.view(), list(req.seq_ids) or req.seq_id, req.tier, req.expect_layout,
+                             req.inline_max, data_channel=req.data_channel, packed=req.packed)
+
+    def _acquire(self, eng: Any, ids: list[str] | str, tier: str, expect_layout: str, inline_max: int, *,
+                 data_channel: bool = False, packed: bool = False) -> pb.AcquireResponse:
+        small = min(inline_max, self.chunk_size)
         t0 = time.perf_counter()
-        need: str | None = req.tier or "host"
-        if req.data_channel:
+        need: str | None = tier or "host"
+        if data_channel:
             self._channel()
             need = None  # served as an inline restore is: from its fastest copy, or from disk
-        h = eng.acquire(ids, need=need, expect_layout=req.expect_layout, inline_max=small)
+        h = eng.acquire(ids, need=need, expect_layout=expect_layout, inline_max=small)
         if h.info.nbytes <= small:
             # Small: one round trip, bytes in the reply, no lease left behind.
             try:
@@ -320,7 +323,7 @@ class Servicer:
             finally:
                 if h.lease_id:
                     eng.release(h.lease_id)
-        if req.data_channel:
+        if data_channel:
             try:
                 token = self._channel().tickets.issue_get(h)
             except BaseException:
@@ -328,13 +331,13 @@ class Servicer:
                     eng.release(h.lease_id)
                 raise
             self._restored("inline", h.info.nbytes, t0)
-            return pb.AcquireResponse(lease_id=h.lease_id, info=convert.info_to_pb(h.info, packed=req.packed),
+            return pb.AcquireResponse(lease_id=h.lease_id, info=convert.info_to_pb(h.info, packed=packed),
                                       expires_in_s=self.engine.config.leases.ttl_s, token=token)
         g = eng.grant(h)
         # Counted when the bytes are leased to the reader; its copy out is its own time.
         assert need is not None
         self._restored(_TRANSPORT.get(need, need), g.info.nbytes, t0)
-        return pb.AcquireResponse(lease_id=g.lease_id, info=convert.info_to_pb(g.info, packed=req.packed),
+        return pb.AcquireResponse(lease_id=g.lease_id, info=convert.info_to_pb(g.info, packed=packed),
                                   segments=_segments(g.segments), expires_in_s=g.expires_in_s,
                                   window_size=g.window_size)
 
@@ -356,9 +359,23 @@ class Servicer:
     @_typed
     def Lookup(self, req: pb.LookupRequest, context: grpc.ServicerContext) -> pb.LookupResponse:
         eng = self.tenants.view()
-        present = eng.present(list(req.seq_ids))
+        ids = list(req.seq_ids)
+        present = eng.present(ids)
         prefix = next((i for i, p in enumerate(present) if not p), len(present))
-        return pb.LookupResponse(prefix=prefix, present=present)
+        out = pb.LookupResponse(prefix=prefix, present=present)
+        if req.HasField("acquire") and prefix > req.acquire.skip:
+            a = req.acquire
+            end = prefix if not a.max_ids else min(prefix, a.skip + a.max_ids)
+            try:
+                # Only what is in memory: a lookup answers at once; a read from disk
+                # belongs to the caller's own acquire, under its longer deadline.
+                if eng.in_memory(ids[a.skip : end]):
+                    out.acquired.CopyFrom(self._acquire(eng, ids[a.skip : end], a.tier, a.expect_layout,
+                                                        a.inline_max))
+            except KVParkError as e:
+                # The lookup still answers; the caller acquires (and meets the error) itself.
+                log.debug("lookup's acquire of %d ids failed: %s", end - a.skip, e)
+        return out
 
     @_typed
     def Drop(self, req: pb.DropRequest, context: grpc.ServicerContext) -> pb.DropResponse:

@@ -13,7 +13,7 @@ Primitives:
   for /metrics).
 - ``TenantView``: the engine calls the servicer makes (``hello``, ``reserve``,
   ``write_chunk``, ``commit``, ``release``, ``acquire``, ``grant``, ``iter_chunks``,
-  ``prefetch``, ``present``, ``drop``, ``info``, ``list``, ``stat``, ``pin``, ``flush``),
+  ``prefetch``, ``present``, ``in_memory``, ``drop``, ``info``, ``list``, ``stat``, ``pin``, ``flush``),
   each id (sequence, reference, shared block) qualified on the way in and shown bare on
   the way out, errors included. ``max_seq_id_len`` is what is left of the id limit.
 
@@ -176,6 +176,10 @@ class TenantView:
     def present(self, seq_ids: list[str]) -> list[bool]:
         with _scrubbed(self.prefix):
             return self.engine.present([self._ns(s) for s in seq_ids])
+
+    def in_memory(self, seq_ids: list[str]) -> bool:
+        with _scrubbed(self.prefix):
+            return self.engine.in_memory([self._ns(s) for s in seq_ids])
 
     def drop(self, seq_id: str) -> bool:
         with _scrubbed(self.prefix):

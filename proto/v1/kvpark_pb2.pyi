@@ -316,18 +316,36 @@ class PrefetchResponse(_message.Message):
     def __init__(self, tier: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("seq_ids",)
+    __slots__ = ("seq_ids", "acquire")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRE_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    acquire: LookupAcquire
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., acquire: _Optional[_Union[LookupAcquire, _Mapping]] = ...) -> None: ...
+
+class LookupAcquire(_message.Message):
+    __slots__ = ("skip", "max_ids", "tier", "expect_layout", "inline_max")
+    SKIP_FIELD_NUMBER: _ClassVar[int]
+    MAX_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    EXPECT_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    INLINE_MAX_FIELD_NUMBER: _ClassVar[int]
+    skip: int
+    max_ids: int
+    tier: str
+    expect_layout: str
+    inline_max: int
+    def __init__(self, skip: _Optional[int] = ..., max_ids: _Optional[int] = ..., tier: _Optional[str] = ..., expect_layout: _Optional[str] = ..., inline_max: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
-    __slots__ = ("prefix", "present")
+    __slots__ = ("prefix", "present", "acquired")
     PREFIX_FIELD_NUMBER: _ClassVar[int]
     PRESENT_FIELD_NUMBER: _ClassVar[int]
+    ACQUIRED_FIELD_NUMBER: _ClassVar[int]
     prefix: int
     present: _containers.RepeatedScalarFieldContainer[bool]
-    def __init__(self, prefix: _Optional[int] = ..., present: _Optional[_Iterable[bool]] = ...) -> None: ...
+    acquired: AcquireResponse
+    def __init__(self, prefix: _Optional[int] = ..., present: _Optional[_Iterable[bool]] = ..., acquired: _Optional[_Union[AcquireResponse, _Mapping]] = ...) -> None: ...
 
 class DropRequest(_message.Message):
     __slots__ = ("seq_id",)

@@ -74,6 +74,21 @@ def test_prefix_hit_after_reset_and_identical_tokens(model: str, baseline: dict,
     assert second["cached"] == [96, 128]
     assert second["tokens"] == baseline["tokens"]
     assert out["stats"]["loaded_blocks"] == 3 + 4
+    # Both loads came with the scheduler's lookup (one round trip), none needed its own acquire.
+    assert out["stats"]["grant_loads"] == 2
+    # Every block was saved from the background saver, none lost.
+    assert out["stats"]["saved_blocks"] >= 3 + 4 and not out["stats"].get("errors.save")
+
+
+def test_a_request_sent_with_kvpark_off_is_neither_looked_up_nor_saved(model: str, baseline: dict,
+                                                                        proc: Callable[..., Proc]) -> None:
+    d = proc()
+    # Step: round 1 opts out per request; round 2 (opted in) finds nothing from it.
+    out = engine(model, prompts=[PROMPT, OTHER], address=d.address, rounds=2, off_rounds=[0])
+    first, second = out["rounds"]
+    assert first["tokens"] == second["tokens"] == baseline["tokens"]
+    assert second["cached"] == [0, 0]
+    assert out["stats"]["lookups"] == 2 and out["stats"]["saved_blocks"] == 3 + 4
 
 
 def test_noise_in_the_store_changes_the_output(model: str, baseline: dict, proc: Callable[..., Proc]) -> None:
@@ -115,6 +130,26 @@ def test_daemon_down_is_a_miss(model: str, baseline: dict) -> None:
         assert r["tokens"] == baseline["tokens"] and r["cached"] == [0, 0]
     assert out["stats"].get("errors.lookup", 0) + out["stats"].get("errors.save", 0) > 0
     assert out["stats"].get("loaded_blocks", 0) == 0
+
+
+def test_a_daemon_that_freezes_during_background_saves_costs_misses_not_the_engine(
+        model: str, baseline: dict, proc: Callable[..., Proc]) -> None:
+    d = proc()
+    try:
+        # Step: the daemon is frozen (SIGSTOP) right after round 1, while that round's last
+        # saves may still be in flight; round 2 then saves into a daemon that never answers.
+        out = engine(model, prompts=[PROMPT, OTHER], address=d.address, rounds=2, freeze_pid=d.popen.pid,
+                     extra={"save_timeout_s": 2})
+    finally:
+        d.popen.send_signal(signal.SIGCONT)
+    for r in out["rounds"]:
+        assert r["tokens"] == baseline["tokens"]
+    assert out["rounds"][1]["cached"] == [0, 0]
+    # Round 2's saves failed at their deadline, counted; the engine neither hung nor failed.
+    assert out["stats"].get("errors.save", 0) >= 1, out["stats"]
+    # The daemon itself is fine once it runs again, with round 1's blocks.
+    with Client(d.address) as c:
+        assert c.lookup([s.seq_id for s in c.list()]) >= 3
 
 
 def test_corrupted_block_is_a_miss_not_an_error(model: str, baseline: dict, proc: Callable[..., Proc],
