@@ -244,9 +244,8 @@ class Engine:
         """
         spec.validate()
         self._check_open()
-        tier = self._tier_arg(tier or self.park_tier)
-        order = [tier] if tier == "host" or not inline else [tier, "host"]
-        if spec.total > max(self.tiers[t].alloc.capacity for t in order):
+        order = self._landing(inline, tier)
+        if self.windowed(spec, inline, tier):
             # Larger than any tier it may land in: through one window of slots to disk.
             return self.windows.reserve(spec, max(order, key=lambda t: self.tiers[t].alloc.capacity))
         sizes = [b.nbytes for b in spec.blocks] + [spec.nbytes]
@@ -271,6 +270,17 @@ class Engine:
             f"{mem.name} tier cannot take {spec.total} bytes ({free} of {mem.alloc.capacity} free) and demotion "
             f"freed too little (disk {self.disk.used}/{self.disk.capacity} bytes used, or sequences leased/pinned)"
         )
+
+    def _landing(self, inline: bool, tier: str | None) -> list[str]:
+        # The memory tiers a park may land in, in order: an inline park bound for the
+        # device may land on host.
+        tier = self._tier_arg(tier or self.park_tier)
+        return [tier] if tier == "host" or not inline else [tier, "host"]
+
+    def windowed(self, spec: ParkSpec, inline: bool = False, tier: str | None = None) -> bool:
+        """Whether ``reserve`` streams this park to disk through windows: it is larger
+        than every memory tier it may land in, so it never occupies one."""
+        return spec.total > max(self.tiers[t].alloc.capacity for t in self._landing(inline, tier))
 
     def _alloc_all(self, tier: str, sizes: list[int]) -> list[Allocation] | None:
         # REQUIRES: index lock. All or nothing.

@@ -8,7 +8,7 @@ Primitives:
   parked (each may land on disk; under write_through they all do); open write leases
   count as if committed.
 - ``admit(tenant, prefix, spec, tier)``: before a park of ``spec`` (already namespaced)
-  into memory tier ``tier``: for that tier and for disk, if the tenant's usage plus the
+  into memory tier ``tier`` (``"disk"`` for a park that streams to disk through windows): for that tier and for disk, if the tenant's usage plus the
   park is over its quota, demote (memory) or drop (disk) the tenant's own coldest
   sequences, by the eviction policy, until it fits; ``ResourceExhausted`` naming the
   tenant and the quota when its own data cannot make the room. Another tenant's data is
@@ -60,7 +60,8 @@ class Quotas:
         for lease in self.engine.leases.open_writes():
             spec = lease.spec
             if spec is not None and (spec.seq_id or (spec.blocks[0].seq_id if spec.blocks else "")).startswith(prefix):
-                used[lease.tier] += spec.total
+                if lease.window is None:  # a windowed park holds only its window, the daemon's
+                    used[lease.tier] += spec.total
                 used["disk"] += spec.total
         return n, used
 

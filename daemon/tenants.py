@@ -117,6 +117,8 @@ class TenantView:
             spec = self._spec(spec)
             spec.validate()  # before any room is made for it
             landing = tier or self.engine.park_tier
+            if self.engine.windowed(spec, inline, tier):
+                landing = "disk"  # through windows of slots straight to disk: no memory quota is used
             with self.quotas.lock(self.tenant.name):
                 try:
                     self.quotas.admit(self.tenant, self.prefix, spec, landing)

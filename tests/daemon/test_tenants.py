@@ -202,6 +202,20 @@ def test_host_quota_demotes_the_tenants_own_coldest_and_never_anothers(daemon: C
     d.engine.check_invariants()
 
 
+@pytest.mark.parametrize("who", ["alice", "bob"])  # shm (trusted_local) and inline
+def test_a_park_larger_than_the_host_tier_counts_against_disk_not_host(daemon: Callable[..., Daemon],
+                                                                       who: str) -> None:
+    # It streams to disk through windows and never occupies the host tier, so a host
+    # quota smaller than it must not refuse it.
+    d = daemon(**tenants(**{f"{who}.quota": {"host": "4MiB", "disk": "64MiB"}}))
+    with Client(d.address, token=TOKENS[who]) as c:
+        c.park("huge", [blob(24 * MiB, 7)])  # the host tier is 16 MiB
+        (st,) = c.stat().tenants
+        assert st.used["host"] == 0 and st.used["disk"] == 24 * MiB
+        assert torch.equal(c.restore("huge")[0], blob(24 * MiB, 7))
+    d.engine.check_invariants()
+
+
 def test_disk_quota_drops_the_tenants_own_coldest_then_refuses_naming_the_quota(
         daemon: Callable[..., Daemon]) -> None:
     d = daemon(**tenants(**{"alice.quota": {"disk": "4MiB"}}), **{"policy.write": "write_through"})
@@ -260,9 +274,11 @@ def test_an_open_daemon_keeps_plain_ids(daemon: Callable[..., Daemon]) -> None:
 def test_a_cancelled_restore_stream_of_a_tenant_frees_its_lease(daemon: Callable[..., Daemon]) -> None:
     from ..conftest import wait_until
 
-    d = daemon(**tenants())
+    # Far larger than gRPC's flow-control window, so the daemon cannot have sent it all
+    # (and ended the lease) before the test looks.
+    d = daemon(**tenants(), **{"tiers.host.capacity": "64MiB"})
     with Client(d.address, token=TOKENS["bob"]) as b:
-        b.park("big", [blob(4 * MiB, 1)])
+        b.park("big", [blob(48 * MiB, 1)])
     with grpc.insecure_channel(d.address) as ch:
         stub = ch.unary_stream("/kvpark.v1.KVPark/Restore", request_serializer=lambda m: m.SerializeToString(),
                                response_deserializer=lambda x: x)
