@@ -157,15 +157,22 @@ def _loopback(listen: str) -> bool:
 
 
 def check_exposure(server: ServerConfig, tenants: Mapping[str, TenantConfig]) -> None:
-    listen = server.listen
+    # The data channel carries the same bytes: an address of its own is held to the same rule.
+    dc = server.data_channel_listen if server.data_channel else ""
+    for key, listen in (("server.listen", server.listen), ("server.data_channel_listen", dc)):
+        if listen:
+            _check_one(key, listen, server, tenants)
+
+
+def _check_one(key: str, listen: str, server: ServerConfig, tenants: Mapping[str, TenantConfig]) -> None:
     if _loopback(listen) or server.insecure:
         return
     if not tenants:
-        raise StartupError(f"server.listen {listen} is not loopback and no [tenants.*] are configured: anyone who "
+        raise StartupError(f"{key} {listen} is not loopback and no [tenants.*] are configured: anyone who "
                            "reaches the port could read and drop every sequence; configure tenants and TLS, listen "
                            "on 127.0.0.1 or a unix socket, or set server.insecure = true")
     if not server.tls_cert:
-        raise StartupError(f"server.listen {listen} is not loopback and TLS is off: tokens and KV would travel in "
+        raise StartupError(f"{key} {listen} is not loopback and TLS is off: tokens and KV would travel in "
                            "clear; set server.tls_cert and server.tls_key, or set server.insecure = true")
 
 

@@ -34,9 +34,11 @@ which is TLS exactly when gRPC is (``server.tls_cert``/``tls_key``, and mTLS wit
 ``tls_client_ca``).
 
 Primitives:
-- ``Tickets(ttl_s)``: ``issue_put(lease_id, nbytes) -> token``, ``issue_get(handle) ->
-  token``, ``take(token) -> Ticket`` (one use; ``Unauthenticated`` when unknown, used or
-  expired), ``put_total(lease_id) -> int | None`` (what a commit of that lease requires).
+- ``Tickets(ttl_s)``: ``issue_put(lease_id, nbytes, view) -> token``, ``issue_get(handle,
+  view) -> token`` (``view``: the engine as the calling tenant, which the token then acts
+  as), ``take(token) -> Ticket`` (one use; ``Unauthenticated`` when unknown, used or
+  expired), ``put_total(lease_id) -> int | None`` (what a commit of that lease requires),
+  ``committed(lease_id)``.
 - ``DataChannelServer(engine, listen, ssl_context=None)``: ``start()`` binds (port 0
   picks one; ``address`` is then what ``Hello`` advertises), ``stop()``,
   ``connections`` (open ones), ``transfers`` (completed ones).
@@ -54,6 +56,7 @@ import ssl
 import threading
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from kvpark.proto.dataframe import (CHUNK, GET, MAGIC, MAX_FRAME, PUT, REQUEST, TOKEN_BYTES, VERSION, Closed,
                                     parse_address, recv_exact, recv_into_exact, send_views, status_bytes)
@@ -82,6 +85,9 @@ class Ticket:
     lease_id: str
     nbytes: int
     expires_at: float
+    # The engine as the tenant whose authenticated call issued the token (the engine
+    # itself on an open daemon): everything the token does, it does as that tenant.
+    view: Any
     handle: ReadHandle | None = None  # GET
 
 
@@ -108,11 +114,12 @@ class Tickets:
                 self._put_totals[ticket.lease_id] = (ticket.nbytes, ticket.expires_at)
         return token
 
-    def issue_put(self, lease_id: str, nbytes: int) -> bytes:
-        return self._issue(Ticket(PUT, lease_id, nbytes, time.monotonic() + self.ttl_s))
+    def issue_put(self, lease_id: str, nbytes: int, view: Any) -> bytes:
+        return self._issue(Ticket(PUT, lease_id, nbytes, time.monotonic() + self.ttl_s, view))
 
-    def issue_get(self, handle: ReadHandle) -> bytes:
-        return self._issue(Ticket(GET, handle.lease_id, handle.info.nbytes, time.monotonic() + self.ttl_s, handle))
+    def issue_get(self, handle: ReadHandle, view: Any) -> bytes:
+        return self._issue(Ticket(GET, handle.lease_id, handle.info.nbytes, time.monotonic() + self.ttl_s, view,
+                                  handle))
 
     def take(self, token: bytes) -> Ticket:
         with self._lock:
@@ -122,10 +129,16 @@ class Tickets:
         return t
 
     def put_total(self, lease_id: str) -> int | None:
-        """The bytes a commit of this data-channel reservation must have received (once)."""
+        """The bytes a commit of this data-channel reservation must have received."""
         with self._lock:
-            got = self._put_totals.pop(lease_id, None)
+            got = self._put_totals.get(lease_id)
         return None if got is None else got[0]
+
+    def committed(self, lease_id: str) -> None:
+        """Forget a reservation's total once its commit succeeded (a refused commit, say
+        one that named another tenant's lease, leaves it for the owner's commit)."""
+        with self._lock:
+            self._put_totals.pop(lease_id, None)
 
 
 def server_ssl_context(server: ServerConfig) -> ssl.SSLContext | None:
@@ -147,7 +160,7 @@ def listen_address(grpc_listen: str, configured: str) -> str:
     if configured:
         return configured
     if grpc_listen.startswith("unix:"):
-        return "unix:/" + grpc_listen[len("unix:"):].lstrip("/") + ".data"
+        return grpc_listen + ".data"  # relative stays relative (to the daemon's directory)
     host = grpc_listen.rpartition(":")[0] or "127.0.0.1"
     return f"{host}:0"
 
@@ -183,6 +196,7 @@ class DataChannelServer:
         try:
             if family == socket.AF_UNIX:
                 assert isinstance(addr, str)
+                addr = os.path.abspath(addr)  # Hello advertises it: clients run elsewhere
                 if os.path.exists(addr):
                     os.unlink(addr)  # a stale socket of a daemon that died; the gRPC bind already owns the name
                 old = os.umask(0o177)  # the socket file is the daemon user's only, like the arena
@@ -300,7 +314,7 @@ class DataChannelServer:
 
     def _abort(self, ticket: Ticket) -> None:
         if ticket.lease_id:  # "" : a restore served from disk holds no lease
-            self.engine.release(ticket.lease_id)
+            ticket.view.release(ticket.lease_id)
 
     def _put(self, sock: socket.socket, ticket: Ticket, nbytes: int) -> None:
         done = False
@@ -321,7 +335,7 @@ class DataChannelServer:
                     raise InvalidArgument(f"frames overrun the declared {nbytes} bytes")
                 if not mem.on_cpu:  # device slots: through the bounce buffer, as inline chunks go
                     recv_into_exact(sock, bounce[:n])
-                    self.engine.write_chunk(ticket.lease_id, received, bounce[:n])
+                    ticket.view.write_chunk(ticket.lease_id, received, bounce[:n])
                     received += n
                     continue
                 with lease.lock:  # the reaper cannot free these slots while we fill them
@@ -356,7 +370,7 @@ class DataChannelServer:
                 raise InvalidArgument(f"GET of {nbytes} bytes; the lease serves {ticket.nbytes}")
             sock.sendall(status_bytes(None))
             try:
-                for _, views in self.engine.iter_chunks(handle, GET_CHUNK):
+                for _, views in ticket.view.iter_chunks(handle, GET_CHUNK):
                     send_views(sock, [CHUNK.pack(sum(len(v) for v in views)), *views])
             except KVParkError as e:
                 # Mid-stream: a zero-length chunk (never a data chunk) announces the error's

@@ -183,6 +183,15 @@ class LeaseTable:
             return None
         return lease.spec.seq_id or (lease.spec.blocks[0].seq_id if lease.spec.blocks else "")
 
+    def owner(self, lease_id: str) -> str | None:
+        """The sequence a lease parks (write) or reads first (read); None if no such lease."""
+        lease = self._leases.get(lease_id)  # one dict read
+        if lease is None:
+            return None
+        if lease.kind == "write":
+            return self.write_owner(lease_id)
+        return lease.parts[0][0].seq_id if lease.parts else None
+
     def open_writes(self) -> list[Lease]:
         """Write leases not yet committed or aborted (quota accounting counts them)."""
         # REQUIRES: index lock.

@@ -124,6 +124,8 @@ class Daemon:
                 datachannel = DataChannelServer(
                     engine, listen_address(listen, self.config.server.data_channel_listen),
                     ssl_context=server_ssl_context(self.config.server)).start()
+                if datachannel.address.startswith("unix:"):
+                    _restrict_socket(datachannel.address, self.config.server.socket_group)  # as the gRPC socket
             rpc = handlers(engine, self.config.server, socket.gethostname(), boot_id(), self.metrics,
                            tenants=tenants, datachannel=datachannel)
             server.add_generic_rpc_handlers((rpc,))

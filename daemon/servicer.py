@@ -238,15 +238,15 @@ class Servicer:
             # The client's limit, never above one message's worth (the daemon builds it in memory).
             if handle.info.nbytes > min(req.max_bytes, self.chunk_size):
                 return pb.GetResponse(info=info, too_large=True)
-            out = pb.GetResponse(info=info, data=self._join(handle))
+            out = pb.GetResponse(info=info, data=self._join(eng, handle))
             self._restored("inline", handle.info.nbytes, t0)
             return out
         finally:
             if handle.lease_id:
                 eng.release(handle.lease_id)
 
-    def _join(self, handle: ReadHandle) -> bytes:
-        return b"".join(v for _, views in self.engine.iter_chunks(handle, 1 << 30) for v in views)
+    def _join(self, eng: Any, handle: ReadHandle) -> bytes:
+        return b"".join(v for _, views in eng.iter_chunks(handle, 1 << 30) for v in views)
 
     def _pend(self, lease_id: str, t0: float, transport: str) -> None:
         if self.metrics is not None:
@@ -276,7 +276,7 @@ class Servicer:
                 raise TransportUnavailable("a windowed park goes over the gRPC stream, not the data channel")
             self._pend(r.lease_id, t0, "inline")
             return pb.ReserveResponse(lease_id=r.lease_id, expires_in_s=r.expires_in_s,
-                                      token=dc.tickets.issue_put(r.lease_id, spec.total))
+                                      token=dc.tickets.issue_put(r.lease_id, spec.total, eng))
         tier = req.tier or "host"
         r = eng.reserve(_spec(req.header), tier=tier)
         self._pend(r.lease_id, t0, _TRANSPORT.get(tier, tier))
@@ -294,6 +294,8 @@ class Servicer:
         # A data-channel reservation publishes only once every byte has arrived on it.
         expect = self.datachannel.tickets.put_total(req.lease_id) if self.datachannel is not None else None
         info = eng.commit(req.lease_id, expect_nbytes=expect)
+        if expect is not None:
+            self.datachannel.tickets.committed(req.lease_id)  # type: ignore[union-attr]
         with self._pending_lock:
             started = self._pending.pop(req.lease_id, None)
         if started is not None:
@@ -317,7 +319,7 @@ class Servicer:
         if h.info.nbytes <= small:
             # Small: one round trip, bytes in the reply, no lease left behind.
             try:
-                out = pb.AcquireResponse(info=convert.info_to_pb(h.info), data=self._join(h), inlined=True)
+                out = pb.AcquireResponse(info=convert.info_to_pb(h.info), data=self._join(eng, h), inlined=True)
                 self._restored("inline", h.info.nbytes, t0)
                 return out
             finally:
@@ -325,7 +327,7 @@ class Servicer:
                     eng.release(h.lease_id)
         if data_channel:
             try:
-                token = self._channel().tickets.issue_get(h)
+                token = self._channel().tickets.issue_get(h, eng)
             except BaseException:
                 if h.lease_id:
                     eng.release(h.lease_id)

@@ -131,23 +131,31 @@ class TenantView:
                     self.quotas.admit(self.tenant, self.prefix, spec, landing)
                 return self.engine.reserve(spec, inline=inline, tier=tier)
 
+    def _own(self, lease_id: str) -> None:
+        owner = self.engine.leases.owner(lease_id)
+        if owner is not None and not owner.startswith(self.prefix):
+            # Answered as for a lease that never was: its holder learns nothing either way.
+            raise LeaseExpired(f"lease {lease_id!r} is gone (expired, aborted or never issued)")
+
     def write_chunk(self, lease_id: str, offset: int, data: memoryview) -> None:
+        self._own(lease_id)
         self.engine.write_chunk(lease_id, offset, data)
 
     def commit(self, lease_id: str, expect_nbytes: int | None = None) -> SeqInfo:
-        owner = self.engine.leases.write_owner(lease_id)
-        if owner is not None and not owner.startswith(self.prefix):
-            # Answered as for a lease that never was: its holder learns nothing either way.
-            raise LeaseExpired(f"write lease {lease_id!r} is gone (expired, aborted or never issued)")
+        self._own(lease_id)
         with _scrubbed(self.prefix):
             return self._out(self.engine.commit(lease_id, expect_nbytes=expect_nbytes))
 
     def release(self, lease_id: str) -> bool:
+        owner = self.engine.leases.owner(lease_id)
+        if owner is not None and not owner.startswith(self.prefix):
+            return False  # as for a lease that never was
         return self.engine.release(lease_id)
 
     def window(self, lease_id: str, index: int) -> tuple[tuple[int, int], ...]:
         # Windows are arena slots: the shm / cuda_ipc path of a sequence larger than its tier.
         self._trusted("the windowed shm / cuda_ipc path")
+        self._own(lease_id)
         return self.engine.window(lease_id, index)
 
     # ------------------------------------------------------------------ restore

@@ -298,7 +298,12 @@ class Windows:
             a = self._alloc(tier, buffers * size)
             # One read transaction for the whole restore: every window comes from the
             # version leased, even if the sequence is dropped or overwritten meanwhile.
-            txn = snapshot.enter_context(self.disk.read_txn())
+            try:
+                txn = snapshot.enter_context(self.disk.read_txn())
+            except BaseException:
+                with self.catalog.lock:
+                    self.catalog.free(tier, a)  # not the lease's yet: end_read would not free it
+                raise
             w = lease.window = Window(seq.manifest, tier, a, size, buffers, reading=True, seq=seq, txn=txn)
 
             def end() -> None:

@@ -110,9 +110,12 @@ def read_status(sock: socket.socket) -> KVParkError | None:
 
 
 def parse_address(address: str) -> tuple[socket.AddressFamily, str | tuple[str, int]]:
-    """``unix:/path`` (or ``unix:///path``) or ``host:port`` (``[v6]:port``)."""
+    """``unix:path`` (relative), ``unix:/path`` or ``unix:///path`` (absolute), as gRPC
+    reads them, or ``host:port`` (``[v6]:port``)."""
+    if address.startswith("unix://"):
+        return socket.AF_UNIX, address[len("unix://"):]
     if address.startswith("unix:"):
-        return socket.AF_UNIX, "/" + address[len("unix:"):].lstrip("/")
+        return socket.AF_UNIX, address[len("unix:"):]
     host, _, port = address.rpartition(":")
     host = host.strip("[]")
     return (socket.AF_INET6 if ":" in host else socket.AF_INET), (host, int(port))

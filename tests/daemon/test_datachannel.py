@@ -297,6 +297,19 @@ def test_a_unix_socket_daemon_gets_a_unix_data_channel(daemon: Callable[..., Dae
     assert not (tmp_path / "kv.sock.data").exists()
 
 
+def test_a_relative_unix_socket_keeps_its_data_channel_beside_it(daemon: Callable[..., Daemon], tmp_path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    d = daemon(**{"server.listen": "unix:kv.sock"})
+    # Next to the gRPC socket (never at the file system's root), advertised absolute.
+    assert d.datachannel is not None and d.datachannel.address == f"unix:{tmp_path}/kv.sock.data"
+    ts = [torch.randn(300_000)]
+    with Client(d.address, transport="inline") as c:
+        c.park("r", ts)
+        assert torch.equal(c.restore("r")[0], ts[0])
+        assert wait_until(lambda: d.datachannel.transfers == 2)
+
+
 def test_a_restore_served_from_disk_streams_from_the_records(daemon: Callable[..., Daemon], tmp_path) -> None:
     """No promotion wanted: the channel sends the verified disk records themselves, with
     no lease to hold, and nothing is left behind."""

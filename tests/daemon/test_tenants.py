@@ -143,13 +143,17 @@ def test_two_tenants_with_the_same_ids_never_see_each_other(daemon: Callable[...
     d.engine.check_invariants()
 
 
-def test_a_tenant_cannot_commit_another_tenants_reservation(daemon: Callable[..., Daemon]) -> None:
+def test_a_tenant_cannot_commit_release_or_window_another_tenants_reservation(daemon: Callable[..., Daemon]) -> None:
     d = daemon(**tenants())
     with Client(d.address, token=TOKENS["alice"]) as a, Client(d.address, token=TOKENS["carol"]) as c:
         head = pb.ParkHeader(seq_id="s", tensors=[pb.TensorMeta(dtype="uint8", shape=[64], nbytes=64)], nbytes=64)
         r = a.rpc.call(a.rpc.reserve, pb.ReserveRequest(header=head, tier="host"))
         with pytest.raises(LeaseExpired):
             c.rpc.call(c.rpc.commit, pb.CommitRequest(lease_id=r.lease_id))
+        with pytest.raises(LeaseExpired):
+            c.rpc.call(c.rpc.window, pb.WindowRequest(lease_id=r.lease_id, index=0))
+        # Released as a lease that never was: nothing happens to alice's.
+        assert not c.rpc.call(c.rpc.release, pb.ReleaseRequest(lease_id=r.lease_id)).released
         assert a.rpc.call(a.rpc.commit, pb.CommitRequest(lease_id=r.lease_id)).seq_id == "s"
         assert c.present(["s"]) == [False]
 

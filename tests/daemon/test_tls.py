@@ -38,6 +38,11 @@ def test_off_loopback_without_tenants_or_tls_refuses_to_start(tmp_path: Path, li
         Daemon(make_config(tmp_path, **{"server.listen": listen, "tenants.a.token_sha256": _token("x")})).start()
 
 
+def test_a_data_channel_address_off_loopback_is_held_to_the_same_rule(tmp_path: Path) -> None:
+    with pytest.raises(StartupError, match="server.data_channel_listen 0.0.0.0:0 is not loopback"):
+        Daemon(make_config(tmp_path, **{"server.data_channel_listen": "0.0.0.0:0"})).start()
+
+
 def test_insecure_opts_in_explicitly(daemon: Callable[..., Daemon]) -> None:
     d = daemon(**{"server.listen": "0.0.0.0:0", "server.insecure": True})
     with Client(d.address.replace("0.0.0.0", "127.0.0.1")) as c:
@@ -89,7 +94,7 @@ def test_unix_socket_and_arena_are_owner_only(daemon: Callable[..., Daemon], tmp
         d = daemon(**{"server.listen": f"unix://{sock}"})
     finally:
         os.umask(old)
-    assert _mode(str(sock)) == 0o600
+    assert _mode(str(sock)) == 0o600 and _mode(f"{sock}.data") == 0o600  # gRPC's and the data channel's
     assert d.engine is not None and d.engine.arena.path and _mode(d.engine.arena.path) == 0o600
     with Client(d.address) as c:
         c.park("s", [torch.ones(3)])
@@ -100,5 +105,5 @@ def test_an_operator_group_opens_them_to_that_group(daemon: Callable[..., Daemon
     sock = tmp_path / "kv.sock"
     d = daemon(**{"server.listen": f"unix://{sock}", "server.socket_group": group, "tiers.host.group": group})
     assert d.engine is not None
-    for path in (str(sock), d.engine.arena.path):
+    for path in (str(sock), f"{sock}.data", d.engine.arena.path):
         assert _mode(path) == 0o660 and os.stat(path).st_gid == os.getgid()
