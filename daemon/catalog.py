@@ -45,7 +45,7 @@ from kvpark.tiers.arena import Allocation
 from kvpark.tiers.disk import Manifest
 from kvpark.tiers.memory import MemTier
 
-from .model import MEM_TIERS, Lease, ParkSpec, Seq
+from .model import MEM_TIERS, NS_SEP, Lease, ParkSpec, Seq
 
 _RANK = {"device": 0, "host": 1, "disk": 2, "remote": 3}
 
@@ -63,6 +63,9 @@ class Catalog:
         # maintenance pass runs it every second, and a scan of a million plain blocks
         # there held the index lock for most of a second.
         self._special: dict[Seq, None] = {}
+        # Namespace ("alice" + NS_SEP) -> its sequences: a tenant's usage, quota victims and
+        # list without a scan of every tenant's million blocks. Open daemons have none.
+        self._spaces: dict[str, dict[str, Seq]] = {}
         self._gen = 0
         self.version = 0  # bumped by every change that may make room (see ``notify``)
         # Whether the disk tier is past its high mark with eviction on (set by the engine):
@@ -78,6 +81,8 @@ class Catalog:
                 self._seqs[m.seq_id] = seq  # load_manifests yields each id once
                 if m.shared or m.expires_at is not None:
                     self._special[seq] = None
+                if NS_SEP in m.seq_id:
+                    self._space_add(seq)
                 total += m.nbytes
                 self._gen = max(self._gen, m.gen)
                 for r in seq.refs:
@@ -222,6 +227,27 @@ class Catalog:
         self._seqs[seq.seq_id] = seq
         if seq.shared or seq.expires_at is not None:
             self._special[seq] = None
+        if NS_SEP in seq.seq_id:
+            self._space_add(seq)
+
+    def _space_add(self, seq: Seq) -> None:
+        sid = seq.seq_id
+        self._spaces.setdefault(sid[: sid.index(NS_SEP) + 1], {})[sid] = seq
+
+    def _space_drop(self, seq: Seq) -> None:
+        sid = seq.seq_id
+        if NS_SEP not in sid:
+            return
+        prefix = sid[: sid.index(NS_SEP) + 1]
+        space = self._spaces.get(prefix)
+        if space is not None and space.get(sid) is seq:
+            del space[sid]
+            if not space:
+                del self._spaces[prefix]
+
+    def in_namespace(self, prefix: str) -> list[Seq]:
+        """The sequences whose ids start with ``prefix`` (a name + ``NS_SEP``). REQUIRES: lock."""
+        return list(self._spaces.get(prefix, {}).values())
 
     def retire(self, seq: Seq) -> None:
         """Unlink ``seq``; memory is freed now, or by the last reader/copy."""
@@ -229,6 +255,7 @@ class Catalog:
         if self._seqs.get(seq.seq_id) is seq:
             del self._seqs[seq.seq_id]
             self._special.pop(seq, None)
+            self._space_drop(seq)
         self.release_dropped(seq)
         for r in seq.refs:
             left = self._refcount.get(r, 0) - 1
@@ -294,13 +321,14 @@ class Catalog:
         return (any(policy.over_high(t.alloc.used_bytes, t.alloc.capacity, t.high) for t in self.tiers.values())
                 or self.disk_pressure())
 
-    def evictable(self, tier: str, exclude: Seq | None = None) -> list[policy.SeqMeta]:
+    def evictable(self, tier: str, exclude: Seq | None = None,
+                  among: Iterable[Seq] | None = None) -> list[policy.SeqMeta]:
         # Pinned sequences leave a tier only when a faster copy remains (they are never
         # demoted below the tier they are in); leased or moving copies stay.
         return [
             policy.SeqMeta(s.seq_id, s.res[tier].charged, s.manifest.last_access, s.manifest.priority,
                            s.access_count, s.manifest.created_at, s.promotions)
-            for s in self._seqs.values()
+            for s in (self._seqs.values() if among is None else among)
             if tier in s.res and not s.readers.get(tier) and not s.moving and s is not exclude
             and (not s.pinned or s.tier != tier)
         ]
@@ -394,6 +422,9 @@ class Catalog:
         assert refs == self._refcount, f"refcounts {self._refcount} != references {refs}"
         special = [s for s in self._seqs.values() if s.shared or s.expires_at is not None]
         assert set(map(id, special)) == set(map(id, self._special)), "expiry candidates out of step with the index"
+        spaced = {id(s) for s in self._seqs.values() if NS_SEP in s.seq_id}
+        assert spaced == {id(s) for space in self._spaces.values() for s in space.values()}, (
+            "namespaces out of step with the index")
         for r in refs:
             block = self._seqs.get(r)
             assert block is not None and block.shared, f"reference to missing shared block {r!r}"

@@ -3,6 +3,7 @@
 Primitives:
 - ``Tier`` / ``MemTierName`` / ``LeaseKind``: the names the engine speaks, typed;
   ``MEM_TIERS``: memory tiers, fastest first.
+  ``NS_SEP``: what joins a tenant's name to the ids it uses (the catalog indexes by it).
 - ``ParkSpec``: a park request (tensors, priority, pin, TTL, refs, new blocks, attrs);
   ``ParkSpec.validate()`` checks everything that needs no index; ``ParkSpec.manifest()``
   is the disk record it commits as.
@@ -43,6 +44,9 @@ Tier = Literal["device", "host", "disk", "remote"]
 MemTierName = Literal["device", "host"]
 LeaseKind = Literal["write", "read"]
 MEM_TIERS: tuple[MemTierName, ...] = ("device", "host")
+# What joins a tenant's name to every id it uses ("alice" + NS_SEP + "chat-1"): SYMBOL FOR
+# UNIT SEPARATOR, printable (ids may not hold control characters) and rare in ids.
+NS_SEP = "\u241f"
 MAX_PARTS = 1 << 16  # ids in one restore/lookup call, new blocks in one park
 V = TypeVar("V")
 

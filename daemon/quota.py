@@ -50,8 +50,8 @@ class Quotas:
         # REQUIRES: index lock. ``replacing``: a sequence an overwrite will replace (not counted).
         used = {t: 0 for t in QUOTA_TIERS}
         n = 0
-        for s in self.engine.catalog.sequences():
-            if not s.seq_id.startswith(prefix) or s.seq_id == replacing:
+        for s in self.engine.catalog.in_namespace(prefix):
+            if s.seq_id == replacing:
                 continue
             n += 1
             for t in s.res:
@@ -104,12 +104,12 @@ class Quotas:
         cat = self.engine.catalog
         name = self.engine.config.policy.eviction
         if tier != "disk":
-            return policy.demotion_order(name, [m for m in cat.evictable(tier) if m.seq_id.startswith(prefix)])
+            return policy.demotion_order(name, cat.evictable(tier, among=cat.in_namespace(prefix)))
         cands = [
             policy.SeqMeta(s.seq_id, s.manifest.nbytes, s.manifest.last_access, s.manifest.priority,
                            s.access_count, s.manifest.created_at, s.promotions)
-            for s in cat.sequences()
-            if s.seq_id.startswith(prefix) and not s.pinned and not any(s.readers.values()) and not s.moving
+            for s in cat.in_namespace(prefix)
+            if not s.pinned and not any(s.readers.values()) and not s.moving
             and not (s.shared and cat.refcount(s.seq_id))
         ]
         return policy.demotion_order(name, cands)

@@ -44,13 +44,13 @@ from kvpark.proto.types import SeqInfo, Stat, TenantStat
 
 from .auth import current_tenant
 from .config import TenantConfig
-from .model import Capabilities, Grant, ParkSpec, ReadHandle, Reservation
+from .model import NS_SEP, Capabilities, Grant, ParkSpec, ReadHandle, Reservation
 from .quota import Quotas
 
 if TYPE_CHECKING:
     from .engine import Engine
 
-SEP = "\u241f"  # SYMBOL FOR UNIT SEPARATOR: printable (ids may not hold control characters), rare in ids
+SEP = NS_SEP
 
 
 @contextmanager
@@ -200,7 +200,10 @@ class TenantView:
             return self._out(self.engine.info(self._ns(seq_id)))
 
     def list(self) -> list[SeqInfo]:
-        return [self._out(i) for i in self.engine.list() if i.seq_id.startswith(self.prefix)]
+        cat = self.engine.catalog
+        with cat.lock:
+            own = sorted(cat.in_namespace(self.prefix), key=lambda s: s.seq_id)
+            return [self._out(cat.info(s)) for s in own]
 
     def pin(self, seq_id: str, pinned: bool = True) -> SeqInfo:
         with _scrubbed(self.prefix):
