@@ -14,7 +14,8 @@ Commands (``--address`` defaults to ``$KVPARK_ADDRESS``, else 127.0.0.1:50551):
 - ``kvpark serve ...`` and ``kvpark config ...`` are the daemon's (``kvpark.daemon.cli``);
   they are handed over unchanged, so the daemon package never imports the client.
 
-``KVPARK_TOKEN`` and ``KVPARK_TLS_CA`` are used as the ``Client`` uses them.
+``KVPARK_TOKEN`` and ``KVPARK_TLS_CA`` / ``KVPARK_TLS_CERT`` / ``KVPARK_TLS_KEY`` are used as
+the ``Client`` uses them.
 
 Output into a closed pipe (``kvpark stat | head -1``) ends quietly with exit 0.
 """
@@ -33,7 +34,7 @@ from kvpark.proto import VERSION
 from kvpark.proto.errors import KVParkError
 from kvpark.proto.types import SeqInfo, Stat
 
-from .client import DEFAULT_ADDRESS, TLS_CA_ENV, Client
+from .client import DEFAULT_ADDRESS, Client, tls_from_env
 from .rpc import open_channel
 
 EXIT_ERROR = 1
@@ -83,7 +84,7 @@ def _health(args: argparse.Namespace) -> int:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     address = _address(args)
-    with open_channel(address, tls_ca=os.environ.get(TLS_CA_ENV) or None) as ch:
+    with open_channel(address, **tls_from_env()) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),
                                                         timeout=args.timeout)

@@ -4,8 +4,10 @@ Primitives:
 - ``Client(address=None, *, token=None, timeout=None, transport="auto", tls_ca=None,
   tls_cert=None, tls_key=None)``: connects (Hello) at once. ``token``: the tenant's bearer
   token (default ``KVPARK_TOKEN``), sent as ``authorization`` metadata on every call.
-  ``tls_ca`` (default ``KVPARK_TLS_CA``), ``tls_cert``, ``tls_key``: file paths or PEM
-  bytes; any of them makes the channel TLS (``tls_cert``/``tls_key``: mTLS).
+  ``tls_ca`` (default ``KVPARK_TLS_CA``), ``tls_cert``, ``tls_key`` (defaults
+  ``KVPARK_TLS_CERT``, ``KVPARK_TLS_KEY``): file paths or PEM bytes; any of them makes the
+  channel TLS (``tls_cert``/``tls_key``: mTLS). The environment reaches clients that
+  libraries build for you (the vLLM connector, ``kvpark health``).
   ``timeout`` is every call's deadline: ``None`` means ``KVPARK_TIMEOUT`` or 30 s,
   ``float("inf")`` means none; a transfer also gets its size at 50 MB/s on top. Every
   public call takes ``timeout=`` for itself alone.
@@ -59,6 +61,15 @@ from .transport import SMALL_POOL_BYTES, TRANSPORTS, CudaIpc, Restoring, Shm, Ta
 DEFAULT_ADDRESS = "127.0.0.1:50551"
 TOKEN_ENV = "KVPARK_TOKEN"  # the bearer token when ``token`` is not given
 TLS_CA_ENV = "KVPARK_TLS_CA"  # the CA bundle file when ``tls_ca`` is not given
+TLS_CERT_ENV, TLS_KEY_ENV = "KVPARK_TLS_CERT", "KVPARK_TLS_KEY"  # the client certificate and key (mTLS)
+
+
+def tls_from_env(tls_ca: str | bytes | None = None, tls_cert: str | bytes | None = None,
+                 tls_key: str | bytes | None = None) -> dict[str, str | bytes | None]:
+    """The TLS files given, else the ``KVPARK_TLS_*`` environment's."""
+    return {"tls_ca": tls_ca if tls_ca is not None else os.environ.get(TLS_CA_ENV) or None,
+            "tls_cert": tls_cert if tls_cert is not None else os.environ.get(TLS_CERT_ENV) or None,
+            "tls_key": tls_key if tls_key is not None else os.environ.get(TLS_KEY_ENV) or None}
 TRANSPORT_NAMES = ("auto", *TRANSPORTS)
 
 __all__ = ["Client", "DEFAULT_ADDRESS", "Grant", "Restoring", "SMALL_POOL_BYTES", "TRANSPORT_NAMES"]
@@ -101,8 +112,7 @@ class Client:
             raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORT_NAMES)}, got {transport!r}")
         self.address = address or os.environ.get("KVPARK_ADDRESS") or DEFAULT_ADDRESS
         token = token if token is not None else os.environ.get(TOKEN_ENV) or None
-        tls_ca = tls_ca if tls_ca is not None else os.environ.get(TLS_CA_ENV) or None
-        self.rpc = Rpc(self.address, timeout, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
+        self.rpc = Rpc(self.address, timeout, token=token, **tls_from_env(tls_ca, tls_cert, tls_key))
         self._auto = transport == "auto"
         self._ipc: Transport | None = None  # auto: the device pool, opened on first use
         self._ipc_tried = False

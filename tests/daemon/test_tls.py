@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvpark.client import Client
+from kvpark.client.cli import main as cli_main
 from kvpark.daemon.server import Daemon
 from kvpark.proto.errors import StartupError, Unauthenticated, Unavailable
 
@@ -81,6 +82,22 @@ def test_mtls_with_tenants_off_loopback(daemon: Callable[..., Daemon], pki: Pki)
         Client(addr, token="tok", tls_ca=pki.ca, timeout=5)  # no client certificate
     with pytest.raises(Unauthenticated):
         Client(addr, token="wrong", tls_ca=pki.ca, tls_cert=pki.client_cert, tls_key=pki.client_key)
+
+
+def test_mtls_files_from_the_environment(daemon: Callable[..., Daemon], pki: Pki,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # What a client built for you (the vLLM connector, kvpark health) presents under mTLS.
+    d = daemon(**{"server.tls_cert": pki.server_cert, "server.tls_key": pki.server_key,
+                  "server.tls_client_ca": pki.ca})
+    for k, v in {"KVPARK_TLS_CA": pki.ca, "KVPARK_TLS_CERT": pki.client_cert, "KVPARK_TLS_KEY": pki.client_key}.items():
+        monkeypatch.setenv(k, v)
+    with Client(d.address) as c:
+        c.park("e", [torch.ones(4)])
+    assert cli_main(["health", "--address", d.address]) == 0
+    monkeypatch.delenv("KVPARK_TLS_CERT")
+    monkeypatch.delenv("KVPARK_TLS_KEY")
+    with pytest.raises(Unavailable):
+        Client(d.address, timeout=5)
 
 
 def _mode(path: str) -> int:
