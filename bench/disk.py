@@ -19,7 +19,9 @@ tensor per sequence, so 1 MiB disk records, as a daemon with 1 MiB slots writes 
   computes before it trusts a record.
 - ``kvpark restore from disk``: ``Client.restore(into=...)`` of every sequence after a
   daemon restart (untimed), so each one is on disk only and the restore reads, verifies
-  and promotes it. Over shm (the default for a local client) and inline.
+  and promotes it. Over shm (the default for a local client) and inline; and over shm
+  once more with ``Client.restore_many`` of all of them (one ``Acquire`` and one
+  ``Release`` instead of two round trips per sequence).
 
 Both sides read what they just wrote, so both read from the page cache (the same
 conditions). Each row runs ``--reps`` times (best and median); ratios use the best. The
@@ -150,6 +152,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 c.flush()
                 add("kvpark spill (host -> disk, flush)", time.perf_counter() - t0)
+            # ---- restore_many over shm: one Acquire + one Release for all of them, so the
+            # gap to the per-sequence row below is the per-sequence round trips. (Each
+            # restart leaves every sequence on disk only again.)
+            with Daemon(cfg) as d, Client(d.address) as c:
+                t0 = time.perf_counter()
+                c.restore_many(ids, into=dst)
+                add("kvpark restore_many from disk (shm)", time.perf_counter() - t0)
+                if not same(src, dst):
+                    checks.append("kvpark restore_many from disk (shm): bytes differ")
+                touch(dst)
             # ---- restart: every sequence is on disk only; restore each (timed)
             for transport in ("shm", "inline"):
                 with Daemon(cfg) as d, Client(d.address, transport=transport) as c:
@@ -182,6 +194,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for transport in ("shm", "inline"):
         ratio(f"restore from disk ({transport}) / raw LMDB read + copy", f"kvpark restore from disk ({transport})",
               "raw LMDB read + copy into dst")
+    ratio("restore_many from disk (shm) / raw LMDB read + copy", "kvpark restore_many from disk (shm)",
+          "raw LMDB read + copy into dst")
     w = 40
     print(f"\nThroughput, GB/s: best of {args.reps} (median)")
     for r in rows:
