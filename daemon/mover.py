@@ -37,6 +37,8 @@ Primitives:
   mark); ``copy_to_remote_later(seqs)`` queues background copies (write_through).
 - Without a remote tier, ``evict_disk`` drops the disk's coldest sequences instead
   (``policy.disk_full = "evict"``, the default; "refuse" keeps a full disk full).
+- The disk-eviction paths live in ``disk_evict.py``, the reads from and copies to Redis
+  in ``remote_moves.py``; ``Mover`` keeps the entry points above.
 - ``prefetch(seq, tier, wait, timeout) -> str``; ``quiet()`` (no demotion starts, moves
   in flight land: for invariant checks); ``close()``.
 """
@@ -47,15 +49,15 @@ import concurrent.futures
 import logging
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator, TypeVar
+from typing import Callable, Iterator
 
-from kvpark.proto.errors import DataLoss, DeadlineExceeded, KVParkError, NotFound, ResourceExhausted
+from kvpark.proto.errors import DeadlineExceeded, KVParkError, NotFound, ResourceExhausted
 from kvpark.tiers import policy
 from kvpark.tiers.arena import Allocation
 from kvpark.tiers.copy import CopyEngine, CopyJob, runs
 from kvpark.tiers.disk import DiskStore
 
-from . import flush
+from . import disk_evict, flush, remote_moves
 from .catalog import Catalog
 from .config import PolicyConfig
 from .leases import LeaseTable
@@ -64,8 +66,6 @@ from .model import MEM_TIERS, Lease, Seq
 from .remote_tier import RemoteTier
 
 log = logging.getLogger("kvpark.mover")
-
-T = TypeVar("T")
 
 # How long a park or promotion waits for in-flight work (copies, reads, other
 # reservations) to free room before it gives up with RESOURCE_EXHAUSTED.
@@ -213,9 +213,9 @@ class Mover:
                 # Straight from Redis into memory: no disk write on the restore path, and
                 # into the host arena's slots themselves (no staging buffer).
                 if mem.on_cpu:
-                    self._remote_guard(seq, lambda: self.remote.fetch_into(seq.manifest, mem.views(a)))
+                    remote_moves.remote_guard(self, seq, lambda: self.remote.fetch_into(seq.manifest, mem.views(a)))
                 else:
-                    for (off, _n), block in zip(a.extents, self._remote_blocks(seq)):
+                    for (off, _n), block in zip(a.extents, remote_moves.remote_blocks(self, seq)):
                         mem.write(off, block)
                 self._moved("remote", to, t0)
             else:
@@ -429,15 +429,6 @@ class Mover:
         if self.metrics is not None:
             self.metrics.evicted(tier)
 
-    def _claim_on_disk(self, seq_id: str) -> Seq | None:
-        """``seq_id``'s record with its move lock held, if it is on disk and no promotion
-        or other move owns it right now; else None. The caller releases the lock."""
-        with self.catalog.lock:
-            seq = self.catalog.find(seq_id)
-            if seq is None or not seq.on_disk:
-                return None
-        return seq if seq.move_lock.acquire(blocking=False) else None
-
     def _moved(self, src: str, dst: str, t0: float) -> None:
         if self.metrics is not None:
             self.metrics.moved(src, dst, time.perf_counter() - t0)
@@ -541,199 +532,16 @@ class Mover:
         if self.remote is None or not seq.on_remote:
             return
         with seq.move_lock:
-            self._fetch_remote_locked(seq)
-
-    def _fetch_remote_locked(self, seq: Seq) -> None:
-        # REQUIRES: seq.move_lock held. The store verifies every chunk; a bad or vanished
-        # value unindexes the sequence here too.
-        if self.remote is None:
-            return
-        with self.catalog.lock:
-            if seq.dropped or seq.res or seq.on_disk or not seq.on_remote:
-                return
-        m = seq.manifest
-        blocks = self._remote_blocks(seq)
-        self.evict_disk(m.nbytes, exclude=seq)
-        written = self.disk.write(m, blocks)
-        with self.catalog.lock:
-            stale = seq.dropped
-            if written and not stale:
-                seq.on_disk = True
-                seq.promotions += 1
-            self.catalog.notify()
-        if written and stale:
-            self.disk.delete(m)
-
-    def _remote_blocks(self, seq: Seq) -> list[memoryview]:
-        """``seq``'s blocks, fetched from remote and verified. A value that is bad or gone
-        unindexes the sequence here too (the store deleted a bad one from Redis)."""
-        assert self.remote is not None
-        m = seq.manifest
-        view = memoryview(self._remote_guard(seq, lambda: self.remote.fetch(m)))
-        blocks, off = [], 0
-        for n in m.block_lengths:
-            blocks.append(view[off:off + n])
-            off += n
-        return blocks
-
-    def _remote_guard(self, seq: Seq, read: Callable[[], T]) -> T:
-        """Run a remote read of ``seq``; a value that is bad or gone unindexes it here too."""
-        try:
-            return read()
-        except (NotFound, DataLoss):
-            with self.catalog.lock:
-                if self.catalog.find(seq.seq_id) is seq:
-                    self.catalog.retire(seq)
-                self.catalog.take_orphans()  # blocks known only from remote: nothing local to delete
-            raise
+            remote_moves.fetch_remote_locked(self, seq)
 
     def evict_disk(self, need: int, target: int | None = None, exclude: Seq | None = None) -> bool:
-        """Make the disk hold at most ``target`` bytes (default: room for ``need`` more)
-        by moving its coldest sequences to the remote tier, or (no remote tier,
-        ``policy.disk_full = "evict"``) by dropping them. True when it got there.
-
-        A sequence leaves the disk only once its copy is in Redis; with Redis down
-        nothing moves (the breaker makes that quick) and the caller's write fails as it
-        would without a remote tier. Without one, a sequence whose only copy is on disk
-        is dropped from the index (a later restore raises NotFound); one that also sits
-        in memory only loses its disk copy. Pinned sequences, sequences being read or
-        moved, and shared blocks still referenced are never victims.
-        """
-        if self.remote is None and not self.disk_evicts:
-            return False
-        if need > self.disk.capacity:
-            return False  # nothing we drop makes it fit
-        cap = self.disk.capacity
-        goal = cap - need if target is None else target
-        deadline = time.monotonic() + ROOM_WAIT_S
-        while True:
-            with self.catalog.lock:
-                used = self.disk.used
-                if used <= goal:
-                    return True
-                cands = [
-                    policy.SeqMeta(s.seq_id, s.manifest.nbytes, s.manifest.last_access, s.manifest.priority,
-                                   s.access_count, s.manifest.created_at, s.promotions)
-                    for s in self.catalog.sequences()
-                    if s.on_disk and s is not exclude and not s.moving and not any(s.readers.values())
-                    and not (s.pinned and (self.remote is None or s.tier == "disk"))
-                    and not (s.shared and self.catalog.refcount(s.seq_id))
-                ]
-                plan = policy.plan_demotion(self.eviction, cands, used, cap, goal)
-            moved = False
-            for sid in plan:
-                if self.disk.used <= goal:
-                    return True
-                if self.remote is None:
-                    moved |= self._disk_drop(sid)
-                elif self._disk_to_remote(sid):
-                    moved = True
-                elif self.remote.store.breaker.state != "closed":
-                    return False  # Redis is down: stop here, fail fast
-            if self.disk.used <= goal:
-                return True
-            if moved:
-                continue
-            # Nothing moved: the victims were busy (another eviction or a promotion holds
-            # them, or they are being read). Wait for that to end, within the deadline.
-            with self.catalog.lock:
-                left = deadline - time.monotonic()
-                if left <= 0 or not plan:
-                    return False
-                self.catalog.changed.wait(min(0.05, left))
-
-    def _disk_drop(self, seq_id: str) -> bool:
-        """Without a remote tier: free one sequence's disk copy, dropping the sequence
-        when the disk held its only copy. True when the disk copy is gone."""
-        seq = self._claim_on_disk(seq_id)
-        if seq is None:
-            return False
-        try:
-            with self.catalog.lock:
-                # Checked again under the lock: a reader, a pin or a new reference since
-                # the plan keeps it.
-                if (seq.dropped or not seq.on_disk or seq.moving or any(seq.readers.values()) or seq.pinned
-                        or (seq.shared and self.catalog.refcount(seq_id))):
-                    return False
-                todo = [seq]
-                if not seq.res:  # the disk held its only copy: it leaves the index too
-                    self.catalog.retire(seq)
-                    todo += self.catalog.take_orphans()
-            for s in todo:
-                self.delete_from_disk(s)
-            with self.catalog.lock:
-                self.catalog.notify()
-            self._count_eviction("disk")
-            log.debug("evicted %r from disk%s", seq_id, "" if seq.res else " (its only copy: dropped)")
-            return True
-        finally:
-            seq.move_lock.release()
-
-    def _disk_to_remote(self, seq_id: str) -> bool:
-        """Write one disk-resident sequence to remote (unless it is there), then delete
-        its disk copy. True when the disk copy is gone."""
-        assert self.remote is not None
-        seq = self._claim_on_disk(seq_id)
-        if seq is None:
-            return False
-        try:
-            m = seq.manifest
-            t0 = time.perf_counter()
-            if not seq.on_remote:
-                with self.disk.read_txn() as r:
-                    self.remote.put(m, [r.read_block(m, i, n) for i, n in enumerate(m.block_lengths)])
-                self._moved("disk", "remote", t0)
-                with self.catalog.lock:
-                    stale = seq.dropped
-                    seq.on_remote = not stale
-                if stale:
-                    self.remote.delete_later(m)
-                    return False
-            self.delete_from_disk(seq)
-            with self.catalog.lock:
-                self.catalog.notify()
-            self._count_eviction("disk")
-            return True
-        except KVParkError as e:
-            log.warning("eviction of %r from disk to remote failed: %s", seq_id, e)
-            return False
-        finally:
-            seq.move_lock.release()
+        """Make the disk hold at most ``target`` bytes (default: room for ``need`` more):
+        its coldest sequences go to remote, or are dropped (``disk_evict.py``)."""
+        return disk_evict.evict_disk(self, need, target, exclude)
 
     def copy_to_remote_later(self, seqs: list[Seq]) -> None:
         """write_through: copy each of ``seqs`` to remote in the background."""
         if self.remote is None:
             return
         for s in seqs:
-            self.remote.submit(f"copy of {s.seq_id!r} to remote", lambda s=s: self._copy_to_remote(s))
-
-    def _copy_to_remote(self, seq: Seq) -> None:
-        assert self.remote is not None
-        with self.catalog.lock:
-            if seq.dropped or seq.on_remote:
-                return
-            src = next((t for t in ("host", "device") if t in seq.res), None)
-            if src is None and not seq.on_disk:
-                return
-            alloc = seq.res[src] if src is not None else None
-            if src is not None:
-                seq.moving += 1  # pins the memory copy while we read it
-        m = seq.manifest
-        try:
-            if src is not None:
-                assert alloc is not None
-                self.remote.put(m, self.tiers[src].views(alloc))
-            else:
-                with self.disk.read_txn() as r:
-                    self.remote.put(m, [r.read_block(m, i, n) for i, n in enumerate(m.block_lengths)])
-        finally:
-            if src is not None:
-                with self.catalog.lock:
-                    seq.moving -= 1
-                    self.catalog.release_dropped(seq)
-                    self.catalog.notify()
-        with self.catalog.lock:
-            stale = seq.dropped
-            seq.on_remote = not stale
-        if stale:  # dropped or overwritten while it was copied
-            self.remote.store.delete(m)
+            self.remote.submit(f"copy of {s.seq_id!r} to remote", lambda s=s: remote_moves.copy_to_remote(self, s))

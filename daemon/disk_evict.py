@@ -1,0 +1,170 @@
+"""Disk eviction: the mover making room on the local disk.
+
+A disk write that does not fit, or a background pass past the disk's high mark, moves
+the disk's coldest sequences (by the eviction policy) to the remote tier and deletes
+their disk copies; without a remote tier (``policy.disk_full = "evict"``) it drops them
+instead. A sequence leaves the disk only once its copy is in Redis; pinned sequences,
+sequences being read or moved, and shared blocks still referenced are never victims.
+
+Locks as in ``mover.py``: a victim's ``Seq.move_lock`` is only ever *tried* (a promotion
+holding it keeps its sequence), metadata changes happen under the index lock, and no
+disk or Redis I/O runs under the index lock.
+
+Primitives:
+- ``evict_disk(mover, need, target=None, exclude=None) -> bool``: make the disk hold at
+  most ``target`` bytes (default: room for ``need`` more); True when it got there.
+- ``disk_drop(mover, seq_id) -> bool``: no remote tier: free one disk copy (dropping the
+  sequence when it was its only copy).
+- ``disk_to_remote(mover, seq_id) -> bool``: copy one sequence to remote, then delete
+  its disk copy.
+- ``claim_on_disk(mover, seq_id) -> Seq | None``: a disk-resident sequence with its move
+  lock held, if no other move owns it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from kvpark.proto.errors import KVParkError
+from kvpark.tiers import policy
+
+from .model import Seq
+
+if TYPE_CHECKING:
+    from .mover import Mover
+
+log = logging.getLogger("kvpark.mover")
+
+
+def evict_disk(mover: "Mover", need: int, target: int | None = None, exclude: Seq | None = None) -> bool:
+    """Make the disk hold at most ``target`` bytes (default: room for ``need`` more)
+    by moving its coldest sequences to the remote tier, or (no remote tier,
+    ``policy.disk_full = "evict"``) by dropping them. True when it got there.
+
+    A sequence leaves the disk only once its copy is in Redis; with Redis down
+    nothing moves (the breaker makes that quick) and the caller's write fails as it
+    would without a remote tier. Without one, a sequence whose only copy is on disk
+    is dropped from the index (a later restore raises NotFound); one that also sits
+    in memory only loses its disk copy. Pinned sequences, sequences being read or
+    moved, and shared blocks still referenced are never victims.
+    """
+    if mover.remote is None and not mover.disk_evicts:
+        return False
+    if need > mover.disk.capacity:
+        return False  # nothing we drop makes it fit
+    cap = mover.disk.capacity
+    goal = cap - need if target is None else target
+    from .mover import ROOM_WAIT_S  # the mover's room wait; imported here, as mover.py imports this module
+
+    deadline = time.monotonic() + ROOM_WAIT_S
+    while True:
+        with mover.catalog.lock:
+            used = mover.disk.used
+            if used <= goal:
+                return True
+            cands = [
+                policy.SeqMeta(s.seq_id, s.manifest.nbytes, s.manifest.last_access, s.manifest.priority,
+                               s.access_count, s.manifest.created_at, s.promotions)
+                for s in mover.catalog.sequences()
+                if s.on_disk and s is not exclude and not s.moving and not any(s.readers.values())
+                and not (s.pinned and (mover.remote is None or s.tier == "disk"))
+                and not (s.shared and mover.catalog.refcount(s.seq_id))
+            ]
+            plan = policy.plan_demotion(mover.eviction, cands, used, cap, goal)
+        moved = False
+        for sid in plan:
+            if mover.disk.used <= goal:
+                return True
+            if mover.remote is None:
+                moved |= disk_drop(mover, sid)
+            elif disk_to_remote(mover, sid):
+                moved = True
+            elif mover.remote.store.breaker.state != "closed":
+                return False  # Redis is down: stop here, fail fast
+        if mover.disk.used <= goal:
+            return True
+        if moved:
+            continue
+        # Nothing moved: the victims were busy (another eviction or a promotion holds
+        # them, or they are being read). Wait for that to end, within the deadline.
+        with mover.catalog.lock:
+            left = deadline - time.monotonic()
+            if left <= 0 or not plan:
+                return False
+            mover.catalog.changed.wait(min(0.05, left))
+
+
+
+def disk_drop(mover: "Mover", seq_id: str) -> bool:
+    """Without a remote tier: free one sequence's disk copy, dropping the sequence
+    when the disk held its only copy. True when the disk copy is gone."""
+    seq = claim_on_disk(mover, seq_id)
+    if seq is None:
+        return False
+    try:
+        with mover.catalog.lock:
+            # Checked again under the lock: a reader, a pin or a new reference since
+            # the plan keeps it.
+            if (seq.dropped or not seq.on_disk or seq.moving or any(seq.readers.values()) or seq.pinned
+                    or (seq.shared and mover.catalog.refcount(seq_id))):
+                return False
+            todo = [seq]
+            if not seq.res:  # the disk held its only copy: it leaves the index too
+                mover.catalog.retire(seq)
+                todo += mover.catalog.take_orphans()
+        for s in todo:
+            mover.delete_from_disk(s)
+        with mover.catalog.lock:
+            mover.catalog.notify()
+        mover._count_eviction("disk")
+        log.debug("evicted %r from disk%s", seq_id, "" if seq.res else " (its only copy: dropped)")
+        return True
+    finally:
+        seq.move_lock.release()
+
+
+
+def disk_to_remote(mover: "Mover", seq_id: str) -> bool:
+    """Write one disk-resident sequence to remote (unless it is there), then delete
+    its disk copy. True when the disk copy is gone."""
+    assert mover.remote is not None
+    seq = claim_on_disk(mover, seq_id)
+    if seq is None:
+        return False
+    try:
+        m = seq.manifest
+        t0 = time.perf_counter()
+        if not seq.on_remote:
+            with mover.disk.read_txn() as r:
+                mover.remote.put(m, [r.read_block(m, i, n) for i, n in enumerate(m.block_lengths)])
+            mover._moved("disk", "remote", t0)
+            with mover.catalog.lock:
+                stale = seq.dropped
+                seq.on_remote = not stale
+            if stale:
+                mover.remote.delete_later(m)
+                return False
+        mover.delete_from_disk(seq)
+        with mover.catalog.lock:
+            mover.catalog.notify()
+        mover._count_eviction("disk")
+        return True
+    except KVParkError as e:
+        log.warning("eviction of %r from disk to remote failed: %s", seq_id, e)
+        return False
+    finally:
+        seq.move_lock.release()
+
+
+
+def claim_on_disk(mover: "Mover", seq_id: str) -> Seq | None:
+    """``seq_id``'s record with its move lock held, if it is on disk and no promotion
+    or other move owns it right now; else None. The caller releases the lock."""
+    with mover.catalog.lock:
+        seq = mover.catalog.find(seq_id)
+        if seq is None or not seq.on_disk:
+            return None
+    return seq if seq.move_lock.acquire(blocking=False) else None
+

@@ -1,0 +1,113 @@
+"""The mover's side of the remote tier: sequences read from and copied to Redis.
+
+``remote_tier.py`` is the daemon's policy around the Redis store (miss-safe lookups,
+background writes); this module is what the mover does with it: fetch a sequence known
+only from remote onto the local disk or into memory (verified by the store), and copy a
+sequence to remote (``write_through``). A value that is bad or gone unindexes the
+sequence here too.
+
+Locks as in ``mover.py``: ``Seq.move_lock`` serialises the moves of one sequence;
+metadata changes happen under the index lock, never held across a Redis call.
+
+Primitives:
+- ``fetch_remote_locked(mover, seq)``: bring ``seq`` from remote onto the local disk
+  (REQUIRES: ``seq.move_lock`` held).
+- ``remote_blocks(mover, seq) -> list[memoryview]``: ``seq``'s blocks from remote, verified.
+- ``remote_guard(mover, seq, read) -> T``: run a remote read; NotFound/DataLoss retire ``seq``.
+- ``copy_to_remote(mover, seq)``: copy ``seq`` (from memory, else from disk) to remote.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, TypeVar
+
+from kvpark.proto.errors import DataLoss, NotFound
+
+from .model import Seq
+
+if TYPE_CHECKING:
+    from .mover import Mover
+
+T = TypeVar("T")
+
+
+def fetch_remote_locked(mover: "Mover", seq: Seq) -> None:
+    # REQUIRES: seq.move_lock held. The store verifies every chunk; a bad or vanished
+    # value unindexes the sequence here too.
+    if mover.remote is None:
+        return
+    with mover.catalog.lock:
+        if seq.dropped or seq.res or seq.on_disk or not seq.on_remote:
+            return
+    m = seq.manifest
+    blocks = remote_blocks(mover, seq)
+    mover.evict_disk(m.nbytes, exclude=seq)
+    written = mover.disk.write(m, blocks)
+    with mover.catalog.lock:
+        stale = seq.dropped
+        if written and not stale:
+            seq.on_disk = True
+            seq.promotions += 1
+        mover.catalog.notify()
+    if written and stale:
+        mover.disk.delete(m)
+
+
+
+def remote_blocks(mover: "Mover", seq: Seq) -> list[memoryview]:
+    """``seq``'s blocks, fetched from remote and verified. A value that is bad or gone
+    unindexes the sequence here too (the store deleted a bad one from Redis)."""
+    assert mover.remote is not None
+    m = seq.manifest
+    view = memoryview(remote_guard(mover, seq, lambda: mover.remote.fetch(m)))
+    blocks, off = [], 0
+    for n in m.block_lengths:
+        blocks.append(view[off:off + n])
+        off += n
+    return blocks
+
+
+
+def remote_guard(mover: "Mover", seq: Seq, read: Callable[[], T]) -> T:
+    """Run a remote read of ``seq``; a value that is bad or gone unindexes it here too."""
+    try:
+        return read()
+    except (NotFound, DataLoss):
+        with mover.catalog.lock:
+            if mover.catalog.find(seq.seq_id) is seq:
+                mover.catalog.retire(seq)
+            mover.catalog.take_orphans()  # blocks known only from remote: nothing local to delete
+        raise
+
+
+
+def copy_to_remote(mover: "Mover", seq: Seq) -> None:
+    assert mover.remote is not None
+    with mover.catalog.lock:
+        if seq.dropped or seq.on_remote:
+            return
+        src = next((t for t in ("host", "device") if t in seq.res), None)
+        if src is None and not seq.on_disk:
+            return
+        alloc = seq.res[src] if src is not None else None
+        if src is not None:
+            seq.moving += 1  # pins the memory copy while we read it
+    m = seq.manifest
+    try:
+        if src is not None:
+            assert alloc is not None
+            mover.remote.put(m, mover.tiers[src].views(alloc))
+        else:
+            with mover.disk.read_txn() as r:
+                mover.remote.put(m, [r.read_block(m, i, n) for i, n in enumerate(m.block_lengths)])
+    finally:
+        if src is not None:
+            with mover.catalog.lock:
+                seq.moving -= 1
+                mover.catalog.release_dropped(seq)
+                mover.catalog.notify()
+    with mover.catalog.lock:
+        stale = seq.dropped
+        seq.on_remote = not stale
+    if stale:  # dropped or overwritten while it was copied
+        mover.remote.store.delete(m)
