@@ -2,8 +2,9 @@
 
 Speaks dataclasses only (protobuf stops at the servicer). The jobs around it live in
 their own modules: the index (``catalog.py``), the lease table (``leases.py``), moving
-bytes between tiers (``mover.py``), opening the memory tiers (``memory.py``), the
-records (``model.py``); each tier keeps its own accounting (``kvpark.tiers``).
+bytes between tiers (``mover.py``), the restore side's leasing and streaming
+(``reads.py``), opening the memory tiers (``memory.py``), the records (``model.py``);
+each tier keeps its own accounting (``kvpark.tiers``).
 
 Primitives:
 - ``Engine(config, disk_factory=DiskStore)``; ``start()``; ``close(flush=...)``; ``flush()``.
@@ -53,30 +54,27 @@ from typing import Callable, Iterator
 from kvpark.proto import VERSION
 from kvpark.proto.errors import (
     AlreadyExists,
-    DataLoss,
     FailedPrecondition,
     InvalidArgument,
     KVParkError,
-    LayoutMismatch,
     LeaseExpired,
-    NotFound,
     ResourceExhausted,
     Unavailable,
 )
 from kvpark.proto.layout import validate_seq_id
 from kvpark.proto.types import SeqInfo, Stat
-from kvpark.proto.wire import regroup
 from kvpark.tiers import cuda
 from kvpark.tiers.copy import CopyEngine
 from kvpark.tiers.arena import Allocation
 from kvpark.tiers.disk import DiskStore, Manifest, Write
 from kvpark.tiers.memory import MemTier
 
+from . import reads
 from .catalog import Catalog
 from .config import Config
 from .leases import LeaseTable
 from .metrics import Metrics
-from .model import MAX_PARTS, MEM_TIERS, Capabilities, Grant, Lease, ParkSpec, Part, ReadHandle, Reservation, Seq
+from .model import MAX_PARTS, MEM_TIERS, Capabilities, Grant, Lease, ParkSpec, ReadHandle, Reservation, Seq
 from .memory import MemoryTiers
 from .mover import ROOM_WAIT_S, Mover
 from .remote_tier import RemoteTier
@@ -426,112 +424,8 @@ class Engine:
 
     def acquire(self, seq_ids: str | list[str], need: str | None = None, stream: bool = False,
                 expect_layout: str = "", inline_max: int = 0) -> ReadHandle:
-        """Lease readable copies of one or more sequences, served as one payload.
-
-        A sequence that references shared blocks expands to those blocks, then itself.
-        ``need`` forces a memory tier (shm: host, cuda_ipc: device); otherwise each part
-        is served from its fastest CPU-readable copy, or from disk. A payload of at most
-        ``inline_max`` bytes is served that way even with ``need`` (the caller sends it
-        inline), so it never goes host -> device -> host. With ``expect_layout``, every
-        named sequence must carry ``attrs["layout"]`` equal to it. ``stream``: the lease
-        is held by this call's stream (no deadline).
-        """
-        ids = [seq_ids] if isinstance(seq_ids, str) else list(seq_ids)
-        if not ids:
-            raise InvalidArgument("no sequence ids given")
-        if len(ids) > MAX_PARTS:
-            raise InvalidArgument(f"{len(ids)} ids; at most {MAX_PARTS} per call")
-        for sid in ids:
-            validate_seq_id(sid)
-        self._check_open()
-        if need is not None:
-            self._tier_arg(need)
-        self._adopt(ids)
-        with self.catalog.lock:
-            tops = [self.catalog.get(sid) for sid in ids]
-            for t in tops:
-                have = t.attrs.get("layout", "")
-                if expect_layout and have != expect_layout:
-                    raise LayoutMismatch(
-                        f"sequence {t.seq_id!r} was parked with layout {have or '(none)'}; the caller expects "
-                        f"{expect_layout}"
-                    )
-            comps: list[Seq] = []
-            for t in tops:
-                comps.extend(self.catalog.get(r) for r in t.refs)
-                comps.append(t)
-            now = time.time()
-            for c in comps:
-                c.manifest.last_access = now
-                c.access_count += 1
-            if need is not None and sum(c.manifest.nbytes for c in comps) <= inline_max:
-                need = None
-            big = (need is not None and len(comps) == 1 and need not in comps[0].res
-                   and self.windows.needed(comps[0].manifest.nbytes, need))
-        if big:
-            assert need is not None
-            return self.windows.open_read(tops, comps[0], need)
-        want = need or self.restore_to
-        if want not in self.tiers:
-            want = None  # restore_to = "device" on a daemon whose device tier did not come up
-        lease = self.leases.new_read(stream)
-        parts: list[Part] = []
-        try:
-            if want:
-                self.mover.promote_batch(comps, want)
-            for c in comps:
-                parts.append(self._acquire_part(c, need, want, lease))
-        except BaseException:
-            with self.catalog.lock:
-                self.leases.end_read(lease)
-            raise
-        with self.catalog.lock:
-            if lease.parts:
-                self.leases.add(lease)
-            info = self.catalog.info_of(tops, comps)
-        return ReadHandle(info, parts, lease if lease.parts else None)
-
-    def _acquire_part(self, seq: Seq, need: str | None, want: str | None, lease: Lease) -> Part:
-        with self.catalog.lock:
-            part = self._lease_part(seq, need, want, lease, final=False)
-        if part is not None:
-            return part
-        if want:
-            self.mover.promote(seq, want, make_room=need is not None, lease=lease)
-        # Still only on remote (no promotion wanted, or no room for it): onto disk first.
-        self.mover.fetch_remote(seq)
-        with self.catalog.lock:
-            part = self._lease_part(seq, need, want, lease, final=True)
-            assert part is not None
-            return part
-
-    def _lease_part(self, seq: Seq, need: str | None, want: str | None, lease: Lease, final: bool) -> Part | None:
-        """Lease ``seq``'s copy to read from, in the same step that finds it. REQUIRES: index lock.
-
-        Before a promotion (``final`` False) only the copy the restore wants counts.
-        """
-        if seq.dropped:
-            raise NotFound(f"sequence {seq.seq_id!r} was dropped or overwritten during the restore")
-        held = next((t for s, t in lease.parts if s is seq), None)
-        if held is not None:  # the promotion leased it as it made it ready
-            return Part(seq.manifest, seq.res[held], held, seq)
-        if not final and (want and want not in seq.res or not seq.res and not seq.on_disk):
-            return None
-        if need is not None:
-            if need not in seq.res:
-                raise ResourceExhausted(
-                    f"sequence {seq.seq_id!r} ({seq.manifest.nbytes} bytes) is not in the {need} tier and "
-                    "there is no room to stage it there (leased or pinned sequences cannot be demoted)"
-                )
-            tiers: tuple[str, ...] = (need,)
-        else:
-            tiers = ("host", "device")  # streams read CPU memory best
-        for t in tiers:
-            if t in seq.res:
-                seq.add_reader(t)
-                lease.parts.append((seq, t))
-                return Part(seq.manifest, seq.res[t], t, seq)
-        return Part(seq.manifest, None, "disk", seq)
+        """Lease readable copies of one or more sequences, served as one payload (``reads.py``)."""
+        return reads.acquire(self, seq_ids, need, stream, expect_layout, inline_max)
 
     def grant(self, handle: ReadHandle) -> Grant:
         w = handle.window
@@ -539,66 +433,8 @@ class Engine:
                      window_size=w.size if w is not None else 0)
 
     def iter_chunks(self, handle: ReadHandle, chunk_size: int) -> Iterator[tuple[int, list[memoryview]]]:
-        """(payload offset, views) pieces of at most ``chunk_size`` bytes, in payload order.
-
-        Disk-served parts are read inside one read transaction; each block is verified
-        before any of its bytes are yielded.
-        """
-        def views(r: object) -> Iterator[memoryview]:
-            for p in handle.parts:
-                if p.alloc is not None:
-                    yield from self.tiers[p.tier].views(p.alloc)
-                else:
-                    m = p.manifest
-                    for i, n in enumerate(m.block_lengths):
-                        try:
-                            yield r.read_block(m, i, n)  # type: ignore[attr-defined]
-                        except DataLoss:
-                            if p.seq is not None and p.seq.dropped:  # deleted under us: gone, not corrupt
-                                raise NotFound(f"sequence {m.seq_id!r} was dropped or overwritten during the "
-                                               "restore") from None
-                            if i == 0 and self._evicted(p.seq):
-                                # Moved to remote between the lease and this read: serve it from there.
-                                yield from self._remote_blocks(m)
-                                break
-                            raise
-
-        if all(p.alloc is not None for p in handle.parts):
-            yield from regroup(views(None), chunk_size)
-            return
-        with self.disk.read_txn() as r:
-            yield from regroup(views(r), chunk_size)
-
-    def _evicted(self, seq: Seq | None) -> bool:
-        with self.catalog.lock:
-            return seq is not None and self.remote is not None and seq.on_remote and not seq.on_disk
-
-    def _remote_blocks(self, m: Manifest) -> Iterator[memoryview]:
-        assert self.remote is not None
-        view = memoryview(self.remote.fetch(m))
-        off = 0
-        for n in m.block_lengths:
-            yield view[off:off + n]
-            off += n
-
-    def _adopt(self, seq_ids: list[str]) -> None:
-        """Index the ids this daemon lacks that the remote tier has (with the shared
-        blocks they reference). Redis unreachable: nothing is adopted."""
-        if self.remote is None:
-            return
-        with self.catalog.lock:
-            missing = [sid for sid in dict.fromkeys(seq_ids) if self.catalog.find(sid) is None]
-        if not missing:
-            return
-        found = [m for m in self.remote.manifests(missing) if m is not None]
-        names = {m.seq_id for m in found}
-        with self.catalog.lock:
-            refs = [r for m in found for r in m.refs if r not in names and self.catalog.find(r) is None]
-        if refs:
-            found += [m for m in self.remote.manifests(list(dict.fromkeys(refs))) if m is not None]
-        if found:
-            with self.catalog.lock:
-                self.catalog.adopt(found)
+        """(payload offset, views) pieces of at most ``chunk_size`` bytes, in payload order (``reads.py``)."""
+        return reads.iter_chunks(self, handle, chunk_size)
 
     def _forget_remote(self, gone: list[Seq]) -> None:
         """Delete the remote copies of dropped or replaced versions (in the background)."""
@@ -612,7 +448,7 @@ class Engine:
         validate_seq_id(seq_id)
         self._check_open()
         self._tier_arg(tier)
-        self._adopt([seq_id])
+        reads.adopt(self, [seq_id])
         with self.catalog.lock:
             seq = self.catalog.get(seq_id)
             # About to be read: not the first victim of the demotion its own promotion may
@@ -630,7 +466,7 @@ class Engine:
         """
         validate_seq_id(seq_id)
         if everywhere:
-            self._adopt([seq_id])
+            reads.adopt(self, [seq_id])
         with self.catalog.lock:
             seq = self.catalog.find(seq_id)
             if seq is None:
@@ -670,7 +506,7 @@ class Engine:
 
     def info(self, seq_id: str) -> SeqInfo:
         validate_seq_id(seq_id)
-        self._adopt([seq_id])
+        reads.adopt(self, [seq_id])
         with self.catalog.lock:
             return self.catalog.info(self.catalog.get(seq_id))
 
