@@ -96,7 +96,6 @@ def evict_disk(mover: "Mover", need: int, target: int | None = None, exclude: Se
             mover.catalog.changed.wait(min(0.05, left))
 
 
-
 def disk_drop(mover: "Mover", seq_id: str) -> bool:
     """Without a remote tier: free one sequence's disk copy, dropping the sequence
     when the disk held its only copy. True when the disk copy is gone."""
@@ -123,7 +122,6 @@ def disk_drop(mover: "Mover", seq_id: str) -> bool:
         return True
     finally:
         seq.move_lock.release()
-
 
 
 def disk_to_remote(mover: "Mover", seq_id: str) -> bool:
@@ -156,7 +154,6 @@ def disk_to_remote(mover: "Mover", seq_id: str) -> bool:
         return False
     finally:
         seq.move_lock.release()
-
 
 
 def claim_on_disk(mover: "Mover", seq_id: str) -> Seq | None:

@@ -53,7 +53,6 @@ def fetch_remote_locked(mover: "Mover", seq: Seq) -> None:
         mover.disk.delete(m)
 
 
-
 def remote_blocks(mover: "Mover", seq: Seq) -> list[memoryview]:
     """``seq``'s blocks, fetched from remote and verified. A value that is bad or gone
     unindexes the sequence here too (the store deleted a bad one from Redis)."""
@@ -65,7 +64,6 @@ def remote_blocks(mover: "Mover", seq: Seq) -> list[memoryview]:
         blocks.append(view[off:off + n])
         off += n
     return blocks
-
 
 
 def remote_guard(mover: "Mover", seq: Seq, read: Callable[[], T]) -> T:
@@ -80,8 +78,9 @@ def remote_guard(mover: "Mover", seq: Seq, read: Callable[[], T]) -> T:
         raise
 
 
-
 def copy_to_remote(mover: "Mover", seq: Seq) -> None:
+    """write_through: copy ``seq`` to remote from memory (its copy pinned meanwhile), else
+    from disk; a sequence dropped or overwritten meanwhile has its remote copy deleted."""
     assert mover.remote is not None
     with mover.catalog.lock:
         if seq.dropped or seq.on_remote:
