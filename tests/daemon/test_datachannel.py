@@ -284,9 +284,15 @@ def test_frames_module_round_trips_status() -> None:
     assert struct.calcsize("<4sBB16sQ") == REQUEST.size
 
 
-def test_a_unix_socket_daemon_gets_a_unix_data_channel(daemon: Callable[..., Daemon], tmp_path) -> None:
+@pytest.mark.parametrize("form", ["absolute", "relative"])
+def test_a_unix_socket_daemon_gets_a_unix_data_channel_beside_it(daemon: Callable[..., Daemon], tmp_path,
+                                                                 monkeypatch: pytest.MonkeyPatch, form: str) -> None:
     sock = tmp_path / "kv.sock"
-    d = daemon(**{"server.listen": f"unix://{sock}"})
+    if form == "relative":
+        monkeypatch.chdir(tmp_path)
+    d = daemon(**{"server.listen": f"unix://{sock}" if form == "absolute" else "unix:kv.sock"})
+    # Next to the gRPC socket (a relative one never lands at the file system's root),
+    # advertised absolute.
     assert d.datachannel is not None and d.datachannel.address == f"unix:{sock}.data"
     ts = [torch.randn(400_000)]
     with Client(d.address, transport="inline") as c:
@@ -295,19 +301,6 @@ def test_a_unix_socket_daemon_gets_a_unix_data_channel(daemon: Callable[..., Dae
         assert wait_until(lambda: d.datachannel.transfers == 2)
     d.stop()
     assert not (tmp_path / "kv.sock.data").exists()
-
-
-def test_a_relative_unix_socket_keeps_its_data_channel_beside_it(daemon: Callable[..., Daemon], tmp_path,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.chdir(tmp_path)
-    d = daemon(**{"server.listen": "unix:kv.sock"})
-    # Next to the gRPC socket (never at the file system's root), advertised absolute.
-    assert d.datachannel is not None and d.datachannel.address == f"unix:{tmp_path}/kv.sock.data"
-    ts = [torch.randn(300_000)]
-    with Client(d.address, transport="inline") as c:
-        c.park("r", ts)
-        assert torch.equal(c.restore("r")[0], ts[0])
-        assert wait_until(lambda: d.datachannel.transfers == 2)
 
 
 def test_a_restore_served_from_disk_streams_from_the_records(daemon: Callable[..., Daemon], tmp_path) -> None:
