@@ -363,7 +363,9 @@ class DataChannelServer:
     def _get(self, sock: socket.socket, ticket: Ticket, nbytes: int) -> None:
         handle = ticket.handle
         assert handle is not None
-        if ticket.lease_id and self.engine.leases.hold(ticket.lease_id) is None:
+        leases = self.engine.leases
+        lease = leases.hold(ticket.lease_id) if ticket.lease_id else None
+        if ticket.lease_id and lease is None:
             raise LeaseExpired(f"read lease {ticket.lease_id[:8]} expired before the transfer")
         try:
             if nbytes != ticket.nbytes:
@@ -371,7 +373,11 @@ class DataChannelServer:
             sock.sendall(status_bytes(None))
             try:
                 for _, views in ticket.view.iter_chunks(handle, GET_CHUNK):
-                    send_views(sock, [CHUNK.pack(sum(len(v) for v in views)), *views])
+                    # Each chunk leaves the slots under the lease's copy lock: a Release (or
+                    # shutdown) waits it out, and the next chunk then fails typed; no slot
+                    # is freed, and none reused, while its bytes are being sent.
+                    with leases.copying(lease):
+                        send_views(sock, [CHUNK.pack(sum(len(v) for v in views)), *views])
             except KVParkError as e:
                 # Mid-stream: a zero-length chunk (never a data chunk) announces the error's
                 # status frame, so the client raises it typed (a checksum's DataLoss, ...).

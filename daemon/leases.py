@@ -30,6 +30,8 @@ from __future__ import annotations
 import logging
 import secrets
 import time
+from contextlib import contextmanager
+from typing import Iterator
 
 from kvpark.proto.errors import LeaseExpired
 from kvpark.tiers.arena import Allocation
@@ -91,13 +93,31 @@ class LeaseTable:
 
     def hold(self, lease_id: str) -> Lease | None:
         """A live read lease, taken over by a transfer that ends it: it no longer expires
-        under the reader (the data channel streams from its slots). None if it is gone."""
+        under the reader (the data channel streams from its slots). None if it is gone,
+        ended, or past its deadline (the reaper may be ending it right now)."""
+        now = time.monotonic()
         with self.catalog.lock:
             lease = self._leases.get(lease_id)
-            if lease is None or lease.kind != "read":
+            if lease is None or lease.kind != "read" or lease.ended:
+                return None
+            if lease.expires_at is not None and lease.expires_at < now:
                 return None
             lease.expires_at = None
             return lease
+
+    @contextmanager
+    def copying(self, lease: Lease | None) -> Iterator[None]:
+        """Copy into or out of ``lease``'s slots (a chunk of a transfer). Nothing ends the
+        lease meanwhile: ``end`` (a Release, the reaper, shutdown) waits out this copy, and
+        the copy after it raises ``LeaseExpired``. None: a restore served from disk."""
+        if lease is None:
+            yield
+            return
+        with lease.lock:
+            if lease.ended:
+                raise LeaseExpired(f"{lease.kind} lease {lease.lease_id[:8]} ended during the transfer "
+                                   "(released, expired or the daemon is stopping)")
+            yield
 
     def extend(self, lease: Lease) -> None:
         lease.expires_at = time.monotonic() + self.ttl_s
@@ -110,13 +130,25 @@ class LeaseTable:
             return False
         return self.end(lease)
 
-    def end(self, lease: Lease) -> bool:
-        """Free what ``lease`` holds. False if someone else ended it first."""
+    def end(self, lease: Lease, expired_before: float | None = None) -> bool:
+        """Free what ``lease`` holds. False if someone else ended it first.
+
+        Waits out a chunk being copied into or out of its slots (``Lease.lock``), so no
+        slot is freed under a copy. ``expired_before`` (the reaper): end it only if it is
+        still past that deadline, and never wait: a lease being copied right now is alive
+        (a transfer's lease stops expiring; a write's is extended after each chunk).
+        """
+        if not lease.lock.acquire(blocking=expired_before is None):
+            return False
+        try:
+            if lease.ended:
+                return False
+            if expired_before is not None and (lease.expires_at is None or lease.expires_at >= expired_before):
+                return False  # held by a transfer, or extended, since the reaper looked
+            lease.ended = True
+        finally:
+            lease.lock.release()
         if lease.kind == "write":
-            with lease.lock:  # waits out a chunk being copied into these slots right now
-                if lease.ended:
-                    return False
-                lease.ended = True
             if lease.window is not None and lease.window.on_end is not None:
                 # Before the slots go: waits out the window being written to disk, then
                 # deletes what was staged (never published, never visible).
@@ -129,13 +161,8 @@ class LeaseTable:
                 if lease.window is not None:
                     lease.window.alloc = None
             return True
-        if lease.window is not None:
-            with lease.lock:  # waits out a window being moved right now
-                if lease.ended:
-                    return False
-                lease.ended = True
-            if lease.window.on_end is not None:
-                lease.window.on_end()  # before the slots go: the read in flight lands, the snapshot ends
+        if lease.window is not None and lease.window.on_end is not None:
+            lease.window.on_end()  # before the slots go: the read in flight lands, the snapshot ends
         with self.catalog.lock:
             if self._leases.pop(lease.lease_id, None) is None and not lease.parts:
                 return False
@@ -160,7 +187,7 @@ class LeaseTable:
         with self.catalog.lock:
             expired = [l for l in self._leases.values() if l.expires_at is not None and l.expires_at < now]
         for lease in expired:
-            if self.end(lease):
+            if self.end(lease, expired_before=now):
                 log.warning("%s lease %s expired; freeing what it held", lease.kind, lease.lease_id[:8])
                 if self.metrics is not None:
                     self.metrics.lease_expired()

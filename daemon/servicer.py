@@ -204,7 +204,11 @@ class Servicer:
             for offset, views in eng.iter_chunks(handle, self.chunk_size):
                 if not context.is_active():
                     return
-                yield encode_chunk(offset, *views)
+                # Copied out under the lease's copy lock, yielded after: a lease ended
+                # while the stream waits is a typed error, never bytes of freed slots.
+                with self.engine.leases.copying(handle.lease):
+                    msg = encode_chunk(offset, *views)
+                yield msg
             self._restored("inline", handle.info.nbytes, t0)
         finally:
             if handle.lease_id:
@@ -246,7 +250,8 @@ class Servicer:
                 eng.release(handle.lease_id)
 
     def _join(self, eng: Any, handle: ReadHandle) -> bytes:
-        return b"".join(v for _, views in eng.iter_chunks(handle, 1 << 30) for v in views)
+        with self.engine.leases.copying(handle.lease):
+            return b"".join(v for _, views in eng.iter_chunks(handle, 1 << 30) for v in views)
 
     def _pend(self, lease_id: str, t0: float, transport: str) -> None:
         if self.metrics is not None:
