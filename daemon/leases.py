@@ -152,7 +152,7 @@ class LeaseTable:
             if lease.window is not None and lease.window.on_end is not None:
                 # Before the slots go: waits out the window being written to disk, then
                 # deletes what was staged (never published, never visible).
-                lease.window.on_end()
+                self._on_end(lease)
             with self.catalog.lock:
                 self._leases.pop(lease.lease_id, None)
                 for a in lease.write_allocs():
@@ -162,12 +162,25 @@ class LeaseTable:
                     lease.window.alloc = None
             return True
         if lease.window is not None and lease.window.on_end is not None:
-            lease.window.on_end()  # before the slots go: the read in flight lands, the snapshot ends
+            self._on_end(lease)  # before the slots go: the read in flight lands, the snapshot ends
         with self.catalog.lock:
             if self._leases.pop(lease.lease_id, None) is None and not lease.parts:
                 return False
             self.end_read(lease)
         return True
+
+    @staticmethod
+    def _on_end(lease: Lease) -> None:
+        """A window's end hook. Its I/O in flight has landed once it returns or raises
+        (``Window.settle`` first), so the slots may go either way: a failed delete of
+        staged blocks (EIO, EROFS, a full map) leaves records no manifest names, which the
+        next start deletes; the slots must not stay lost until then."""
+        assert lease.window is not None and lease.window.on_end is not None
+        try:
+            lease.window.on_end()
+        except Exception as e:  # noqa: BLE001 - logged; the lease still ends
+            log.error("%s lease %s: its window's end failed (%s: %s); freeing its slots anyway",
+                      lease.kind, lease.lease_id[:8], type(e).__name__, e)
 
     def end_read(self, lease: Lease) -> None:
         # REQUIRES: index lock.

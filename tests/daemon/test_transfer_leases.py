@@ -12,7 +12,9 @@ import socket
 import sys
 import threading
 import time
-from typing import Callable
+from typing import Any, Callable
+
+import lmdb
 
 import torch
 
@@ -24,8 +26,9 @@ from kvpark.daemon.mover import Mover
 from kvpark.daemon.server import Daemon
 from kvpark.daemon.servicer import _spec
 from kvpark.proto.dataframe import CHUNK, GET, MAGIC, PUT, REQUEST, VERSION, parse_address, read_status, recv_exact
-from kvpark.proto.errors import KVParkError, LeaseExpired
+from kvpark.proto.errors import KVParkError, LeaseExpired, Unavailable
 from kvpark.proto.v1 import kvpark_pb2 as pb
+from kvpark.tiers.disk import DiskStore
 
 from ..conftest import make_config, wait_until
 
@@ -239,3 +242,61 @@ def test_a_transfer_cannot_take_over_a_lease_past_its_deadline(tmp_path) -> None
         eng.check_invariants()
     finally:
         eng.close(flush=False)
+
+
+class AbortFailsOnce(DiskStore):
+    """The first staged abort fails as LMDB does on a failing file system (EIO, EROFS):
+    its write transaction cannot be opened. Every other call is the real store's."""
+
+    failed = 0
+
+    def stage_abort(self, m: Any) -> None:
+        if self.failed:
+            return super().stage_abort(m)
+        self.failed += 1
+        real = self.env
+        self.env = _NoWrites(real)
+        try:
+            super().stage_abort(m)
+        finally:
+            self.env = real
+
+
+class _NoWrites:
+    def __init__(self, env: lmdb.Environment) -> None:
+        self._env = env
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+    def begin(self, *args: Any, write: bool = False, **kw: Any) -> Any:
+        if write:
+            raise lmdb.ReadonlyError("mdb_txn_begin: Read-only file system")
+        return self._env.begin(*args, **kw)
+
+
+def test_a_windowed_park_whose_abort_fails_still_frees_its_slots(daemon: Callable[..., Daemon]) -> None:
+    """Aborting a windowed park deletes what it staged on disk; when that delete fails,
+    the lease still ends and its window slots go back to the tier (the staged records
+    are deleted at the next start), so the tier is not short of them until a restart."""
+    d = daemon(disk_factory=AbortFailsOnce, **{"tiers.host.capacity": "16MiB"})
+    assert d.engine is not None
+    host = d.engine.tiers["host"].alloc
+    big = filled(24 * MiB, 3)  # larger than the host tier: parked through windows
+    with Client(d.address, transport="inline") as c:
+        # 1. A shm-style windowed reservation holds its window slots; the client gives up.
+        r = c.rpc.call(c.rpc.reserve, pb.ReserveRequest(header=_header("w", [big]), tier="host"))
+        assert r.window_size > 0 and host.free_bytes < host.capacity
+        try:
+            c.rpc.call(c.rpc.release, pb.ReleaseRequest(lease_id=r.lease_id))
+        except Unavailable:
+            pass  # the failed delete may be reported; the lease must end either way
+        assert d.engine.disk.failed == 1  # type: ignore[attr-defined]
+        # 2. The lease is over and every window slot is free again.
+        assert d.engine.stat().leases == 0
+        assert host.free_bytes == host.capacity
+        # 3. A park that needs the whole tier lands at once, and the accounting is exact.
+        c.park("full", [filled(16 * MiB, 9)])
+        assert torch.equal(c.restore("full")[0], filled(16 * MiB, 9))
+        assert c.present(["w"]) == [False]
+    settled(d)
