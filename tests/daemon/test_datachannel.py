@@ -15,6 +15,7 @@ import torch
 
 from kvpark.client import Client
 from kvpark.client.client import _header
+from kvpark.daemon import datachannel
 from kvpark.daemon.server import Daemon
 from kvpark.proto.dataframe import CHUNK, GET, MAGIC, MAX_FRAME, PUT, REQUEST, VERSION, parse_address, read_status
 from kvpark.proto.errors import (DataLoss, InvalidArgument, KVParkError, LeaseExpired, Unauthenticated)
@@ -44,12 +45,39 @@ def settled(d: Daemon) -> None:
     d.engine.check_invariants()
 
 
-def test_inline_round_trips_over_the_data_channel(daemon: Callable[..., Daemon]) -> None:
+# Frame sizes (the client's PUT frames, the daemon's GET chunks) that line up with the
+# 1 MiB slots, and two that do not: a frame then starts and ends inside a slot, and the
+# channel must carry its place in the slot (and in the allocation) from frame to frame.
+FRAMES = [pytest.param(None, id="default"), pytest.param(1_000_003, id="prime"),
+          pytest.param(65_537, id="small-odd")]
+
+
+def odd_frames(c: Client, monkeypatch: pytest.MonkeyPatch, frame: int | None) -> None:
+    """The real client and daemon, framing the payload in ``frame``-byte pieces."""
+    channel = c._transport.channel  # type: ignore[attr-defined]
+    assert channel is not None
+    if frame is not None:
+        monkeypatch.setattr(channel, "max_frame", frame)
+        monkeypatch.setattr(datachannel, "GET_CHUNK", frame)
+
+
+def odd_sized(seed: int) -> list[torch.Tensor]:
+    """Tensors of odd byte sizes, none a multiple of a slot or of a tail granule."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 255, (1_048_579,), dtype=torch.uint8, generator=g),
+            torch.randn(3, 7, 11, generator=g).to(torch.float16),
+            torch.randint(-9, 9, (333_337,), dtype=torch.int8, generator=g),
+            torch.randn(77_777, generator=g, dtype=torch.float64)]
+
+
+@pytest.mark.parametrize("frame", FRAMES)
+def test_inline_round_trips_over_the_data_channel(daemon: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch,
+                                                  frame: int | None) -> None:
     d = daemon(**{"tiers.host.capacity": "32MiB"})
     assert d.datachannel is not None
     ts = mixed()
     with Client(d.address, transport="inline") as c:
-        assert c._transport.channel is not None  # type: ignore[attr-defined]
+        odd_frames(c, monkeypatch, frame)
         info = c.park("m", ts)
         assert [tuple(m.shape) for m in info.tensors] == [tuple(t.shape) for t in ts]
         before = d.datachannel.transfers
@@ -74,6 +102,30 @@ def test_inline_round_trips_over_the_data_channel(daemon: Callable[..., Daemon])
         assert all(torch.equal(a, b) for a, b in zip(ts + many, both))
         # Counted by the daemon after its last send: the client may be done first.
         assert wait_until(lambda: d.datachannel.transfers >= before + 5)
+    settled(d)
+
+
+@pytest.mark.parametrize("frame", FRAMES)
+def test_prefix_parks_with_odd_sized_blocks_round_trip_over_the_data_channel(
+        daemon: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch, frame: int | None) -> None:
+    """A park's payload is its new blocks, then its own tensors, each allocation its own
+    slots and packed tail: frames that cross from one allocation to the next, mid-slot,
+    land each byte where its block's record says."""
+    d = daemon(**{"tiers.host.capacity": "32MiB"})
+    b1, b2, b3, own1, own2 = (odd_sized(s) for s in range(5))
+    with Client(d.address, transport="inline") as c:
+        odd_frames(c, monkeypatch, frame)
+        before = d.datachannel.transfers  # type: ignore[union-attr]
+        c.park("p1", own1, refs=["B1", "B2"], new_blocks={"B1": b1, "B2": b2})
+        # B1 exists by now: its bytes are sent again and discarded; B3 is new.
+        c.park("p2", own2, refs=["B1", "B3"], new_blocks={"B1": b1, "B3": b3})
+        for sid, want in (("p1", b1 + b2 + own1), ("p2", b1 + b3 + own2), ("B3", b3)):
+            got = c.restore(sid)
+            assert len(got) == len(want)
+            assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(want, got)), sid
+        _, both = c.restore_many(["p1", "B2", "p2"])
+        assert all(torch.equal(a, b) for a, b in zip(b1 + b2 + own1 + b2 + b1 + b3 + own2, both))
+        assert wait_until(lambda: d.datachannel.transfers >= before + 6)  # type: ignore[union-attr]
     settled(d)
 
 
