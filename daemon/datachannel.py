@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpark.proto.dataframe import (CHUNK, GET, MAGIC, MAX_FRAME, PUT, REQUEST, TOKEN_BYTES, VERSION, Closed,
-                                    parse_address, recv_exact, recv_into_exact, send_views, status_bytes)
+                                    parse_address, recv_exact, send_views, status_bytes)
 from kvpark.proto.errors import InvalidArgument, KVParkError, LeaseExpired, Unauthenticated
 
 from .config import ServerConfig
@@ -333,19 +333,23 @@ class DataChannelServer:
                     raise InvalidArgument(f"data channel frame of {n} bytes (1..{MAX_FRAME})")
                 if received + n > nbytes:
                     raise InvalidArgument(f"frames overrun the declared {nbytes} bytes")
+                # The whole frame gets the idle limit, not each recv: a peer trickling a
+                # byte at a time must not hold the copy lock (which Release and shutdown
+                # wait on) for ever.
+                deadline = time.monotonic() + IDLE_S
                 if not mem.on_cpu:  # device slots: through the bounce buffer, as inline chunks go
-                    recv_into_exact(sock, bounce[:n])
+                    _recv_into_by(sock, bounce[:n], deadline)
                     ticket.view.write_chunk(ticket.lease_id, received, bounce[:n])
                     received += n
                     continue
-                with lease.lock:  # the reaper cannot free these slots while we fill them
+                with lease.lock:  # no end frees these slots while we fill them
                     if lease.ended:
                         raise LeaseExpired(f"write lease {lease.lease_id[:8]} expired during the transfer")
                     left = n
                     while left:
                         v = views[vi]
                         take = min(len(v) - within, left)
-                        recv_into_exact(sock, v[within : within + take])
+                        _recv_into_by(sock, v[within : within + take], deadline)
                         within += take
                         left -= take
                         if within == len(v):
@@ -388,6 +392,23 @@ class DataChannelServer:
         # ...before the closing status: a client whose restore returned sees it ended.
         sock.sendall(status_bytes(None))
         self.transfers += 1
+
+
+def _recv_into_by(sock: socket.socket, view: memoryview, deadline: float) -> None:
+    """Fill ``view`` from the socket by ``deadline`` (a ``socket.timeout`` past it)."""
+    pos, n = 0, len(view)
+    try:
+        while pos < n:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout(f"a data channel frame still short by {n - pos} bytes after {IDLE_S}s")
+            sock.settimeout(left)
+            got = sock.recv_into(view[pos:], n - pos)
+            if got == 0:
+                raise Closed(f"connection closed after {pos} of {n} bytes")
+            pos += got
+    finally:
+        sock.settimeout(IDLE_S)
 
 
 def _close(sock: socket.socket) -> None:

@@ -15,11 +15,13 @@ import time
 from typing import Any, Callable
 
 import lmdb
+import pytest
 
 import torch
 
 from kvpark.client import Client
 from kvpark.client.client import _header
+from kvpark.daemon import datachannel
 from kvpark.daemon.engine import Engine
 from kvpark.daemon.leases import LeaseTable
 from kvpark.daemon.mover import Mover
@@ -299,4 +301,44 @@ def test_a_windowed_park_whose_abort_fails_still_frees_its_slots(daemon: Callabl
         c.park("full", [filled(16 * MiB, 9)])
         assert torch.equal(c.restore("full")[0], filled(16 * MiB, 9))
         assert c.present(["w"]) == [False]
+    settled(d)
+
+
+def test_a_trickled_put_frame_neither_stalls_the_reaper_nor_holds_its_lease_forever(
+        daemon: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PUT frame that arrives a byte at a time (each recv well inside the idle limit)
+    holds its lease's copy lock while it lands. The reaper must not wait on it (every
+    other lease would stop expiring, and no demotion would run), and the frame as a whole
+    gets the idle limit, not each recv."""
+    monkeypatch.setattr(datachannel, "IDLE_S", 3.0)  # the channel's stall limit, shorter for the test
+    d = daemon(**{"tiers.host.capacity": "32MiB", "leases.ttl_s": 0.5})
+    small = filled(2 * MiB, 4)
+    with Client(d.address, transport="inline") as c:
+        c.park("probe", [small])
+        r = c.rpc.call(c.rpc.reserve, pb.ReserveRequest(header=_header("t", [small]), tier="host",
+                                                         data_channel=True))
+        s = slow_reader(d)
+        s.sendall(REQUEST.pack(MAGIC, VERSION, PUT, r.token, 2 * MiB) + CHUNK.pack(2 * MiB) + b"\1")
+        assert wait_until(lambda: d.engine.leases._leases[r.lease_id].lock.locked())
+        # 1. A lease nobody uses expires meanwhile: the reaper is not stuck behind the frame.
+        probe = c.rpc.call(c.rpc.acquire, pb.AcquireRequest(seq_id="probe", tier="host"))
+        sent = [0]
+
+        def trickle() -> bool:
+            try:
+                s.sendall(b"\1")
+                sent[0] += 1
+            except OSError:
+                return True  # the daemon gave up on the frame and closed
+            return False
+
+        assert wait_until(lambda: trickle() or probe.lease_id not in d.engine.leases._leases,
+                          timeout=30.0, interval=0.25)
+        assert probe.lease_id not in d.engine.leases._leases
+        # 2. The frame itself is bounded: the daemon ends the transfer, aborts the
+        #    reservation, and the trickle finds the connection closed.
+        assert wait_until(trickle, timeout=60.0, interval=0.25)
+        s.close()
+        assert wait_until(lambda: r.lease_id not in d.engine.leases._leases)
+        assert c.present(["t"]) == [False]
     settled(d)
