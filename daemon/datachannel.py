@@ -8,17 +8,22 @@ one-time token; a transfer on this socket presents the token and acts on that on
 reservation or lease only, so whoever made the control call is who the bytes belong to.
 The framing is ``kvpark.proto.dataframe``.
 
-- PUT: chunks land straight in the reserved arena slots (``recv_into`` on slot views,
-  under the lease's copy lock, so the reaper never frees slots mid-copy); a reservation
-  on the device tier takes each chunk through one bounce buffer (``write_chunk``, as
-  an inline park's chunks). The client then commits over gRPC, and that commit
-  requires every byte to have arrived.
+A transfer owns its lease: each chunk is copied into or out of the slots under the
+lease's copy lock (``LeaseTable.copying``), so a Release, the reaper or shutdown waits
+out that chunk, and the next one fails typed (``LeaseExpired``); no slot is freed or
+reused while a chunk is being copied. The reaper never waits on a copy, and a frame as
+a whole gets the idle limit, so a peer trickling bytes cannot hold the lock for ever.
+
+- PUT: chunks land straight in the reserved arena slots (``recv_into`` on slot views);
+  a reservation on the device tier takes each chunk through one bounce buffer
+  (``write_chunk``, as an inline park's chunks). The client then commits over gRPC, and
+  that commit requires every byte to have arrived (counted on the lease itself).
 - GET: served as an inline restore is (memory copies under the read lease, disk records
   verified as they are read): the lease stops expiring while the bytes are streamed out
   (``sendmsg`` of slot views) and the transfer ends it before its closing status, so the
   client makes no Release call and a restore that returned has ended its lease. An
-  error mid-stream (a record failing its checksum) is sent typed after a zero-length
-  chunk.
+  error mid-stream (a record failing its checksum, a lease released under the transfer)
+  is sent typed after a zero-length chunk.
 
 Bad input (an unknown, expired or reused token, a wrong op or size, a frame of 0 or more
 than ``MAX_FRAME`` bytes, frames past the declared size, a short read, an idle or
@@ -37,8 +42,9 @@ Primitives:
 - ``Tickets(ttl_s)``: ``issue_put(lease_id, nbytes, view) -> token``, ``issue_get(handle,
   view) -> token`` (``view``: the engine as the calling tenant, which the token then acts
   as), ``take(token) -> Ticket`` (one use; ``Unauthenticated`` when unknown, used or
-  expired), ``put_total(lease_id) -> int | None`` (what a commit of that lease requires),
-  ``committed(lease_id)``.
+  expired). What a commit requires is kept on the lease (``LeaseTable.require_all``),
+  never here: this table forgets expired tokens, and frames keep a lease alive past its
+  token.
 - ``DataChannelServer(engine, listen, ssl_context=None)``: ``start()`` binds (port 0
   picks one; ``address`` is then what ``Hello`` advertises), ``stop()``,
   ``connections`` (open ones), ``transfers`` (completed ones).
@@ -96,22 +102,17 @@ class Tickets:
         self.ttl_s = ttl_s
         self._lock = threading.Lock()
         self._by_token: dict[bytes, Ticket] = {}
-        self._put_totals: dict[str, tuple[int, float]] = {}  # lease id -> (nbytes, expires_at)
 
     def _purge(self, now: float) -> None:
         # REQUIRES: self._lock. Tokens nobody presented (their leases expire on their own).
         if len(self._by_token) > 256:
             self._by_token = {k: t for k, t in self._by_token.items() if t.expires_at >= now}
-        if len(self._put_totals) > 256:
-            self._put_totals = {k: v for k, v in self._put_totals.items() if v[1] >= now}
 
     def _issue(self, ticket: Ticket) -> bytes:
         token = secrets.token_bytes(TOKEN_BYTES)
         with self._lock:
             self._purge(time.monotonic())
             self._by_token[token] = ticket
-            if ticket.op == PUT:
-                self._put_totals[ticket.lease_id] = (ticket.nbytes, ticket.expires_at)
         return token
 
     def issue_put(self, lease_id: str, nbytes: int, view: Any) -> bytes:
@@ -127,18 +128,6 @@ class Tickets:
         if t is None or t.expires_at < time.monotonic():
             raise Unauthenticated("data channel token unknown, expired or already used")
         return t
-
-    def put_total(self, lease_id: str) -> int | None:
-        """The bytes a commit of this data-channel reservation must have received."""
-        with self._lock:
-            got = self._put_totals.get(lease_id)
-        return None if got is None else got[0]
-
-    def committed(self, lease_id: str) -> None:
-        """Forget a reservation's total once its commit succeeded (a refused commit, say
-        one that named another tenant's lease, leaves it for the owner's commit)."""
-        with self._lock:
-            self._put_totals.pop(lease_id, None)
 
 
 def server_ssl_context(server: ServerConfig) -> ssl.SSLContext | None:

@@ -16,6 +16,8 @@ Primitives:
   ``new_read(stream) -> Lease``.
 - ``get(lease_id) -> Lease`` (any kind); ``get_write(lease_id) -> Lease``; ``take_write(lease_id) -> Lease`` (REQUIRES: index
   lock): remove a write lease for its commit.
+- ``require_all(lease_id)``: a write lease the data channel fills, whose commit needs
+  every byte; ``required(lease_id) -> int | None``: what its commit must have received.
 - ``extend(lease)``: push a write lease's idle deadline back; ``hold(lease_id)``: a read lease
   that stops expiring, taken over by the data channel transfer that ends it.
 - ``end(lease)``, ``release(lease_id) -> bool``: free what a lease holds (a windowed
@@ -118,6 +120,19 @@ class LeaseTable:
                 raise LeaseExpired(f"{lease.kind} lease {lease.lease_id[:8]} ended during the transfer "
                                    "(released, expired or the daemon is stopping)")
             yield
+
+    def require_all(self, lease_id: str) -> None:
+        """Mark a write lease whose bytes come through this process on its own (the data
+        channel): its commit must find every byte received, whoever asks for it."""
+        self.get_write(lease_id).fill_here = True
+
+    def required(self, lease_id: str) -> int | None:
+        """The bytes a commit of this write lease must have received; None when its bytes
+        were written where the daemon cannot count them (shm, cuda_ipc) or it is gone."""
+        lease = self._leases.get(lease_id)  # one dict read
+        if lease is None or lease.kind != "write" or not lease.fill_here or lease.spec is None:
+            return None
+        return lease.spec.total
 
     def extend(self, lease: Lease) -> None:
         lease.expires_at = time.monotonic() + self.ttl_s

@@ -361,6 +361,7 @@ class Lease:
     alloc: Allocation | None = None  # write leases: the sequence's own bytes
     block_allocs: list[Allocation] = field(default_factory=list)  # write leases: spec.blocks, in order
     received: int = 0  # inline bytes written so far
+    fill_here: bool = False  # write leases the data channel fills: a commit needs every byte received
     ended: bool = False  # write leases: released, committed or expired; no more writes
     lock: threading.Lock = field(default_factory=threading.Lock)  # held while copying in (or a window moves)
     window: Window | None = None  # a windowed park or restore

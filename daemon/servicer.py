@@ -279,6 +279,7 @@ class Servicer:
                 # stream does; the client falls back to it.
                 eng.release(r.lease_id)
                 raise TransportUnavailable("a windowed park goes over the gRPC stream, not the data channel")
+            self.engine.leases.require_all(r.lease_id)  # its commit needs every byte, counted on the lease
             self._pend(r.lease_id, t0, "inline")
             return pb.ReserveResponse(lease_id=r.lease_id, expires_in_s=r.expires_in_s,
                                       token=dc.tickets.issue_put(r.lease_id, spec.total, eng))
@@ -297,10 +298,7 @@ class Servicer:
     def Commit(self, req: pb.CommitRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
         eng = self.tenants.view()
         # A data-channel reservation publishes only once every byte has arrived on it.
-        expect = self.datachannel.tickets.put_total(req.lease_id) if self.datachannel is not None else None
-        info = eng.commit(req.lease_id, expect_nbytes=expect)
-        if expect is not None:
-            self.datachannel.tickets.committed(req.lease_id)  # type: ignore[union-attr]
+        info = eng.commit(req.lease_id, expect_nbytes=self.engine.leases.required(req.lease_id))
         with self._pending_lock:
             started = self._pending.pop(req.lease_id, None)
         if started is not None:

@@ -28,7 +28,7 @@ from kvpark.daemon.mover import Mover
 from kvpark.daemon.server import Daemon
 from kvpark.daemon.servicer import _spec
 from kvpark.proto.dataframe import CHUNK, GET, MAGIC, PUT, REQUEST, VERSION, parse_address, read_status, recv_exact
-from kvpark.proto.errors import KVParkError, LeaseExpired, Unavailable
+from kvpark.proto.errors import InvalidArgument, KVParkError, LeaseExpired, Unavailable
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.tiers.disk import DiskStore
 
@@ -59,6 +59,10 @@ def start_get(c: Client, d: Daemon, sid: str) -> tuple[pb.AcquireResponse, socke
     s.sendall(REQUEST.pack(MAGIC, VERSION, GET, a.token, a.info.nbytes))
     assert read_status(s) is None
     return a, s
+
+
+def reserve_dc(c: Client, sid: str, ts: list[torch.Tensor]) -> pb.ReserveResponse:
+    return c.rpc.call(c.rpc.reserve, pb.ReserveRequest(header=_header(sid, ts), tier="host", data_channel=True))
 
 
 def read_rest(s: socket.socket, nbytes: int) -> tuple[bytes, KVParkError | None]:
@@ -341,4 +345,38 @@ def test_a_trickled_put_frame_neither_stalls_the_reaper_nor_holds_its_lease_fore
         s.close()
         assert wait_until(lambda: r.lease_id not in d.engine.leases._leases)
         assert c.present(["t"]) == [False]
+    settled(d)
+
+
+def test_a_data_channel_park_commits_only_whole_however_many_tokens_were_issued(
+        daemon: Callable[..., Daemon]) -> None:
+    """Frames keep a reservation alive past its token's deadline; once more than a few
+    hundred other tokens have been issued, the token table forgets expired entries. The
+    commit's "every byte arrived" check must not forget with it: 24 KiB of 2 MiB is never
+    published."""
+    d = daemon(**{"tiers.host.capacity": "32MiB", "leases.ttl_s": 1.0})
+    x = filled(2 * MiB, 6)
+    with Client(d.address, transport="inline") as c:
+        r = reserve_dc(c, "x", [x])
+        token_deadline = time.monotonic() + 1.0
+        s = slow_reader(d)
+        s.sendall(REQUEST.pack(MAGIC, VERSION, PUT, r.token, 2 * MiB))
+
+        def frame() -> bool:  # 8 KiB, which also pushes the reservation's deadline back
+            s.sendall(CHUNK.pack(8 << 10) + bytes(8 << 10))
+            return time.monotonic() > token_deadline + 0.5
+
+        # 1. The reservation outlives its token: three frames, and time passes.
+        assert wait_until(frame, timeout=20.0, interval=0.25)
+        assert wait_until(lambda: frame() and d.engine.leases._leases[r.lease_id].received >= 24 << 10,
+                          interval=0.25)
+        # 2. 257 more reservations' tokens, then the commit of the partial park.
+        tiny = [filled(1000, 1)]
+        for i in range(257):
+            assert reserve_dc(c, f"tiny-{i}", tiny).token
+        frame()
+        with pytest.raises(InvalidArgument, match="commit after"):
+            c.rpc.call(c.rpc.commit, pb.CommitRequest(lease_id=r.lease_id))
+        s.close()
+        assert c.present(["x"]) == [False]
     settled(d)
