@@ -7,8 +7,15 @@ no deadline (the stream releases them); every other lease expires after
 a stalled stream gets an idle deadline that every chunk pushes back.
 
 The table lives under the catalog's index lock (it changes readers and frees slots).
-Ending a write lease first waits out a chunk being copied into its slots (``Lease.lock``),
-*without* the index lock, then frees the slots under it.
+
+A transfer owns its lease: a lease cannot end under a chunk being copied into or out of
+its slots (a data channel PUT or GET, a gRPC stream's chunk, a window being moved).
+Each such copy holds ``Lease.lock`` (``copying``); ending a lease (a Release, a commit,
+shutdown) first waits that copy out, *without* the index lock, marks the lease ended,
+so the transfer's next copy fails typed, then frees the slots under the index lock. The
+reaper never waits: a lease being copied right now is alive, and it ends only leases
+still past their deadline when it gets to them. A window's end hook that fails (a
+staged delete on a failing disk) is logged, and the slots are freed all the same.
 
 Primitives:
 - ``LeaseTable(catalog, LeaseConfig)``.
@@ -19,10 +26,12 @@ Primitives:
 - ``require_all(lease_id)``: a write lease the data channel fills, whose commit needs
   every byte; ``required(lease_id) -> int | None``: what its commit must have received.
 - ``extend(lease)``: push a write lease's idle deadline back; ``hold(lease_id)``: a read lease
-  that stops expiring, taken over by the data channel transfer that ends it.
-- ``end(lease)``, ``release(lease_id) -> bool``: free what a lease holds (a windowed
-  park's staged disk blocks too; a windowed restore's window slots).
-- ``reap()``: end every expired lease. ``close()``: end them all.
+  that stops expiring, taken over by the data channel transfer that ends it (never one
+  past its deadline); ``copying(lease)``: a context in which one chunk is copied.
+- ``end(lease, expired_before=None)``, ``release(lease_id) -> bool``: free what a lease
+  holds (a windowed park's staged disk blocks too; a windowed restore's window slots).
+- ``reap()``: end every expired lease. ``close()``: end them all (each after the chunk
+  being copied through it).
 - ``transient()``: whether an open lease may still free room; ``count``; ``held()``;
   ``open_writes()`` (REQUIRES: index lock); ``write_owner(lease_id)``.
 """
