@@ -362,8 +362,8 @@ class Lease:
     block_allocs: list[Allocation] = field(default_factory=list)  # write leases: spec.blocks, in order
     received: int = 0  # inline bytes written so far
     fill_here: bool = False  # write leases the data channel fills: a commit needs every byte received
-    ended: bool = False  # write leases: released, committed or expired; no more writes
-    lock: threading.Lock = field(default_factory=threading.Lock)  # held while copying in (or a window moves)
+    ended: bool = False  # released, committed or expired: no more copies in or out
+    lock: threading.Lock = field(default_factory=threading.Lock)  # held while a chunk is copied in or out
     window: Window | None = None  # a windowed park or restore
 
     def write_allocs(self) -> list[Allocation]:
