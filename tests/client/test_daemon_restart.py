@@ -123,55 +123,75 @@ class Outcomes:
             self.wrong.append(what)
 
 
+def flat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.view(torch.uint8).flatten() for t in ts])
+
+
+def grant_bytes(c: Client, seq_id: str) -> torch.Tensor | None:
+    """A lookup that acquires, then the grant copied out (None: nothing was acquired, or a
+    leased grant on a client without the arena, which is TransportUnavailable by design)."""
+    _, g = c.lookup_acquire([seq_id])
+    if g is None:
+        return None
+    if not g.inlined and c.transport != "shm":
+        c.release_grant(g)
+        return None
+    out = torch.empty(g.nbytes, dtype=torch.uint8)
+    c.restore_grant(g, into_flat=out)
+    return out
+
+
+# Each call after the restart, in this order: (name, call, check of what it returns).
+OPS: list[tuple[str, Callable[[Client], Any], Callable[[Any], bool]]] = [
+    ("restore old (from disk)", lambda c: c.restore("old"), lambda t: same(t, data(1))),
+    ("park new", lambda c: c.park("new", data(2), overwrite=True), lambda _: True),
+    ("restore new", lambda c: c.restore("new"), lambda t: same(t, data(2))),
+    ("restore_many", lambda c: c.restore_many(["old", "filler1"])[1], lambda t: same(t, data(1) + data(101))),
+    ("prefetch, restore", lambda c: (c.prefetch("filler2", tier="host", wait=True, timeout=10.0),
+                                     c.restore("filler2"))[1], lambda t: same(t, data(102))),
+    ("lookup_acquire", lambda c: grant_bytes(c, "old"), lambda f: f is None or torch.equal(f, flat(data(1)))),
+]
+
+
 @pytest.mark.parametrize("kill", [False, True], ids=["sigterm", "sigkill"])
 @pytest.mark.parametrize("path", list(PATHS))
 def test_a_live_client_never_touches_the_memory_of_a_restarted_daemon(daemons: Any, path: str, kill: bool) -> None:
+    """One live client per call, so that each kind of call is the first its client makes
+    after the restart (the one that meets the stale mapping); then one client makes them
+    all again, and a fresh client checks what the daemon holds."""
     transport, flags = PATHS[path]
     d = daemons(flags)
-    c = Client(d.address, transport=transport, timeout=20.0)
+    clients = [Client(d.address, transport=transport, timeout=20.0) for _ in OPS]
     try:
+        c = clients[0]
         assert c.transport == transport
         # Fillers first: the old arena's first slots then hold bytes of their own, so a
         # stale mapping read at the new daemon's offsets can never look right by chance.
         for i in range(4):
             c.park(f"filler{i}", data(100 + i))
         c.park("old", data(1))
-        assert same(c.restore("old"), data(1))  # the mapping (or the data channel) in use
+        for k in clients:
+            assert same(k.restore("old"), data(1))  # each has used its mapping (or data channel)
         d.restart(kill)
-        assert wait_until(reachable(c), timeout=30.0), "the client's channel never reconnected"
+        for k in clients:
+            assert wait_until(reachable(k), timeout=30.0), "a client's channel never reconnected"
 
         out = Outcomes()
-        out.run("park new", lambda: c.park("new", data(2)))
-        out.run("restore old (from disk)", lambda: c.restore("old"), lambda t: same(t, data(1)))
-        out.run("restore new", lambda: c.restore("new"), lambda t: same(t, data(2)))
-        out.run("restore_many", lambda: c.restore_many(["old", "new"])[1],
-                lambda t: same(t, data(1) + data(2)))
-        out.run("prefetch old", lambda: c.prefetch("old", tier="host", wait=True, timeout=10.0))
-        out.run("restore old (prefetched)", lambda: c.restore("old"), lambda t: same(t, data(1)))
+        for k, (what, call, check) in zip(clients, OPS):
+            out.run(f"{what} (first call)", lambda: call(k), check)
+        for what, call, check in OPS:
+            out.run(f"{what} (again)", lambda: call(c), check)
         out.run("park after", lambda: c.park("after", data(3)))
-
-        def grant_bytes() -> torch.Tensor | None:
-            _, g = c.lookup_acquire(["old"])
-            if g is None:
-                return None
-            if not g.inlined and c.transport != "shm":
-                c.release_grant(g)  # a leased grant needs the arena (TransportUnavailable by design)
-                return None
-            flat = torch.empty(g.nbytes, dtype=torch.uint8)
-            c.restore_grant(g, into_flat=flat)
-            return flat
-
-        flat_old = torch.cat([t.view(torch.uint8).flatten() for t in data(1)])
-        out.run("lookup_acquire old", grant_bytes, lambda f: f is None or torch.equal(f, flat_old))
-
         with Client(d.address, transport=transport) as fresh:  # what the daemon really holds
             for sid, seed in (("old", 1), ("new", 2), ("after", 3), ("filler0", 100)):
-                out.run(f"fresh restore {sid}", lambda sid=sid: fresh.restore(sid), lambda t, s=seed: same(t, data(s)))
+                out.run(f"fresh restore {sid}", lambda: fresh.restore(sid), lambda t: same(t, data(seed)))
         assert not out.wrong, f"wrong bytes from {out.wrong} (typed errors: {out.typed})"
         # Nothing here needs an error: a stale mapping is dropped and the call retried.
         assert not out.typed, out.typed
     finally:
-        c.close()
+        for k in clients:
+            k.close()
+
 
 
 def test_a_park_written_to_the_old_arena_is_never_committed_by_the_new_daemon(daemons: Any) -> None:
