@@ -15,6 +15,7 @@ what a fresh client restores.
 from __future__ import annotations
 
 import pickle
+import socket
 from pathlib import Path
 from typing import Any, Callable
 
@@ -283,3 +284,62 @@ def test_a_grant_of_a_daemon_that_is_gone_is_refused_typed(daemons: Any) -> None
             worker.restore_grant(grant, into_flat=flat)
     finally:
         worker.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_an_inline_client_uses_the_data_channel_of_the_restarted_daemon(daemons: Any) -> None:
+    """On a TCP address the data channel takes a free port at every start: a live inline
+    client follows the new daemon's channel (no stale address, no fall back to the gRPC
+    streams), and its bytes are right either way."""
+    d = daemons(("--listen", f"127.0.0.1:{free_port()}"))
+    c = Client(d.address, transport="inline", timeout=20.0)
+    try:
+        c.park("old", data(1))
+        assert same(c.restore("old"), data(1))
+        first = c.server.data_channel.address
+        d.restart(kill=True)
+        assert wait_until(reachable(c), timeout=30.0)
+        now = c.rpc.call(c.rpc.hello, pb.HelloRequest())
+        assert now.data_channel.address != first  # a new port (else this test shows nothing)
+        c.park("new", data(2))
+        assert same(c.restore("old"), data(1)) and same(c.restore("new"), data(2))
+        assert c.server.instance == now.instance
+        assert c.server.data_channel.address == now.data_channel.address
+        channel = c._transport.channel  # type: ignore[attr-defined]
+        assert channel is not None and channel.usable, "the client gave up the data channel"
+    finally:
+        c.close()
+
+
+GPU_FLAGS = ("--set", "tiers.device.enabled=true", "--set", "tiers.device.device=cuda:0",
+             "--set", "tiers.device.capacity=64MiB")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kill", [False, True], ids=["sigterm", "sigkill"])
+def test_a_live_client_never_touches_the_device_pool_of_a_restarted_daemon(daemons: Any, kill: bool) -> None:
+    """cuda_ipc: the device pool opened through CUDA IPC is the old daemon's; the client
+    reopens the new one's before any device-to-device copy."""
+    d = daemons(GPU_FLAGS)
+    c = Client(d.address, timeout=20.0)
+    try:
+        old = [t.cuda() for t in data(1)]
+        for i in range(4):
+            assert c.park(f"filler{i}", [t.cuda() for t in data(100 + i)]).tier == "device"
+        assert c.park("old", old).tier == "device"
+        assert same([t.cpu() for t in c.restore("old", device="cuda:0")], data(1))
+        d.restart(kill)
+        assert wait_until(reachable(c), timeout=30.0)
+        c.prefetch("old", tier="device", wait=True, timeout=30.0)
+        assert same([t.cpu() for t in c.restore("old", device="cuda:0")], data(1))
+        c.park("new", [t.cuda() for t in data(2)])
+        with Client(d.address) as fresh:
+            assert same(fresh.restore("new"), data(2))
+            assert same([t.cpu() for t in fresh.restore("new", device="cuda:0")], data(2))
+    finally:
+        c.close()
