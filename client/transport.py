@@ -47,7 +47,8 @@ import numpy as np
 import torch
 
 from kvpark.proto import convert
-from kvpark.proto.errors import DataLoss, KVParkError, LeaseExpired, ResourceExhausted, TransportUnavailable, Unavailable
+from kvpark.proto.errors import (DataLoss, KVParkError, LeaseExpired, ResourceExhausted, TransportUnavailable,
+                                 Unavailable)
 from kvpark.proto.types import SeqInfo
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import decode_chunk, encode_chunk, regroup
