@@ -20,6 +20,11 @@ Primitives:
   trip when it came inline); ``release_grant(grant)`` ends its lease.
 - ``pin(seq_id, pinned=True) -> SeqInfo``; ``flush() -> int`` (sequences written to disk).
 - ``deadline(seconds)``: bound every call the calling thread makes inside the block.
+- Daemon restarts: every mapping names the daemon instance it came from (Hello's
+  ``instance``). A call whose reply names another instance (the daemon restarted under
+  a live client) drops the mappings, re-Hellos and is retried once, before any byte is
+  copied; a park written into the old arena is never committed by the new daemon (the
+  Commit names the instance). A grant of an instance that is gone is ``LeaseExpired``.
 - ``transport``: the path negotiated at connect: "cuda_ipc" (only when forced), "shm"
   (same host, arena file mapped once) or "inline".
 
@@ -39,10 +44,11 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -56,7 +62,8 @@ from kvpark.tiers import cuda
 
 from .payload import as_tensors, byte_view, check_into
 from .rpc import Rpc
-from .transport import SMALL_POOL_BYTES, TRANSPORTS, CudaIpc, Restoring, Shm, Target, Transport, negotiate
+from .transport import (SMALL_POOL_BYTES, TRANSPORTS, CudaIpc, InstanceChanged, Restoring, Shm, Target, Transport,
+                        negotiate)
 
 DEFAULT_ADDRESS = "127.0.0.1:50551"
 TOKEN_ENV = "KVPARK_TOKEN"  # the bearer token when ``token`` is not given
@@ -71,6 +78,7 @@ def tls_from_env(tls_ca: str | bytes | None = None, tls_cert: str | bytes | None
             "tls_cert": tls_cert if tls_cert is not None else os.environ.get(TLS_CERT_ENV) or None,
             "tls_key": tls_key if tls_key is not None else os.environ.get(TLS_KEY_ENV) or None}
 TRANSPORT_NAMES = ("auto", *TRANSPORTS)
+T = TypeVar("T")
 
 __all__ = ["Client", "DEFAULT_ADDRESS", "Grant", "Restoring", "SMALL_POOL_BYTES", "TRANSPORT_NAMES"]
 
@@ -90,6 +98,8 @@ class Grant:
     # past which a leased grant is refused: half the lease's life, so the copy out
     # always ends well before the daemon could reuse the slots.
     usable_until: float
+    # The daemon instance that leased it: only a mapping of that instance may read it.
+    instance: str = ""
 
 
 def _header(seq_id: str, tensors: Sequence[torch.Tensor], packed: bool = False) -> pb.ParkHeader:
@@ -114,8 +124,10 @@ class Client:
         token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         self.rpc = Rpc(self.address, timeout, token=token, **tls_from_env(tls_ca, tls_cert, tls_key))
         self._auto = transport == "auto"
+        self._want = transport
         self._ipc: Transport | None = None  # auto: the device pool, opened on first use
         self._ipc_tried = False
+        self._remap_lock = threading.Lock()
         try:
             self.server = self.rpc.call(self.rpc.hello, pb.HelloRequest(client_version=VERSION))
             self.chunk_size = int(self.server.chunk_size) or (1 << 20)
@@ -161,6 +173,35 @@ class Client:
             self._ipc.close()
         self._transport.close()
         self.rpc.close()
+
+    # ------------------------------------------------------------------ daemon instances
+
+    def _remap(self, stale: str) -> None:
+        """The daemon restarted: drop what was mapped from instance ``stale`` (the arena,
+        the device pool, data-channel sockets) and open the instance answering now.
+        Threads that met the same restart remap once."""
+        with self._remap_lock:
+            if self.server.instance != stale:
+                return  # another thread has remapped already
+            hello = self.rpc.call(self.rpc.hello, pb.HelloRequest(client_version=VERSION))
+            fresh = negotiate(self.rpc, hello, self._want)
+            old, ipc = self._transport, self._ipc
+            self.server, self._transport, self._ipc, self._ipc_tried = hello, fresh, None, False
+            self.chunk_size = int(hello.chunk_size) or (1 << 20)
+            self._packed = "packed" in hello.features
+        for t in (ipc, old):
+            if t is not None:
+                t.close()
+
+    def _fresh(self, call: Callable[[], T]) -> T:
+        """Run ``call``; when it finds this client's mappings of a daemon instance that is
+        gone (refused before any byte moved), remap and run it once more. A second
+        restart in between is ``Unavailable``."""
+        try:
+            return call()
+        except InstanceChanged as e:
+            self._remap(e.stale)
+        return call()
 
     def __enter__(self) -> "Client":
         return self
@@ -225,10 +266,13 @@ class Client:
             return int(self._park(header, flats).nbytes)
 
     def _park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
-        t = self._transport
-        if sum(f.numel() for f in flats) > t.small_limit:  # else one round trip, whatever the path
-            t = self._for({f.device for f in flats if f.numel()})
-        return t.park(header, flats)
+        def park() -> SeqInfo:
+            t = self._transport
+            if sum(f.numel() for f in flats) > t.small_limit:  # else one round trip, whatever the path
+                t = self._for({f.device for f in flats if f.numel()})
+            return t.park(header, flats)
+
+        return self._fresh(park)
 
     # ------------------------------------------------------------------ restore
 
@@ -246,7 +290,7 @@ class Client:
         check_into(into)
         target = Target(device, into)
         with self.rpc.deadline(timeout):
-            r = self._for(target.devices()).restore([seq_id], target)
+            r = self._fresh(lambda: self._for(target.devices()).restore([seq_id], target))
         if layerwise:
             return r  # closes itself once exhausted; close() ends the lease early
         try:
@@ -275,7 +319,7 @@ class Client:
             raise InvalidArgument(f"into_flat must be a tensor, got {type(into_flat).__name__}")
         target = Target(device, into, into_flat, expect_layout)
         with self.rpc.deadline(timeout):
-            r = self._for(target.devices()).restore(list(seq_ids), target)
+            r = self._fresh(lambda: self._for(target.devices()).restore(list(seq_ids), target))
         try:
             return r.info, [t for _, t in r]
         finally:
@@ -306,7 +350,8 @@ class Client:
         a = r.acquired
         n = min(int(r.prefix), skip + max_ids if max_ids else int(r.prefix)) - skip
         usable = time.monotonic() + (a.expires_in_s / 2 if a.expires_in_s > 0 else float("inf"))
-        return int(r.prefix), Grant(n, int(a.info.nbytes), bool(a.inlined), a.lease_id, a.SerializeToString(), usable)
+        return int(r.prefix), Grant(n, int(a.info.nbytes), bool(a.inlined), a.lease_id, a.SerializeToString(), usable,
+                                    a.instance)
 
     def restore_grant(self, grant: Grant, *, into_flat: torch.Tensor, release: bool = True,
                       timeout: float | None = None) -> None:
@@ -326,12 +371,13 @@ class Client:
             raise LeaseExpired(f"grant {grant.lease_id} is too old to read safely; restore the ids instead")
         elif isinstance(self._transport, Shm):
             with self.rpc.deadline(timeout):
+                t = self._grant_mapping(grant, reply.instance)
                 if reply.window_size:
                     # Larger than the host tier: served window by window, each asked for,
                     # and the lease ends with the last one.
-                    r = self._transport._restore_windows(reply, target)
+                    r = t._restore_windows(reply, target)
                 else:
-                    r = self._transport._restore_leased(reply, target, release=release)
+                    r = t._restore_leased(reply, target, release=release)
         else:
             raise TransportUnavailable(f"a leased grant needs the shm transport, this client uses {self.transport}")
         try:
@@ -339,6 +385,23 @@ class Client:
                 pass
         finally:
             r.close()
+
+    def _grant_mapping(self, grant: Grant, instance: str) -> Shm:
+        """The arena mapping of the daemon instance that leased ``grant``: this client's,
+        re-mapped first when it is of an older instance and the grant's is the one
+        answering now. A grant of an instance that is gone is ``LeaseExpired``: its lease
+        died with that daemon, and its slots may be anyone's."""
+        t = self._transport
+        if instance != t.instance and not t.restarted():
+            raise LeaseExpired(f"grant {grant.lease_id[:8]}... was leased by daemon instance {instance[:8]}..., "
+                               "which is gone (the daemon restarted); restore the ids instead")
+        if instance != t.instance:
+            self._remap(t.instance)
+            t = self._transport
+        if not isinstance(t, Shm) or instance != t.instance:
+            raise LeaseExpired(f"grant {grant.lease_id[:8]}... was leased by daemon instance {instance[:8]}..., "
+                               "not the one answering now (the daemon restarted); restore the ids instead")
+        return t
 
     def release_grant(self, grant: Grant) -> None:
         """End a grant's lease (nothing to do for an inline one); never raises."""

@@ -25,6 +25,12 @@ Primitives:
 - ``Transport``: ``name``; ``open(rpc, hello)`` (raises ``TransportUnavailable`` with the
   reason); ``park(header, flats) -> SeqInfo``; ``restore(ids, target) -> Restoring``;
   ``small_limit`` (payloads up to it take one round trip); ``close()``.
+- ``InstanceChanged`` (an ``Unavailable``): the daemon restarted since this transport
+  was opened. Every reply that hands out memory names the daemon instance that issued it
+  (``instance``, as Hello does); a transport checks it *before* it copies a byte and
+  raises this on a mismatch (releasing what the new daemon leased), and sends its own
+  instance with every ``Commit`` and ``Window``, so a park written into the old arena is
+  refused by the new daemon. ``Client`` then opens the new instance and retries once.
 - ``TRANSPORTS``: name -> class; ``AUTO``: what ``auto`` tries at connect, in order;
   ``negotiate(rpc, hello, want) -> Transport``.
 """
@@ -41,7 +47,8 @@ import numpy as np
 import torch
 
 from kvpark.proto import convert
-from kvpark.proto.errors import DataLoss, KVParkError, ResourceExhausted, TransportUnavailable
+from kvpark.proto.errors import (DataLoss, KVParkError, LeaseExpired, ResourceExhausted, TransportUnavailable,
+                                 Unavailable)
 from kvpark.proto.types import SeqInfo
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import decode_chunk, encode_chunk, regroup
@@ -147,6 +154,15 @@ def _segs(msg: Any) -> list[tuple[int, int]]:
     return [(s.offset, s.length) for s in msg.segments]
 
 
+class InstanceChanged(Unavailable):
+    """The daemon restarted: what this client mapped (arena, device pool, data channel)
+    belongs to a start of it that is gone. ``stale``: the instance it was mapped from."""
+
+    def __init__(self, message: str, stale: str) -> None:
+        super().__init__(message)
+        self.stale = stale
+
+
 class Transport(ABC):
     name: ClassVar[str]
     small_limit: int
@@ -156,6 +172,7 @@ class Transport(ABC):
         self.hello = hello
         self.chunk_size = int(hello.chunk_size) or (1 << 20)
         self.packed = "packed" in hello.features  # compact tensor lists in replies
+        self.instance = hello.instance  # the start of the daemon whose memory this maps
 
     @classmethod
     def open(cls, rpc: Rpc, hello: pb.HelloResponse) -> "Transport":
@@ -169,6 +186,48 @@ class Transport(ABC):
 
     @abstractmethod
     def restore(self, ids: list[str], target: Target) -> Restoring: ...
+
+    # ---------------------------------------------------------------- daemon instance
+
+    def _changed(self, what: str) -> InstanceChanged:
+        return InstanceChanged(f"{what}: the daemon restarted (instance {self.instance[:8]}... is gone); "
+                               "this client's mappings are of the old one", self.instance)
+
+    def check(self, reply: Any, what: str, lease_id: str = "") -> None:
+        """Refuse a reply of another daemon instance before touching any memory it names;
+        the lease it carries (the new daemon's) is given back."""
+        if reply.instance != self.instance:
+            self.rpc.release_quietly(lease_id)
+            raise self._changed(what)
+
+    def restarted(self) -> bool:
+        """Whether the daemon answering now is another instance than the mapped one (a
+        daemon that cannot be asked counts as not restarted: the caller's error stands)."""
+        try:
+            return self.rpc.call(self.rpc.hello, pb.HelloRequest()).instance != self.instance
+        except KVParkError:
+            return False
+
+    def _commit(self, lease_id: str, packed: bool = False) -> SeqInfo:
+        """Commit naming the instance whose memory holds the bytes: any other refuses."""
+        try:
+            return convert.info_from_pb(self.rpc.call(self.rpc.commit, pb.CommitRequest(
+                lease_id=lease_id, packed=packed, instance=self.instance)))
+        except LeaseExpired:
+            if self.restarted():
+                raise self._changed("commit") from None
+            raise
+
+    def _window(self, lease_id: str, index: int, nbytes: int) -> list[tuple[int, int]]:
+        try:
+            w = self.rpc.call(self.rpc.window, pb.WindowRequest(lease_id=lease_id, index=index, instance=self.instance),
+                              timeout=self.rpc.data_timeout(nbytes))
+        except LeaseExpired:
+            if self.restarted():
+                raise self._changed("window") from None
+            raise
+        self.check(w, "window")
+        return _segs(w)
 
     # ---------------------------------------------------------------- shared by every path
 
@@ -284,6 +343,9 @@ class Inline(Transport):
         try:
             return self.channel.connect()
         except DataChannelRefused:
+            # A restarted daemon's channel may be at another address (a new port).
+            if self.restarted():
+                raise self._changed("data channel") from None
             return None
 
     def park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
@@ -324,6 +386,9 @@ class Inline(Transport):
         except BaseException:
             channel.done(sock)
             raise
+        if r.instance != self.instance:
+            channel.discard(sock)  # a pooled connection may be to the old daemon
+            self.check(r, "reserve", r.lease_id)
         try:
             channel.put(sock, r.token, views, total, rpc.data_timeout(total))
         except BaseException:
@@ -331,7 +396,7 @@ class Inline(Transport):
             rpc.release_quietly(r.lease_id)  # the daemon aborts it on errors it sees; this covers the rest
             raise
         channel.done(sock)
-        return convert.info_from_pb(rpc.call(rpc.commit, pb.CommitRequest(lease_id=r.lease_id, packed=self.packed)))
+        return self._commit(r.lease_id, self.packed)
 
     def _restore_channel(self, sock: socket.socket, ids: list[str], target: Target) -> Restoring:
         """Acquire (bytes inline when small, else a token), then the bytes on the data
@@ -352,6 +417,9 @@ class Inline(Transport):
         if r.inlined:
             channel.done(sock)
             return self._from_bytes(r.info, r.data, target)
+        if r.instance != self.instance:
+            channel.discard(sock)
+            self.check(r, "acquire", r.lease_id)
         try:
             info = convert.info_from_pb(r.info)
             out = target.outputs(info, staging_device="cpu")
@@ -406,11 +474,12 @@ class _Pool(Transport):
         pool, rpc = self.pool, self.rpc
         self.prepare({f.device for f in flats if f.numel()})
         r = rpc.call(rpc.reserve, pb.ReserveRequest(header=header, tier=self.tier))
+        self.check(r, "reserve", r.lease_id)  # before a byte goes into the mapping
         devices = {pool.device, *(f.device for f in flats)}
         try:
             if r.window_size:
                 self._park_windows(r, flats, devices)
-                return convert.info_from_pb(rpc.call(rpc.commit, pb.CommitRequest(lease_id=r.lease_id)))
+                return self._commit(r.lease_id)
             segs = [(s.offset, s.length) for s in r.segments]
             for si, so, di, do, n in pieces([f.numel() for f in flats], [n for _, n in segs]):
                 base = segs[di][0] + do
@@ -428,11 +497,11 @@ class _Pool(Transport):
                 pass
             rpc.release_quietly(r.lease_id)
             raise
-        return convert.info_from_pb(rpc.call(rpc.commit, pb.CommitRequest(lease_id=r.lease_id, packed=self.packed)))
+        return self._commit(r.lease_id, self.packed)
 
     def _park_windows(self, r: pb.ReserveResponse, flats: list[torch.Tensor], devices: set[torch.device]) -> None:
         """Fill each window; asking for the next one hands the daemon the one just written."""
-        pool, rpc, size = self.pool, self.rpc, int(r.window_size)
+        pool, size = self.pool, int(r.window_size)
         lengths = [f.numel() for f in flats]
         total, segs, k = sum(lengths), _segs(r), 0
         while True:
@@ -442,8 +511,7 @@ class _Pool(Transport):
             k += 1
             if k * size >= total:
                 return
-            w = rpc.call(rpc.window, pb.WindowRequest(lease_id=r.lease_id, index=k), timeout=rpc.data_timeout(size))
-            segs = _segs(w)
+            segs = self._window(r.lease_id, k, size)
 
     def prepare(self, devices: set[torch.device]) -> None:
         """Called with the devices of a call's tensors before its copies."""
@@ -460,6 +528,7 @@ class _Pool(Transport):
             return self._restore_stream(ids, target)
         if r.inlined:
             return self._from_bytes(r.info, r.data, target)
+        self.check(r, "acquire", r.lease_id)  # before a byte is read out of the mapping
         if r.window_size:
             return self._restore_windows(r, target)
         return self._restore_leased(r, target)
@@ -491,9 +560,7 @@ class _Pool(Transport):
                 if done >= info.nbytes:
                     break
                 k += 1
-                w = rpc.call(rpc.window, pb.WindowRequest(lease_id=r.lease_id, index=k),
-                             timeout=rpc.data_timeout(size))
-                segs = _segs(w)
+                segs = self._window(r.lease_id, k, size)
             out.finish_flat()
 
         return Restoring(info, tensors(), lambda: rpc.release_quietly(r.lease_id))

@@ -32,6 +32,10 @@ Loads take one round trip: the scheduler's ``Lookup`` also acquires the hit when
 in the daemon's memory (bytes inline when small, else a lease on host arena slots) and
 passes the ``Grant`` to the worker, which copies it out and releases the lease off its
 path. Otherwise (a disk hit, no arena mapping) the worker restores the blocks itself.
+The grant names the daemon instance that leased it: a worker whose arena mapping is of
+an older start of the daemon re-maps before it copies, and a grant of a start that is
+gone (or one the daemon restarts under mid-copy) is loaded the usual way instead, never
+read from memory of another daemon instance.
 Either way they are scattered into the engine's blocks inside ``start_load_kv``, before
 the forward pass, so every attention path (full CUDA graphs too, which never call
 ``wait_for_layer_load``) reads loaded blocks. Loads and snapshots move at most
@@ -85,6 +89,7 @@ from kvpark.proto.errors import LeaseExpired, TransportUnavailable
 
 from .amx import request_amx_permission
 from .client import Client, Grant
+from .transport import InstanceChanged
 from .keys import extend as extend_keys
 from .vllm_io import (
     STATS,
@@ -407,8 +412,8 @@ class KVParkConnector(KVConnectorBase_V1):
             staging = staging_for(self._layers, self._block_dim, len(ids))
             try:
                 client.restore_grant(grant, into_flat=staging, release=False)
-            except (TransportUnavailable, LeaseExpired):
-                return 0  # loaded the usual way instead
+            except (TransportUnavailable, LeaseExpired, InstanceChanged):
+                return 0  # loaded the usual way instead (a restarted daemon: on the new mapping)
             scatter_blocks(self._layers, self._block_dim, ids, staging)
         finally:
             self._release(grant)

@@ -18,7 +18,8 @@ Primitives:
   (``window.py``): ``reserve`` hands out window 0, ``window(lease_id, index)`` the next
   (a park) or reads it (a restore); ``acquire`` with ``need`` serves such a sequence so.
 - ``prefetch(seq_id, tier, wait, timeout) -> str``.
-- ``drop``, ``present``, ``info``, ``list``, ``stat``, ``hello() -> Capabilities``.
+- ``drop``, ``present``, ``info``, ``list``, ``stat``, ``hello() -> Capabilities``;
+  ``instance``: this start's random id (new at every start; ``Capabilities.instance``).
 - ``check_invariants()``: assert slot, refcount, lease and disk accounting (tests call
   it when the engine is quiet).
 
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import threading
 import time
 from typing import Callable, Iterator
@@ -94,6 +96,9 @@ class Engine:
         self.metrics = metrics
         self.slot_size = config.tiers.host.slot_size
         self._closed = False
+        # This start's id: a client never uses memory (arena, device pool) it mapped from
+        # another start of the daemon (Hello and every reply handing out memory carry it).
+        self.instance = secrets.token_hex(16)
         self._thread: threading.Thread | None = None
         self._write_through = config.policy.write == "write_through"
 
@@ -559,6 +564,7 @@ class Engine:
             device_size=dev.alloc.capacity if dev is not None else 0,
             ipc_handle=handle,
             device_uuid=cuda.device_uuid(dev.device) if dev is not None else "",
+            instance=self.instance,
         )
 
     def check_invariants(self) -> None:

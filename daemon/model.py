@@ -444,3 +444,4 @@ class Capabilities:
     device_size: int = 0
     ipc_handle: bytes = b""
     device_uuid: str = ""
+    instance: str = ""  # this start of the daemon (random; see Engine.instance)

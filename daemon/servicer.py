@@ -12,6 +12,11 @@ Primitives:
   and restores are counted and timed by transport (inline for the streamed and one-message RPCs, shm or cuda_ipc for
   reserve/commit and acquire), and every error by its status code.
 
+Every reply that hands out memory (Reserve, Acquire, a Lookup's acquire, Window) and
+Hello carry the engine's ``instance`` (random per start); a Commit or Window naming
+another instance is refused as ``LeaseExpired``: the client wrote (or reads) the memory
+of a daemon that is gone.
+
 ``Park`` and ``Restore`` use identity (de)serializers: their ``DataChunk`` messages are
 framed by ``kvpark.proto.wire`` so payload bytes go from the wire straight into arena
 slots, and from arena slots straight into the outgoing message. Every ``KVParkError``
@@ -33,7 +38,7 @@ from google.protobuf.message import DecodeError
 from kvpark.proto import convert, packed
 from kvpark.proto.dataframe import MAX_FRAME
 from kvpark.proto.errors import (ERROR_KEY, FailedPrecondition, Internal, InvalidArgument, KVParkError,
-                                 TransportUnavailable)
+                                 LeaseExpired, TransportUnavailable)
 from kvpark.proto.layout import MAX_SEQ_ID_BYTES
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import decode_chunk, encode_chunk
@@ -158,6 +163,7 @@ class Servicer:
             lease_ttl_s=h.lease_ttl_s,
             device=pb.DeviceInfo(device=h.device, size=h.device_size, ipc_handle=h.ipc_handle, uuid=h.device_uuid),
             features=list(FEATURES),
+            instance=h.instance,
             data_channel=None if self.datachannel is None else pb.DataChannelInfo(
                 address=self.datachannel.address, tls=self.datachannel.tls, max_frame=MAX_FRAME),
         )
@@ -282,21 +288,32 @@ class Servicer:
             self.engine.leases.require_all(r.lease_id)  # its commit needs every byte, counted on the lease
             self._pend(r.lease_id, t0, "inline")
             return pb.ReserveResponse(lease_id=r.lease_id, expires_in_s=r.expires_in_s,
-                                      token=dc.tickets.issue_put(r.lease_id, spec.total, eng))
+                                      token=dc.tickets.issue_put(r.lease_id, spec.total, eng),
+                                      instance=self.engine.instance)
         tier = req.tier or "host"
         r = eng.reserve(_spec(req.header), tier=tier)
         self._pend(r.lease_id, t0, _TRANSPORT.get(tier, tier))
         return pb.ReserveResponse(lease_id=r.lease_id, segments=_segments(r.segments), expires_in_s=r.expires_in_s,
-                                  window_size=r.window_size)
+                                  window_size=r.window_size, instance=self.engine.instance)
 
     @_typed
     def Window(self, req: pb.WindowRequest, context: grpc.ServicerContext) -> pb.WindowResponse:
         eng = self.tenants.view()
-        return pb.WindowResponse(segments=_segments(eng.window(req.lease_id, req.index)))
+        self._same_instance(req.lease_id, req.instance)
+        return pb.WindowResponse(segments=_segments(eng.window(req.lease_id, req.index)),
+                                 instance=self.engine.instance)
+
+    def _same_instance(self, lease_id: str, instance: str) -> None:
+        """A lease another start of the daemon issued is unknown here, whatever its id:
+        the bytes a client wrote for it are in that daemon's memory, not in ours."""
+        if instance and instance != self.engine.instance:
+            raise LeaseExpired(f"lease {lease_id[:8]}... was issued by daemon instance {instance[:8]}..., this is "
+                               f"instance {self.engine.instance[:8]}... (the daemon restarted)")
 
     @_typed
     def Commit(self, req: pb.CommitRequest, context: grpc.ServicerContext) -> pb.SeqInfo:
         eng = self.tenants.view()
+        self._same_instance(req.lease_id, req.instance)
         # A data-channel reservation publishes only once every byte has arrived on it.
         info = eng.commit(req.lease_id, expect_nbytes=self.engine.leases.required(req.lease_id))
         with self._pending_lock:
@@ -322,7 +339,8 @@ class Servicer:
         if h.info.nbytes <= small:
             # Small: one round trip, bytes in the reply, no lease left behind.
             try:
-                out = pb.AcquireResponse(info=convert.info_to_pb(h.info), data=self._join(eng, h), inlined=True)
+                out = pb.AcquireResponse(info=convert.info_to_pb(h.info), data=self._join(eng, h), inlined=True,
+                                         instance=self.engine.instance)
                 self._restored("inline", h.info.nbytes, t0)
                 return out
             finally:
@@ -337,14 +355,15 @@ class Servicer:
                 raise
             self._restored("inline", h.info.nbytes, t0)
             return pb.AcquireResponse(lease_id=h.lease_id, info=convert.info_to_pb(h.info, packed=packed),
-                                      expires_in_s=self.engine.config.leases.ttl_s, token=token)
+                                      expires_in_s=self.engine.config.leases.ttl_s, token=token,
+                                      instance=self.engine.instance)
         g = eng.grant(h)
         # Counted when the bytes are leased to the reader; its copy out is its own time.
         assert need is not None
         self._restored(_TRANSPORT.get(need, need), g.info.nbytes, t0)
         return pb.AcquireResponse(lease_id=g.lease_id, info=convert.info_to_pb(g.info, packed=packed),
                                   segments=_segments(g.segments), expires_in_s=g.expires_in_s,
-                                  window_size=g.window_size)
+                                  window_size=g.window_size, instance=self.engine.instance)
 
     @_typed
     def Release(self, req: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:

@@ -49,7 +49,7 @@ class DeviceInfo(_message.Message):
     def __init__(self, device: _Optional[str] = ..., size: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., uuid: _Optional[str] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("server_version", "transports", "chunk_size", "max_seq_id_len", "arena", "lease_ttl_s", "device", "data_channel", "features")
+    __slots__ = ("server_version", "transports", "chunk_size", "max_seq_id_len", "arena", "lease_ttl_s", "device", "data_channel", "features", "instance")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -59,6 +59,7 @@ class HelloResponse(_message.Message):
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     DATA_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     transports: _containers.RepeatedScalarFieldContainer[str]
     chunk_size: int
@@ -68,7 +69,8 @@ class HelloResponse(_message.Message):
     device: DeviceInfo
     data_channel: DataChannelInfo
     features: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, server_version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., chunk_size: _Optional[int] = ..., max_seq_id_len: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., lease_ttl_s: _Optional[float] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., data_channel: _Optional[_Union[DataChannelInfo, _Mapping]] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
+    instance: str
+    def __init__(self, server_version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., chunk_size: _Optional[int] = ..., max_seq_id_len: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., lease_ttl_s: _Optional[float] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., data_channel: _Optional[_Union[DataChannelInfo, _Mapping]] = ..., features: _Optional[_Iterable[str]] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class DataChannelInfo(_message.Message):
     __slots__ = ("address", "tls", "max_frame")
@@ -212,40 +214,48 @@ class ReserveRequest(_message.Message):
     def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., tier: _Optional[str] = ..., data_channel: _Optional[bool] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("lease_id", "segments", "expires_in_s", "window_size", "token")
+    __slots__ = ("lease_id", "segments", "expires_in_s", "window_size", "token", "instance")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_IN_S_FIELD_NUMBER: _ClassVar[int]
     WINDOW_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
     expires_in_s: float
     window_size: int
     token: bytes
-    def __init__(self, lease_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., window_size: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+    instance: str
+    def __init__(self, lease_id: _Optional[str] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., window_size: _Optional[int] = ..., token: _Optional[bytes] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class WindowRequest(_message.Message):
-    __slots__ = ("lease_id", "index")
+    __slots__ = ("lease_id", "index", "instance")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     index: int
-    def __init__(self, lease_id: _Optional[str] = ..., index: _Optional[int] = ...) -> None: ...
+    instance: str
+    def __init__(self, lease_id: _Optional[str] = ..., index: _Optional[int] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class WindowResponse(_message.Message):
-    __slots__ = ("segments",)
+    __slots__ = ("segments", "instance")
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
-    def __init__(self, segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ...) -> None: ...
+    instance: str
+    def __init__(self, segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class CommitRequest(_message.Message):
-    __slots__ = ("lease_id", "packed")
+    __slots__ = ("lease_id", "packed", "instance")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     packed: bool
-    def __init__(self, lease_id: _Optional[str] = ..., packed: _Optional[bool] = ...) -> None: ...
+    instance: str
+    def __init__(self, lease_id: _Optional[str] = ..., packed: _Optional[bool] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
     __slots__ = ("seq_id", "tier", "seq_ids", "expect_layout", "inline_max", "packed", "data_channel")
@@ -266,7 +276,7 @@ class AcquireRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ..., tier: _Optional[str] = ..., seq_ids: _Optional[_Iterable[str]] = ..., expect_layout: _Optional[str] = ..., inline_max: _Optional[int] = ..., packed: _Optional[bool] = ..., data_channel: _Optional[bool] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "info", "segments", "expires_in_s", "data", "inlined", "window_size", "token")
+    __slots__ = ("lease_id", "info", "segments", "expires_in_s", "data", "inlined", "window_size", "token", "instance")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -275,6 +285,7 @@ class AcquireResponse(_message.Message):
     INLINED_FIELD_NUMBER: _ClassVar[int]
     WINDOW_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     info: SeqInfo
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
@@ -283,7 +294,8 @@ class AcquireResponse(_message.Message):
     inlined: bool
     window_size: int
     token: bytes
-    def __init__(self, lease_id: _Optional[str] = ..., info: _Optional[_Union[SeqInfo, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., data: _Optional[bytes] = ..., inlined: _Optional[bool] = ..., window_size: _Optional[int] = ..., token: _Optional[bytes] = ...) -> None: ...
+    instance: str
+    def __init__(self, lease_id: _Optional[str] = ..., info: _Optional[_Union[SeqInfo, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., data: _Optional[bytes] = ..., inlined: _Optional[bool] = ..., window_size: _Optional[int] = ..., token: _Optional[bytes] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
