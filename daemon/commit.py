@@ -25,7 +25,7 @@ Primitives:
   again after the rest only with ``reraise``),
   ``retry()``, ``held() -> set[(seq_id, key generation)]`` (records queued for deletion).
 - ``commit(engine, lease, expect_nbytes) -> SeqInfo``: a reserved (not windowed) park.
-- ``check_disk(seqs, scan, deleting)``: the index against LMDB, as assertions.
+- ``check_disk(seqs, scan, deleting, all_on_disk)``: the index against LMDB, as assertions.
 """
 
 from __future__ import annotations
@@ -219,14 +219,18 @@ def write_through_disk(engine: "Engine", blocks: list[Seq], seq: Seq | None, rep
             s.on_disk = ok
 
 
-def check_disk(seqs: list[Seq], scan: Scan, deleting: set[tuple[str, int]]) -> None:
+def check_disk(seqs: list[Seq], scan: Scan, deleting: set[tuple[str, int]], all_on_disk: bool) -> None:
     """Assert that the index and LMDB agree. REQUIRES: a quiet engine.
 
     Each sequence indexed on disk has its manifest, at its generation, and every block
     record; every manifest in LMDB is such a sequence's; every block record belongs to a
     manifest (or to a windowed park under way, or to a version whose delete is queued).
+    ``all_on_disk`` (write_through, and the disk has evicted nothing): every sequence
+    parked here is on disk.
     """
     indexed = {s.seq_id: s for s in seqs if s.on_disk}
+    for s in seqs:
+        assert s.on_disk or s.on_remote or not all_on_disk, f"{s.seq_id}: acknowledged under write_through, not on disk"
     for sid, s in indexed.items():
         m = scan.manifests.get(sid)
         assert m is not None, f"{sid}: indexed on disk, no manifest in LMDB"

@@ -515,4 +515,6 @@ class Engine:
             with self.catalog.lock:
                 writes, readers, leased = self.leases.held()
                 self.catalog.check(used, writes, readers, leased)
-                commit.check_disk(self.catalog.sequences(), scan, self.deletes.held())
+                # A disk eviction under write_through leaves memory copies without a disk one.
+                all_on_disk = self._write_through and not self.mover.evictions.get("disk", 0)
+                commit.check_disk(self.catalog.sequences(), scan, self.deletes.held(), all_on_disk)
