@@ -22,8 +22,10 @@ import pytest
 import torch
 
 from kvpark.client import AlreadyExists, Client
+from kvpark.daemon.model import ParkSpec
 from kvpark.daemon.server import Daemon
 from kvpark.proto.errors import Unavailable
+from kvpark.proto.layout import TensorMeta
 from kvpark.tiers.disk import DiskStore, Manifest, Write
 
 from ..conftest import wait_until
@@ -196,6 +198,12 @@ def test_windowed_park_that_commits_after_a_plain_overwrite_wins(daemon: Callabl
         assert torch.equal(cp.restore("v")[0], big)
         assert cp.info("v").nbytes == big.numel()
     check(d)
+    # Its records keep the generation they were staged under: found again after a restart.
+    d.stop()
+    d2 = daemon(**{"tiers.host.capacity": "8MiB"})
+    with Client(d2.address) as c:
+        assert torch.equal(c.restore("v")[0], big)
+    check(d2)
 
 
 # ------------------------------------------------------------------ two creates (#7)
@@ -303,6 +311,26 @@ def test_a_drop_on_one_daemon_never_deletes_another_daemons_version(
     c = daemon(**_own_dirs(tmp_path, "c"), **_remote(redis_server.url, ns))
     with Client(c.address) as cc:
         assert torch.equal(cc.restore("x")[0], full(4000, 2))
+
+
+@pytest.mark.parametrize("old_gen", [7, 3 << 40])
+def test_a_store_written_with_plain_counter_generations_orders_new_versions_above_them(
+        tmp_path: Path, daemon: Callable[..., Daemon], old_gen: int) -> None:
+    # As an earlier build left it: generations with no instance component.
+    store = DiskStore(str(tmp_path / "disk"), 256 * MiB)
+    m = ParkSpec("old", (TensorMeta("uint8", (3000,), 3000),), 3000).manifest(old_gen, MiB)
+    store.write(m, [memoryview(bytes([1]) * 3000)], sync=True)
+    store.close()
+    d = daemon(**{"policy.write": "write_through", "policy.flush_on_shutdown": "false"})
+    with Client(d.address) as c:
+        assert torch.equal(c.restore("old")[0], full(3000, 1))
+        c.park("old", [full(4000, 2)], overwrite=True)
+    check(d)
+    d.stop()
+    d2 = daemon()
+    with Client(d2.address) as c:
+        assert torch.equal(c.restore("old")[0], full(4000, 2))
+    check(d2)
 
 
 def test_generations_of_two_daemons_never_collide(tmp_path: Path, daemon: Callable[..., Daemon]) -> None:
