@@ -13,7 +13,8 @@ Primitives:
   maintenance thread's condition).
 - Lookups (REQUIRES: lock): ``find``, ``get`` (``NotFound``), ``present``, ``sequences``,
   ``refcount``.
-- ``next_gen()``: generations order every commit, drop and disk write of an id.
+- ``next_gen()``: generations order every commit, drop and disk write of an id; they
+  come from ``gens`` (``model.Generations``: unique across daemons).
 - ``plan_commit(lease, expect_nbytes, block_size)``: validate a commit against the index
   (dedup of new blocks included); ``pin_refs`` / ``unpin_refs``: a commit takes its
   references when it validates, so the blocks it names cannot be retired while it
@@ -45,7 +46,7 @@ from kvpark.tiers.arena import Allocation
 from kvpark.tiers.disk import Manifest
 from kvpark.tiers.memory import MemTier
 
-from .model import MEM_TIERS, NS_SEP, Lease, ParkSpec, Seq
+from .model import MEM_TIERS, NS_SEP, Generations, Lease, ParkSpec, Seq
 
 _RANK = {"device": 0, "host": 1, "disk": 2, "remote": 3}
 
@@ -66,7 +67,7 @@ class Catalog:
         # Namespace ("alice" + NS_SEP) -> its sequences: a tenant's usage, quota victims and
         # list without a scan of every tenant's million blocks. Open daemons have none.
         self._spaces: dict[str, dict[str, Seq]] = {}
-        self._gen = 0
+        self.gens = Generations()
         self.version = 0  # bumped by every change that may make room (see ``notify``)
         # Whether the disk tier is past its high mark with eviction on (set by the engine):
         # that too wakes the maintenance thread, not only a memory tier past its mark.
@@ -84,7 +85,7 @@ class Catalog:
                 if NS_SEP in m.seq_id:
                     self._space_add(seq)
                 total += m.nbytes
-                self._gen = max(self._gen, m.gen)
+                self.gens.seen(m.gen)
                 for r in seq.refs:
                     self._refcount[r] = self._refcount.get(r, 0) + 1
         return total
@@ -113,8 +114,7 @@ class Catalog:
         return self._refcount.get(seq_id, 0)
 
     def next_gen(self) -> int:
-        self._gen += 1
-        return self._gen
+        return self.gens.next()
 
     # ------------------------------------------------------------------ changes (REQUIRES: lock)
 
@@ -286,7 +286,7 @@ class Catalog:
                 continue
             seq = Seq(manifest=m, on_remote=True)
             self._index(seq)
-            self._gen = max(self._gen, m.gen)
+            self.gens.seen(m.gen)
             for r in seq.refs:
                 self._refcount[r] = self._refcount.get(r, 0) + 1
 

@@ -10,7 +10,7 @@ Primitives:
 - ``Engine(config, disk_factory=DiskStore)``; ``start()``; ``close(flush=...)``; ``flush()``.
 - Park, two-phase: ``reserve(ParkSpec, inline=False, tier=None) -> Reservation`` (slots
   under a write lease), ``write_chunk(lease_id, offset, data)`` for inline bytes,
-  ``commit(lease_id) -> SeqInfo`` (publish), ``release(lease_id)`` (abort).
+  ``commit(lease_id) -> SeqInfo`` (publish: ``commit.py``), ``release(lease_id)`` (abort).
 - Restore: ``acquire(seq_ids, need=None, stream=False) -> ReadHandle`` (memory copies under
   a read lease, or disk records; ``grant(handle)`` is its frozen view),
   ``iter_chunks(handle, size)``, ``release``.
@@ -37,9 +37,10 @@ Invariants and locks:
 - No lock that commits, drops or restores need is held across disk I/O. A commit
   validates and pins its references under the index lock, writes to disk (one
   transaction, one fsync under write_through, a batch included), then publishes under
-  the index lock. Generations order commits and drops of one id: the disk store never
-  lets an older generation's manifest replace a newer one, and a commit that finds a
-  newer version published when it comes to publish is replaced at once.
+  the index lock. Generations, taken at that commit point by every park kind, order
+  commits and drops of one id: the disk store never lets an older generation's manifest
+  replace a newer one, and a commit that finds a newer version published when it comes
+  to publish is replaced at once. Creates of one id are serialised (``commit.py``).
 - Lock order: ``Lease.lock`` -> ``Seq.move_lock`` -> ``Catalog.lock`` (the index lock).
 """
 
@@ -58,7 +59,6 @@ from kvpark.proto.errors import (
     AlreadyExists,
     FailedPrecondition,
     InvalidArgument,
-    KVParkError,
     LeaseExpired,
     ResourceExhausted,
     Unavailable,
@@ -68,10 +68,10 @@ from kvpark.proto.types import SeqInfo, Stat
 from kvpark.tiers import cuda
 from kvpark.tiers.copy import CopyEngine
 from kvpark.tiers.arena import Allocation
-from kvpark.tiers.disk import DiskStore, Manifest, Write
+from kvpark.tiers.disk import DiskStore
 from kvpark.tiers.memory import MemTier
 
-from . import reads
+from . import commit, reads
 from .catalog import Catalog
 from .config import Config
 from .leases import LeaseTable
@@ -135,8 +135,11 @@ class Engine:
         self.mover = Mover(self.catalog, self.leases, self.disk, self.copy, config.policy, self.slot_size,
                            self.remote, metrics)
         self.catalog.disk_pressure = self.mover.disk_pressure
+        self.pending = commit.Pending()  # ids between their commit point and their publish
+        self.deletes = commit.Deletes(self.mover, self.disk)  # retired disk copies, retried on failure
         self.windows = Windows(self.catalog, self.leases, self.disk, self.mover, self.tiers, self.slot_size,
-                               config.tiers.host.window_size, self._write_through, self._forget_remote)
+                               config.tiers.host.window_size, self._write_through, self._forget_remote,
+                               self.pending, self.deletes)
         self._load_index()
 
     @property
@@ -214,6 +217,7 @@ class Engine:
             moved = 0
             try:
                 self.leases.reap()
+                self.deletes.retry()  # disk copies of retired versions a failed delete left
                 self._expire()
                 moved = self.mover.relieve()
             except Exception:  # the maintenance thread must never die
@@ -343,83 +347,11 @@ class Engine:
             lease.ended = True
         if lease.window is not None:
             return self.windows.commit(lease, expect_nbytes)
-        spec, alloc, tier = lease.spec, lease.alloc, lease.tier
-        assert spec is not None and alloc is not None
-        with self.catalog.lock:
-            try:
-                self._check_open()
-                blocks, old = self.catalog.plan_commit(lease, expect_nbytes, self.slot_size)
-            except BaseException:
-                for a in lease.write_allocs():
-                    self.catalog.free(tier, a)
-                raise
-            seq = None
-            if spec.is_batch:
-                self.catalog.free(tier, alloc)  # the batch's own (empty) payload
-            else:
-                self.catalog.pin_refs(spec.refs)  # the blocks it names stay until it publishes or fails
-                seq = Seq(manifest=spec.manifest(self.catalog.next_gen(), self.slot_size), res={tier: alloc})
-            replace = old.manifest if old is not None and old.on_disk and seq is not None else None
-        try:
-            if self._write_through:
-                self.mover.evict_disk(sum(s.manifest.nbytes for s in blocks + ([seq] if seq is not None else [])),
-                                      exclude=seq)
-                self._write_through_disk(blocks, seq, replace)
-        except BaseException:
-            with self.catalog.lock:
-                for s in blocks + ([seq] if seq is not None else []):
-                    for name, a in s.res.items():
-                        self.catalog.free(name, a)
-                    s.res.clear()
-                if seq is not None:
-                    self.catalog.unpin_refs(spec.refs)
-            raise
-        failed: KVParkError | None = None
-        with self.catalog.lock:
-            self.catalog.publish_blocks(blocks)
-            gone: list[Seq] = []
-            if seq is None:
-                info = SeqInfo(seq_id="", nbytes=sum(b.manifest.nbytes for b in blocks), tier=tier,
-                               num_tensors=0, num_blocks=len(blocks))
-            else:
-                try:
-                    gone = self.catalog.publish_commit(seq, spec, replace)
-                    info = self.catalog.info(seq) if not seq.dropped else self.catalog.info_of([seq], [seq])
-                except KVParkError as e:  # a concurrent commit or drop changed what we validated
-                    failed = e
-                    self.catalog.unpin_refs(spec.refs)
-                    seq.dropped = True
-                    self.catalog.release_dropped(seq)
-                    gone = [seq]
-            orphans = self.catalog.take_orphans()
-        for s in gone + orphans:
-            self.mover.delete_from_disk(s)
-        self._forget_remote(gone)
-        if failed is not None:
-            raise failed
-        if self.remote is not None and self.remote.write_through:
-            self.mover.copy_to_remote_later(blocks + ([seq] if seq is not None and not seq.dropped else []))
-        if seq is not None and self._write_through and not seq.on_disk and not seq.dropped:
-            # Our write lost to a newer generation that then failed to publish: write it now.
-            self.mover.write_to_disk(seq)
-            self.disk.sync()
-        return info
+        return commit.commit(self, lease, expect_nbytes)
 
     def window(self, lease_id: str, index: int) -> tuple[tuple[int, int], ...]:
         """Window ``index`` of a windowed park or restore: where its bytes lie (``window.py``)."""
         return tuple(self.windows.move(self.leases.get(lease_id), index))
-
-    def _write_through_disk(self, blocks: list[Seq], seq: Seq | None, replace: Manifest | None) -> None:
-        """Every new sequence of one commit in one transaction, and one fsync."""
-        todo = blocks + ([seq] if seq is not None else [])
-        writes = []
-        for s in todo:
-            name, a = next(iter(s.res.items()))
-            writes.append(Write(s.manifest, self.tiers[name].views(a), replace if s is seq else None))
-        done = self.disk.write_many(writes, sync=True)
-        with self.catalog.lock:
-            for s, ok in zip(todo, done):
-                s.on_disk = ok
 
     def release(self, lease_id: str) -> bool:
         """End a read lease or abort an uncommitted write lease. False if already gone."""
@@ -483,8 +415,9 @@ class Engine:
                 )
             self.catalog.retire(seq)
             todo = [seq, *self.catalog.take_orphans()]
-        for s in todo:
-            self.mover.delete_from_disk(s)
+        # A failed delete answers UNAVAILABLE (the drop is not acknowledged) and is retried
+        # by the maintenance pass: the index has let the id go either way.
+        self.deletes.delete(todo, reraise=True)
         if everywhere:
             self._forget_remote([seq])  # not the orphaned blocks: other daemons' sequences may use them
         return True
@@ -577,10 +510,17 @@ class Engine:
         copies read leases still hold of dropped sequences, and the slots of open write
         leases; the disk store holds exactly the bytes of the sequences the index has on
         disk; every reference count equals the references parked sequences make, each to
-        a parked shared block; readers equal read leases, and no copy is in flight.
+        a parked shared block; readers equal read leases, and no copy is in flight. The
+        index agrees with LMDB: each sequence on disk has its manifest at its generation
+        and all its block records, and no record or manifest is left that none owns
+        (``commit.check_disk``).
         """
         with self.mover.quiet():
             used = self.disk.used - self.disk.staged  # windowed parks under way: not in the index yet
+            scan = self.disk.scan()
             with self.catalog.lock:
                 writes, readers, leased = self.leases.held()
                 self.catalog.check(used, writes, readers, leased)
+                # A disk eviction under write_through leaves memory copies without a disk one.
+                all_on_disk = self._write_through and not self.mover.evictions.get("disk", 0)
+                commit.check_disk(self.catalog.sequences(), scan, self.deletes.held(), all_on_disk)

@@ -4,6 +4,9 @@ Primitives:
 - ``Tier`` / ``MemTierName`` / ``LeaseKind``: the names the engine speaks, typed;
   ``MEM_TIERS``: memory tiers, fastest first.
   ``NS_SEP``: what joins a tenant's name to the ids it uses (the catalog indexes by it).
+- ``Generations``: the one source of generations: ``next()`` (REQUIRES: the index lock)
+  is ``counter << INSTANCE_BITS | instance``; ``seen(gen)`` keeps the counter above
+  generations loaded from disk or adopted from the remote tier.
 - ``ParkSpec``: a park request (tensors, priority, pin, TTL, refs, new blocks, attrs);
   ``ParkSpec.validate()`` checks everything that needs no index; ``ParkSpec.manifest()``
   is the disk record it commits as.
@@ -26,6 +29,7 @@ Primitives:
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Iterator, Mapping, MutableMapping
@@ -49,6 +53,35 @@ MEM_TIERS: tuple[MemTierName, ...] = ("device", "host")
 NS_SEP = "\u241f"
 MAX_PARTS = 1 << 16  # ids in one restore/lookup call, new blocks in one park
 V = TypeVar("V")
+# The low bits of every generation: a random number drawn at each daemon start. Daemons
+# that share a remote namespace count generations each on their own; the instance makes
+# two of them never write the same id at the same generation (Redis chunk keys carry the
+# generation, and a delete "by generation" must name one version). 24 bits leave 40 for
+# the counter (a trillion commits) in the u64 the disk and Redis keys hold.
+INSTANCE_BITS = 24
+
+
+class Generations:
+    """Generations of one daemon run: ordered by a counter, unique by an instance id.
+
+    Manifests written before generations carried an instance hold plain counters below
+    ``1 << INSTANCE_BITS``: every generation taken now is above them, as it is above any
+    generation seen (``seen``), so "a newer generation wins" keeps holding across the
+    upgrade and across restarts.
+    """
+
+    __slots__ = ("instance", "_counter")
+
+    def __init__(self, instance: int | None = None) -> None:
+        self.instance = random.getrandbits(INSTANCE_BITS) if instance is None else instance
+        self._counter = 0
+
+    def seen(self, gen: int) -> None:
+        self._counter = max(self._counter, gen >> INSTANCE_BITS)
+
+    def next(self) -> int:
+        self._counter += 1
+        return self._counter << INSTANCE_BITS | self.instance
 
 
 @dataclass(frozen=True)

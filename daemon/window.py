@@ -19,7 +19,8 @@ straight into its messages. Such a sequence is never promoted into a tier it can
 
 Primitives:
 - ``Windows(catalog, leases, disk, mover, tiers, slot_size, window_size, write_through,
-  forget_remote)``; ``forget_remote(seqs)`` deletes replaced versions' remote copies.
+  forget_remote, pending, deletes)``; ``forget_remote(seqs)`` deletes replaced versions'
+  remote copies; ``pending`` / ``deletes``: the commit side's (``commit.py``).
 - ``close()``: after the lease table's (its I/O threads end).
 - ``size_for(tier) -> int``: the window of ``tier``: ``window_size`` (0: a quarter of the
   tier, at most ``AUTO_MAX``), whole slots, at least one slot, at most the tier;
@@ -30,13 +31,16 @@ Primitives:
 - ``move(lease, index) -> segments``: a park: hand the window the client filled to the
   disk and hand out window ``index`` (the next); a restore: window ``index``, read
   into its slots (already, when it is the one read ahead).
-- ``commit(lease, expect_nbytes) -> SeqInfo``: stage the last window and publish; the
-  versions it retires lose their disk (and remote) copies.
+- ``commit(lease, expect_nbytes) -> SeqInfo``: stage the last window, take the
+  generation (the commit point, as every park kind: the blocks keep the one they were
+  staged under, ``Manifest.data_gen``) and publish; the versions it retires lose their
+  disk (and remote) copies.
 - ``open_read(tops, seq, tier) -> ReadHandle``: a windowed read lease with window 0 read.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -51,6 +55,7 @@ from kvpark.tiers.disk import DiskStore
 from kvpark.tiers.memory import MemTier
 
 from .catalog import Catalog
+from .commit import PENDING_WAIT_S, Deletes, Pending, creates
 from .leases import LeaseTable
 from .model import Lease, ParkSpec, Part, ReadHandle, Reservation, Seq, Window
 from .mover import ROOM_WAIT_S, Mover
@@ -63,7 +68,7 @@ AUTO_MAX = 256 << 20  # an auto window never takes more than this (a quarter of 
 class Windows:
     def __init__(self, catalog: Catalog, leases: LeaseTable, disk: DiskStore, mover: Mover,
                  tiers: dict[str, MemTier], slot_size: int, window_size: int, write_through: bool,
-                 forget_remote: Callable[[list[Seq]], None]) -> None:
+                 forget_remote: Callable[[list[Seq]], None], pending: Pending, deletes: Deletes) -> None:
         self.catalog = catalog
         self.leases = leases
         self.disk = disk
@@ -73,6 +78,8 @@ class Windows:
         self.window_size = window_size
         self.write_through = write_through
         self.forget_remote = forget_remote
+        self.pending = pending
+        self.deletes = deletes
         # Disk writes and reads of windows, beside the calls that move them (threads start on first use).
         self._io = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kvpark-window")
 
@@ -109,6 +116,8 @@ class Windows:
         with self.catalog.lock:
             if not spec.overwrite and self.catalog.find(spec.seq_id) is not None:
                 raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
+            # The generation its blocks are staged under (unique: no other version's
+            # records share it); the version's own comes at commit.
             m = spec.manifest(self.catalog.next_gen(), self.slot_size)
         self.mover.evict_disk(m.nbytes)  # by policy: the coldest leave the disk so this fits
         try:
@@ -241,14 +250,30 @@ class Windows:
             self.disk.stage_abort(m)
             raise
         self._free(lease)
-        seq = Seq(manifest=m, on_disk=True)
-        with self.catalog.lock:
-            old = self.catalog.find(m.seq_id)
-            if old is not None and not spec.overwrite:
+        catalog, ids = self.catalog, [m.seq_id]
+        with catalog.lock:
+            try:
+                self.pending.wait(catalog, creates(spec), time.monotonic() + PENDING_WAIT_S)
+            except BaseException:
                 self.disk.stage_abort(m)  # small I/O under the lock on a path that fails anyway
+                raise
+            old = catalog.find(m.seq_id)
+            if old is not None and not spec.overwrite:
+                self.disk.stage_abort(m)
                 raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
             replace = old.manifest if old is not None and old.on_disk else None
-        won = self.disk.stage_commit(m, replace, sync=self.write_through)
+            # The commit point: the generation of this version, as for every park kind.
+            final = dataclasses.replace(m, gen=catalog.next_gen(), data_gen=m.key_gen)
+            self.pending.add(ids)
+        seq = Seq(manifest=final, on_disk=True)
+        try:
+            won = self.disk.stage_commit(final, replace, sync=self.write_through)
+        except BaseException:
+            with catalog.lock:
+                self.pending.done(catalog, ids)
+            if not self.disk.holds(final):  # the transaction failed (not a sync after it): nothing published
+                self.disk.stage_abort(m)
+            raise
         failed: KVParkError | None = None
         gone: list[Seq] = []
         with self.catalog.lock:
@@ -262,8 +287,8 @@ class Windows:
                 except KVParkError as e:  # a concurrent commit or drop changed what we checked
                     failed, seq.dropped, gone = e, True, [seq]
             orphans = self.catalog.take_orphans()
-        for s in gone + orphans:
-            self.mover.delete_from_disk(s)
+            self.pending.done(catalog, ids)
+        self.deletes.delete(gone + orphans)
         self.forget_remote(gone)  # not the orphaned blocks: other daemons' sequences may use them
         if failed is not None:
             raise failed

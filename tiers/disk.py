@@ -1,7 +1,9 @@
 """The LMDB disk tier: checksummed block records plus sequence manifests.
 
 Layout (one LMDB environment, three named sub-databases):
-- ``blocks``: key ``seq_id utf-8 | 0x00 | generation (u64 BE) | block index (u32 BE)``;
+- ``blocks``: key ``seq_id utf-8 | 0x00 | key generation (u64 BE) | block index (u32 BE)``
+  (the key generation is the manifest's ``key_gen``: its generation, or for a windowed
+  park the generation its blocks were staged under, ``data_gen``);
   value ``RecordHeader`` (32 bytes) + payload. The header carries magic ``KVPB``, a
   format version, the layout fingerprint, the payload length and its xxh3-64 checksum.
 - ``manifests``: key ``seq_id``; value JSON ``Manifest`` (tensors, sizes, block size,
@@ -19,7 +21,8 @@ mix. Every read verifies header, length, fingerprint and checksum and raises
 
 Primitives:
 - ``Manifest``: a sequence's typed disk record (tensors, sizes, generation, priority,
-  timestamps, pin/TTL/refs/shared/attrs; the last five travel in the JSON ``extra`` map).
+  timestamps, pin/TTL/refs/shared/attrs/data_gen; the last six travel in the JSON
+  ``extra`` map). ``gen`` orders and names a version; ``key_gen`` keys its block records.
   Slotted; ``decode`` shares the tensor tuples, attrs dicts and sizes that many
   manifests repeat (``interning.py``), so a restart with a million blocks holds one
   copy of each.
@@ -37,6 +40,8 @@ Primitives:
   than the manifest already stored under its id is skipped (False): generations order
   commits, drops and demotions without a lock around the I/O.
 - ``delete(manifest)``: its generation's blocks, and its manifest if still current.
+- ``scan() -> Scan``: every manifest, block record and staged generation in LMDB
+  (invariant checks on a quiet store).
 - ``read_txn()``: a read transaction whose ``read_block`` returns zero-copy verified views.
   ``DiskStore.on_corrupt`` (optional) is called for every record that fails verification;
   ``damaged`` counts the held generations that did (until dropped or replaced).
@@ -46,7 +51,8 @@ Primitives:
   naming the sizes when it does not fit) and lists the generation in ``staging``;
   ``stage_blocks(m, first, views)`` writes checksummed blocks ``first..`` (each window in
   its own transaction: invisible, there is no manifest yet); ``stage_commit(m, replace,
-  sync) -> bool`` publishes the manifest (and removes ``replace``'s blocks) in one
+  sync) -> bool`` publishes the manifest ``m`` (its generation taken at commit, its
+  ``data_gen`` the staged one) (and removes ``replace``'s blocks) in one
   transaction, False when a newer generation won (the staged blocks are deleted);
   ``stage_abort(m)`` deletes what was staged. ``staged``: bytes charged to staged writes.
 
@@ -65,7 +71,7 @@ import struct
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator, NamedTuple, Sequence
 
 import lmdb
 import xxhash
@@ -103,6 +109,13 @@ class Manifest:
     refs: tuple[str, ...] = ()  # shared blocks this sequence's payload starts with
     shared: bool = False  # a reference-counted shared block
     attrs: dict[str, str] = field(default_factory=dict)
+    # The generation the block records are keyed by, when it is not ``gen``: a windowed
+    # park stages its blocks before its commit takes the generation (0: ``gen``).
+    data_gen: int = 0
+
+    @property
+    def key_gen(self) -> int:
+        return self.data_gen or self.gen
 
     @property
     def block_lengths(self) -> list[int]:
@@ -121,6 +134,8 @@ class Manifest:
             extra["pinned"] = True
         if self.expires_at:
             extra["expires_at"] = self.expires_at
+        if self.data_gen and self.data_gen != self.gen:
+            extra["data_gen"] = self.data_gen
         return extra
 
     def encode(self) -> bytes:
@@ -170,6 +185,7 @@ class Manifest:
             m.refs = tuple(extra.get("refs", ()))
             m.shared = bool(extra.get("shared", False))
             m.attrs = interning.attrs_json(dict(extra.get("attrs", {})))
+            m.data_gen = int(extra.get("data_gen", 0))
         else:
             m.attrs = interning.attrs({})
         return m
@@ -189,6 +205,14 @@ class Write:
 
 def block_key(seq_id: str, gen: int, index: int) -> bytes:
     return seq_id.encode() + b"\x00" + _KEY_TAIL.pack(gen, index)
+
+
+class Scan(NamedTuple):
+    """What the store holds, read from LMDB itself (``DiskStore.scan``)."""
+
+    manifests: dict[str, Manifest]  # seq_id -> its current manifest
+    records: dict[tuple[str, int], set[int]]  # (seq_id, key generation) -> block indexes stored
+    staged: set[tuple[str, int]]  # (seq_id, key generation) of windowed parks under way
 
 
 def _usable_dir(path: str) -> None:
@@ -243,7 +267,7 @@ class ReadTxn:
         return DataLoss(message)
 
     def read_block(self, m: Manifest, index: int, length: int) -> memoryview:
-        key = block_key(m.seq_id, m.gen, index)
+        key = block_key(m.seq_id, m.key_gen, index)
         raw = self._txn.get(key, db=self._db)
         where = f"sequence {m.seq_id!r} block {index}"
         if raw is None:
@@ -354,6 +378,26 @@ class DiskStore:
                 self._hold((m.seq_id, m.gen), m.nbytes)
         return good, bad
 
+    def scan(self) -> Scan:
+        """Every manifest, block record and staged generation in LMDB (a full scan: for
+        invariant checks on a quiet store, never on a serving path)."""
+        manifests: dict[str, Manifest] = {}
+        records: dict[tuple[str, int], set[int]] = {}
+        staged: set[tuple[str, int]] = set()
+        tail = 1 + _KEY_TAIL.size
+        with self.env.begin() as txn:
+            for _, raw in txn.cursor(db=self._manifests):
+                m = Manifest.decode(raw)
+                manifests[m.seq_id] = m
+            for k in txn.cursor(db=self._blocks).iternext(keys=True, values=False):
+                k = bytes(k)
+                gen, index = _KEY_TAIL.unpack(k[-_KEY_TAIL.size:])
+                records.setdefault((k[:-tail].decode(), gen), set()).add(index)
+            for k in txn.cursor(db=self._staging).iternext(keys=True, values=False):
+                k = bytes(k)
+                staged.add((k[:-9].decode(), struct.unpack(">Q", k[-8:])[0]))
+        return Scan(manifests, records, staged)
+
     @property
     def used(self) -> int:
         """Payload bytes of every generation the store holds (written, not yet deleted)."""
@@ -463,7 +507,7 @@ class DiskStore:
         for i, view in enumerate(w.blocks):
             assert len(view) == m.block_lengths[i]
             head = HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0, m.fingerprint, len(view), checksum(view))
-            txn.put(block_key(m.seq_id, m.gen, i), b"".join((head, view)), db=self._blocks)
+            txn.put(block_key(m.seq_id, m.key_gen, i), b"".join((head, view)), db=self._blocks)
         if w.replace is not None and w.replace.gen != m.gen:
             self._delete_blocks(txn, w.replace)
         txn.put(m.seq_id.encode(), m.encode(), db=self._manifests)
@@ -471,7 +515,7 @@ class DiskStore:
 
     def _delete_blocks(self, txn: lmdb.Transaction, m: Manifest) -> None:
         for i in range(len(m.block_lengths)):
-            txn.delete(block_key(m.seq_id, m.gen, i), db=self._blocks)
+            txn.delete(block_key(m.seq_id, m.key_gen, i), db=self._blocks)
 
     def update_manifest(self, m: Manifest, sync: bool = False) -> bool:
         """Rewrite the manifest of generation ``m.gen`` (a pin changed); False if that
@@ -510,7 +554,7 @@ class DiskStore:
 
     @staticmethod
     def _stage_key(m: Manifest) -> bytes:
-        return m.seq_id.encode() + b"\x00" + struct.pack(">Q", m.gen)  # the prefix of its block keys
+        return m.seq_id.encode() + b"\x00" + struct.pack(">Q", m.key_gen)  # the prefix of its block keys
 
     @property
     def staged(self) -> int:
@@ -519,7 +563,7 @@ class DiskStore:
             return sum(self._staged.values())
 
     def stage_begin(self, m: Manifest) -> None:
-        key = (m.seq_id, m.gen)
+        key = (m.seq_id, m.key_gen)
         with self._acct:
             if m.nbytes > self.capacity or self._used + m.nbytes > self.capacity:
                 raise ResourceExhausted(
@@ -545,12 +589,12 @@ class DiskStore:
                     if len(view) != lengths[i]:
                         raise ValueError(f"block {i}: {len(view)} bytes, expected {lengths[i]}")
                     head = HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0, m.fingerprint, len(view), checksum(view))
-                    txn.put(block_key(m.seq_id, m.gen, i), b"".join((head, view)), db=self._blocks)
+                    txn.put(block_key(m.seq_id, m.key_gen, i), b"".join((head, view)), db=self._blocks)
         except lmdb.Error as e:
             raise self._write_error(e) from None
 
     def stage_commit(self, m: Manifest, replace: Manifest | None = None, sync: bool = False) -> bool:
-        key = (m.seq_id, m.gen)
+        key = (m.seq_id, m.key_gen)  # charged under the generation it was staged as
         try:
             with self.env.begin(write=True) as txn:
                 cur = txn.get(m.seq_id.encode(), db=self._manifests)
@@ -568,7 +612,12 @@ class DiskStore:
             self._staged.pop(key, None)
             if not won:
                 self._forget(key)
-            elif replace is not None and replace.gen != m.gen:
+            else:
+                # Held from now on as the version it published: the generation of its commit.
+                n = self._held.pop(key, 0)
+                self._used -= n
+                self._hold((m.seq_id, m.gen), n)
+            if won and replace is not None and replace.gen != m.gen:
                 self._forget((replace.seq_id, replace.gen))
         if sync:
             self.sync()
@@ -585,8 +634,8 @@ class DiskStore:
             # As in ``delete``: the caller lets go either way; staged blocks a failed abort
             # leaves behind are deleted at the next start (``_clean_staging``).
             with self._acct:
-                self._staged.pop((m.seq_id, m.gen), None)
-                self._forget((m.seq_id, m.gen))
+                self._staged.pop((m.seq_id, m.key_gen), None)
+                self._forget((m.seq_id, m.key_gen))
 
     @contextmanager
     def read_txn(self) -> Iterator[ReadTxn]:

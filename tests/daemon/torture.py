@@ -308,10 +308,10 @@ class Torture:
         try:
             blocks, manifests = env.open_db(b"blocks", create=False), env.open_db(b"manifests", create=False)
             with env.begin() as txn:
-                owned = {(m.seq_id, m.gen) for m in (Manifest.decode(v) for _, v in txn.cursor(db=manifests))}
+                owned = {(m.seq_id, m.key_gen) for m in (Manifest.decode(v) for _, v in txn.cursor(db=manifests))}
                 n = 0
                 for key, _ in txn.cursor(db=blocks):
-                    k = bytes(key)  # seq_id | 0x00 | gen (u64 BE) | index (u32 BE)
+                    k = bytes(key)  # seq_id | 0x00 | key gen (u64 BE) | index (u32 BE)
                     n += (k[:-13].decode(), int.from_bytes(k[-12:-4], "big")) not in owned
                 return n
         finally:

@@ -1,0 +1,247 @@
+"""The commit side of a park: its commit point, its disk write, its publish.
+
+``Engine.commit`` delegates here (a windowed park goes on to ``window.py``); the engine's
+state (index, leases, mover, windows, tiers, disk, remote) is read through the engine
+passed in. The rules (``docs/protocol.md``, "Versions and commits"):
+
+- **One commit point.** Every park kind (plain, ``ParkSmall``, Reserve+Commit, a batch,
+  windowed) takes its generation under the index lock when it commits, from the one
+  source (``Catalog.next_gen``, unique across daemons). A later commit of an id wins an
+  overwrite: generations order the index and the disk alike.
+- **Exactly one create wins.** A commit holds its ids *pending* from its commit point
+  until it has published or failed. A create (no ``overwrite``), and a new block, wait
+  for the pending commits of their id and then validate again: so of two creates one
+  publishes and the other gets ``AlreadyExists``, and a dedup loser never writes its
+  copy of a block over the winner's manifest. An overwrite does not wait: it is ordered
+  by its generation.
+- **Visible is success.** Once a park is published, a failed delete of the version it
+  replaced does not fail the park: the delete is retried by the maintenance pass
+  (``Deletes``); the disk accounting has already let the old version go.
+
+Primitives:
+- ``Pending``: ids with a commit between its commit point and its publish (REQUIRES:
+  index lock): ``wait(catalog, ids, deadline)``, ``add(ids)``, ``done(catalog, ids)``.
+- ``Deletes(mover, disk)``: ``delete(seqs, reraise=False)`` (a failure is queued; raised
+  again after the rest only with ``reraise``),
+  ``retry()``, ``held() -> set[(seq_id, key generation)]`` (records queued for deletion).
+- ``commit(engine, lease, expect_nbytes) -> SeqInfo``: a reserved (not windowed) park.
+- ``check_disk(seqs, scan, deleting, all_on_disk)``: the index against LMDB, as assertions.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Iterable
+
+from kvpark.proto.errors import KVParkError, Unavailable
+from kvpark.proto.types import SeqInfo
+from kvpark.tiers.disk import DiskStore, Manifest, Scan, Write
+
+from .catalog import Catalog
+from .model import Lease, ParkSpec, Seq
+
+if TYPE_CHECKING:
+    from .engine import Engine
+    from .mover import Mover
+
+log = logging.getLogger("kvpark.commit")
+
+# How long a create waits for a pending commit of its id to publish or fail. A pending
+# commit only writes to disk (one transaction), so this is a disk that has stopped.
+PENDING_WAIT_S = 60.0
+
+
+class Pending:
+    """Ids held by commits between their commit point and their publish."""
+
+    def __init__(self) -> None:
+        self._ids: dict[str, int] = {}
+
+    def busy(self, ids: Iterable[str]) -> bool:
+        return any(i in self._ids for i in ids)
+
+    def wait(self, catalog: Catalog, ids: list[str], deadline: float) -> None:
+        """Wait (the index lock released meanwhile) until no commit holds any of ``ids``.
+        REQUIRES: index lock; the caller validates again after."""
+        while self.busy(ids):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Unavailable(f"a concurrent park of {ids[0]!r} did not finish in {PENDING_WAIT_S:.0f} s")
+            catalog.changed.wait(min(left, 0.5))
+
+    def add(self, ids: Iterable[str]) -> None:
+        for i in ids:
+            self._ids[i] = self._ids.get(i, 0) + 1
+
+    def done(self, catalog: Catalog, ids: Iterable[str]) -> None:
+        for i in ids:
+            n = self._ids.get(i, 0) - 1
+            if n > 0:
+                self._ids[i] = n
+            else:
+                self._ids.pop(i, None)
+        catalog.changed.notify_all()
+
+
+def creates(spec: ParkSpec) -> list[str]:
+    """The ids a park creates, not overwrites: they wait for pending commits of theirs."""
+    own = [spec.seq_id] if not spec.is_batch and not spec.overwrite else []
+    return own + [b.seq_id for b in spec.blocks]
+
+
+class Deletes:
+    """Disk copies of retired versions; a delete that fails is retried later."""
+
+    def __init__(self, mover: "Mover", disk: DiskStore) -> None:
+        self.mover = mover
+        self.disk = disk
+        self._lock = threading.Lock()
+        self._failed: list[Manifest] = []
+
+    def delete(self, seqs: Iterable[Seq], reraise: bool = False) -> None:
+        first: Exception | None = None
+        for s in seqs:
+            try:
+                self.mover.delete_from_disk(s)
+            except Exception as e:  # the park or drop it follows has happened: never undone by this
+                log.warning("deleting the disk copy of %r (generation %d) failed, retried later: %s",
+                            s.seq_id, s.gen, e)
+                with self._lock:
+                    self._failed.append(s.manifest)
+                first = first or e
+        if reraise and first is not None:
+            raise first
+
+    def retry(self) -> int:
+        """Delete what failed before; returns how many are still left."""
+        with self._lock:
+            todo, self._failed = self._failed, []
+        left = []
+        for m in todo:
+            try:
+                self.disk.delete(m)  # by generation: a newer version's manifest stays
+            except Exception as e:  # still failing: next pass
+                log.debug("retried delete of %r failed: %s", m.seq_id, e)
+                left.append(m)
+        with self._lock:
+            self._failed.extend(left)
+            return len(self._failed)
+
+    def held(self) -> set[tuple[str, int]]:
+        with self._lock:
+            return {(m.seq_id, m.key_gen) for m in self._failed}
+
+
+def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo:
+    """Publish a reserved park (the caller took the lease and marked it ended): validate
+    and take the generation under the index lock, write disk without it, publish."""
+    catalog, pending = engine.catalog, engine.pending
+    spec, alloc, tier = lease.spec, lease.alloc, lease.tier
+    assert spec is not None and alloc is not None
+    held: list[str] = []
+    with catalog.lock:
+        try:
+            engine._check_open()
+            pending.wait(catalog, creates(spec), time.monotonic() + PENDING_WAIT_S)
+            blocks, old = catalog.plan_commit(lease, expect_nbytes, engine.slot_size)
+        except BaseException:
+            for a in lease.write_allocs():
+                catalog.free(tier, a)
+            raise
+        seq = None
+        if spec.is_batch:
+            catalog.free(tier, alloc)  # the batch's own (empty) payload
+        else:
+            catalog.pin_refs(spec.refs)  # the blocks it names stay until it publishes or fails
+            seq = Seq(manifest=spec.manifest(catalog.next_gen(), engine.slot_size), res={tier: alloc})
+        held = [b.seq_id for b in blocks] + ([spec.seq_id] if seq is not None else [])
+        pending.add(held)
+        replace = old.manifest if old is not None and old.on_disk and seq is not None else None
+    mine = blocks + ([seq] if seq is not None else [])
+    try:
+        if engine._write_through:
+            engine.mover.evict_disk(sum(s.manifest.nbytes for s in mine), exclude=seq)
+            write_through_disk(engine, blocks, seq, replace)
+    except BaseException:
+        with catalog.lock:
+            for s in mine:
+                for name, a in s.res.items():
+                    catalog.free(name, a)
+                s.res.clear()
+            if seq is not None:
+                catalog.unpin_refs(spec.refs)
+            pending.done(catalog, held)
+        raise
+    failed: KVParkError | None = None
+    with catalog.lock:
+        catalog.publish_blocks(blocks)
+        gone: list[Seq] = []
+        if seq is None:
+            info = SeqInfo(seq_id="", nbytes=sum(b.manifest.nbytes for b in blocks), tier=tier,
+                           num_tensors=0, num_blocks=len(blocks))
+        else:
+            try:
+                gone = catalog.publish_commit(seq, spec, replace)
+                info = catalog.info(seq) if not seq.dropped else catalog.info_of([seq], [seq])
+            except KVParkError as e:  # a concurrent commit or drop changed what we validated
+                failed = e
+                catalog.unpin_refs(spec.refs)
+                seq.dropped = True
+                catalog.release_dropped(seq)
+                gone = [seq]
+        orphans = catalog.take_orphans()
+        pending.done(catalog, held)
+    engine.deletes.delete(gone + orphans)
+    engine._forget_remote(gone)
+    if failed is not None:
+        raise failed
+    if engine.remote is not None and engine.remote.write_through:
+        engine.mover.copy_to_remote_later(blocks + ([seq] if seq is not None and not seq.dropped else []))
+    if seq is not None and engine._write_through and not seq.on_disk and not seq.dropped:
+        # Our write lost to a newer generation that then failed to publish: write it now.
+        engine.mover.write_to_disk(seq)
+        engine.disk.sync()
+    return info
+
+
+def write_through_disk(engine: "Engine", blocks: list[Seq], seq: Seq | None, replace: Manifest | None) -> None:
+    """Every new sequence of one commit in one transaction, and one fsync."""
+    todo = blocks + ([seq] if seq is not None else [])
+    writes = []
+    for s in todo:
+        name, a = next(iter(s.res.items()))
+        writes.append(Write(s.manifest, engine.tiers[name].views(a), replace if s is seq else None))
+    done = engine.disk.write_many(writes, sync=True)
+    with engine.catalog.lock:
+        for s, ok in zip(todo, done):
+            s.on_disk = ok
+
+
+def check_disk(seqs: list[Seq], scan: Scan, deleting: set[tuple[str, int]], all_on_disk: bool) -> None:
+    """Assert that the index and LMDB agree. REQUIRES: a quiet engine.
+
+    Each sequence indexed on disk has its manifest, at its generation, and every block
+    record; every manifest in LMDB is such a sequence's; every block record belongs to a
+    manifest (or to a windowed park under way, or to a version whose delete is queued).
+    ``all_on_disk`` (write_through, and the disk has evicted nothing): every sequence
+    parked here is on disk.
+    """
+    indexed = {s.seq_id: s for s in seqs if s.on_disk}
+    for s in seqs:
+        assert s.on_disk or s.on_remote or not all_on_disk, f"{s.seq_id}: acknowledged under write_through, not on disk"
+    for sid, s in indexed.items():
+        m = scan.manifests.get(sid)
+        assert m is not None, f"{sid}: indexed on disk, no manifest in LMDB"
+        assert m.gen == s.gen, f"{sid}: indexed generation {s.gen}, LMDB's manifest {m.gen}"
+        have = scan.records.get((sid, m.key_gen), set())
+        want = set(range(len(m.block_lengths)))
+        assert have == want, f"{sid}: LMDB holds blocks {sorted(have)[:8]} of {len(want)}"
+    for sid, m in scan.manifests.items():
+        if (sid, m.key_gen) in deleting:
+            continue
+        assert sid in indexed, f"{sid}: a manifest in LMDB (generation {m.gen}) the index does not hold on disk"
+    owned = {(sid, m.key_gen) for sid, m in scan.manifests.items()} | scan.staged | deleting
+    stray = [k for k in scan.records if k not in owned]
+    assert not stray, f"block records no manifest owns: {stray[:8]}"
