@@ -14,6 +14,7 @@ is the policy around it for one daemon:
 Primitives:
 - ``RemoteTier(opts, write)``: ``write`` is ``"on_evict"`` or ``"write_through"``.
 - ``manifests(ids) -> list[Manifest | None]``; ``present(ids) -> list[bool]``: miss-safe.
+- ``holds(manifest) -> bool``: that generation is in Redis whole (typed errors).
 - ``put(manifest, views)``; ``fetch(manifest) -> bytearray``; ``fetch_into(manifest,
   block_views)``: typed errors.
 - ``submit(what, fn)``: run ``fn()`` in the background; failures are logged.
@@ -66,6 +67,11 @@ class RemoteTier:
 
     def put(self, m: Manifest, views: Sequence[memoryview]) -> None:
         self.store.put(m, views)
+
+    def holds(self, m: Manifest) -> bool:
+        """Generation ``m.gen`` is in Redis whole (typed errors: the caller must not
+        take an unreachable Redis for a yes)."""
+        return self.store.holds(m)
 
     def fetch(self, m: Manifest) -> bytearray:
         return self.store.read(m)

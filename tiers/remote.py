@@ -34,6 +34,7 @@ Primitives:
   ``read_blocks_into(manifest, outs, tenant="")`` (one view per block)
   (``NotFound`` when the sequence is gone or replaced in Redis);
   ``delete(manifest, tenant="")``; ``exists(seq_ids, tenant="") -> list[bool]``;
+  ``holds(manifest, tenant="") -> bool`` (that generation whole, its TTL refreshed);
   ``ping()``; ``stats() -> RemoteStats``; ``close()``.
 - ``chunk_plan(block_lengths, chunk_size) -> list[(offset, length)]``;
   ``slices(views, offset, length)``: the pieces of block views a chunk covers. Pure.
@@ -399,6 +400,37 @@ class RemoteStore:
             return [bool(n) for n in pipe.execute()]
 
         return self._call("exists", run)
+
+    def holds(self, m: Manifest, tenant: str = "") -> bool:
+        """Whether generation ``m.gen`` is in Redis whole: its manifest is the current one
+        and every chunk key exists. With ``ttl_s``, every one of those keys gets a fresh
+        TTL in the same step (PEXPIRE answers whether the key was there), so a copy found
+        here outlives the check by ``ttl_s``. Checks presence, not bytes: a read still
+        verifies every chunk."""
+        mkey = self.manifest_key(m.seq_id, tenant)
+        raw = self._call(f"manifest of {m.seq_id!r}", lambda c: c.get(mkey))
+        if raw is None:
+            return False
+        try:
+            cur, chunk = decode_manifest(raw)
+        except DataLoss as e:
+            self._corrupt(m.seq_id, None, tenant, e)
+            return False
+        if cur.gen != m.gen:
+            return False
+        keys = [mkey] + [self.chunk_key(m, i, tenant) for i in range(len(chunk_plan(m.block_lengths, chunk)))]
+        px = self._ttl_ms()
+
+        def run(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for k in keys:  # one key per command: on a cluster the keys sit in many slots
+                if px is None:
+                    pipe.exists(k)
+                else:
+                    pipe.pexpire(k, px)
+            return pipe.execute()
+
+        return all(bool(n) for n in self._call(f"presence of {m.seq_id!r}", run))
 
     def read(self, m: Manifest, tenant: str = "") -> bytearray:
         out = bytearray(m.nbytes)
