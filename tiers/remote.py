@@ -27,7 +27,7 @@ then one probe goes out, and a success resumes the tier. State and counters are 
 
 Primitives:
 - ``RemoteOptions``: url, cluster, namespace, ttl_s, timeout_s, chunk_size,
-  pipeline_bytes, inflight, breaker settings.
+  pipeline_bytes, inflight, breaker settings; max_pending (the daemon's copy queue).
 - ``RemoteStore(opts)``: ``put(manifest, blocks, tenant="")``;
   ``get_manifest(seq_id, tenant="") -> Manifest | None``; ``get_manifests(ids, tenant="")``;
   ``read(manifest, tenant="") -> bytearray`` / ``read_into(manifest, out, tenant="")`` /
@@ -82,6 +82,9 @@ class RemoteOptions:
     inflight: int = 4  # pipelines in flight at once
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
+    # Not the store's: the daemon's bound on write_through copies queued for Redis
+    # (daemon/remote_tier.py); past it a copy is skipped, the local copy stays.
+    max_pending: int = 1024
 
 
 @dataclass(frozen=True)

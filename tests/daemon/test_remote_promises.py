@@ -7,6 +7,9 @@
   and off the local disk (exact accounting).
 - A Redis that hangs (SIGSTOP) rather than refusing: the daemon keeps serving its local
   tiers within every deadline, the breaker opens, and the tier resumes afterwards.
+- A Redis slow but healthy (CLIENT PAUSE): write_through copies waiting for it are
+  bounded (``tiers.remote.max_pending``); the rest are skipped and counted, drops still
+  reach Redis, and every park restores from its local copy.
 """
 
 from __future__ import annotations
@@ -151,3 +154,36 @@ def test_a_hung_redis_leaves_the_daemon_serving_its_local_tiers(
 
         assert wait_until(resumed, timeout=60, interval=0.3)
         check(d)
+
+
+def test_write_through_copies_queued_for_a_slow_redis_are_bounded_and_no_park_is_lost(
+        daemon: Callable[..., Daemon], fresh_redis: RedisServer) -> None:
+    ns = _new_ns()
+    n = 1200
+    # Slow but healthy: Redis holds every write (CLIENT PAUSE) for less than timeout_s,
+    # so nothing fails and the breaker stays closed.
+    d = daemon(**{"tiers.host.slot_size": "64KiB", "tiers.host.capacity": "96MiB"}, **_remote(fresh_redis.url, ns, timeout_s=60.0))
+    assert d.engine is not None and d.engine.remote is not None
+    bound = d.engine.remote.max_pending  # the default of tiers.remote.max_pending
+    assert bound < n
+    try:
+        with Client(d.address) as c:
+            fresh_redis.cli("client", "pause", "60000", "WRITE")
+            c.park_batch({f"b{i}": [blob(i, 1024)] for i in range(n)})
+            # Step: what waits for Redis is bounded; the rest is skipped and counted.
+            st = c.stat().remote
+            assert st.state == "closed"
+            assert st.pending_writes <= bound + 1, f"{st.pending_writes} copies queued behind a slow Redis"
+            assert d.engine.remote.skipped >= n - bound - 1
+            # A drop is never skipped: it reaches Redis once Redis answers.
+            assert c.drop("b0")
+            fresh_redis.cli("client", "unpause")
+            assert wait_until(lambda: _synced(c), timeout=120)
+            assert c.stat().remote.state == "closed"
+            assert fresh_redis.cli("exists", f"{ns}:m:b0").strip() == "0"
+            # Step: no park is lost: every one restores from its local copy.
+            for i in range(1, n, 97):
+                assert torch.equal(c.restore(f"b{i}")[0], blob(i, 1024))
+            check(d)
+    finally:
+        fresh_redis.cli("client", "unpause")
