@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from kvpark.proto.errors import KVParkError
 from kvpark.tiers import policy
+from kvpark.tiers.remote import GONE
 
 from .model import Seq
 
@@ -138,7 +139,9 @@ def disk_to_remote(mover: "Mover", seq_id: str) -> bool:
         # A remembered "it is in Redis" is not proof: Redis may have expired or evicted
         # the keys since, or another daemon deleted them. Checked (and with ttl_s, the
         # TTL refreshed) right before the only local copy goes; gone means copy again.
-        if seq.on_remote and not mover.remote.holds(m):
+        # Replaced means a later write of the id (another daemon's) is what Redis
+        # serves: this version is superseded there, and copying it would hide that one.
+        if seq.on_remote and mover.remote.copy_state(m) == GONE:
             log.warning("remote copy of %r (generation %d) is gone from Redis; copying it again before "
                         "it leaves the disk", seq_id, m.gen)
             with mover.catalog.lock:

@@ -19,7 +19,7 @@ is the policy around it for one daemon:
 Primitives:
 - ``RemoteTier(opts, write)``: ``write`` is ``"on_evict"`` or ``"write_through"``.
 - ``manifests(ids) -> list[Manifest | None]``; ``present(ids) -> list[bool]``: miss-safe.
-- ``holds(manifest) -> bool``: that generation is in Redis whole (typed errors).
+- ``copy_state(manifest) -> str``: what Redis holds of that generation (typed errors).
 - ``put(manifest, views)``; ``fetch(manifest) -> bytearray``; ``fetch_into(manifest,
   block_views)``: typed errors.
 - ``submit(what, fn)``: run ``fn()`` in the background; failures are logged.
@@ -78,10 +78,10 @@ class RemoteTier:
     def put(self, m: Manifest, views: Sequence[memoryview]) -> None:
         self.store.put(m, views)
 
-    def holds(self, m: Manifest) -> bool:
-        """Generation ``m.gen`` is in Redis whole (typed errors: the caller must not
-        take an unreachable Redis for a yes)."""
-        return self.store.holds(m)
+    def copy_state(self, m: Manifest) -> str:
+        """What Redis holds of generation ``m.gen`` (``tiers.remote.WHOLE``, ``REPLACED``,
+        ``GONE``); typed errors: an unreachable Redis is no answer, never a yes."""
+        return self.store.copy_state(m)
 
     def fetch(self, m: Manifest) -> bytearray:
         return self.store.read(m)

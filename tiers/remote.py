@@ -34,7 +34,8 @@ Primitives:
   ``read_blocks_into(manifest, outs, tenant="")`` (one view per block)
   (``NotFound`` when the sequence is gone or replaced in Redis);
   ``delete(manifest, tenant="")``; ``exists(seq_ids, tenant="") -> list[bool]``;
-  ``holds(manifest, tenant="") -> bool`` (that generation whole, its TTL refreshed);
+  ``copy_state(manifest, tenant="") -> WHOLE | REPLACED | GONE`` (what Redis holds of
+  that generation; a whole one gets a fresh TTL);
   ``ping()``; ``stats() -> RemoteStats``; ``close()``.
 - ``chunk_plan(block_lengths, chunk_size) -> list[(offset, length)]``;
   ``slices(views, offset, length)``: the pieces of block views a chunk covers. Pure.
@@ -68,6 +69,9 @@ CHUNK_HEADER = struct.Struct("<4sBBHIQQQQ")
 MANIFEST_HEADER = struct.Struct("<4sBBHIQQ")
 
 T = TypeVar("T")
+
+# copy_state(): what Redis holds of one generation of a sequence
+WHOLE, REPLACED, GONE = "whole", "replaced", "gone"
 
 
 @dataclass(frozen=True)
@@ -404,23 +408,25 @@ class RemoteStore:
 
         return self._call("exists", run)
 
-    def holds(self, m: Manifest, tenant: str = "") -> bool:
-        """Whether generation ``m.gen`` is in Redis whole: its manifest is the current one
-        and every chunk key exists. With ``ttl_s``, every one of those keys gets a fresh
-        TTL in the same step (PEXPIRE answers whether the key was there), so a copy found
-        here outlives the check by ``ttl_s``. Checks presence, not bytes: a read still
-        verifies every chunk."""
+    def copy_state(self, m: Manifest, tenant: str = "") -> str:
+        """What Redis holds of generation ``m.gen``: ``WHOLE`` (its manifest is the current
+        one and every chunk key exists), ``REPLACED`` (the current manifest is another
+        generation's: a later write of the id, by this daemon or another) or ``GONE``
+        (no manifest, or a chunk missing: expired, evicted, flushed, deleted). With
+        ``ttl_s``, ``WHOLE`` also gives every one of those keys a fresh TTL in the same
+        step (PEXPIRE answers whether the key was there), so the copy outlives the check
+        by ``ttl_s``. Presence, not bytes: a read still verifies every chunk."""
         mkey = self.manifest_key(m.seq_id, tenant)
         raw = self._call(f"manifest of {m.seq_id!r}", lambda c: c.get(mkey))
         if raw is None:
-            return False
+            return GONE
         try:
             cur, chunk = decode_manifest(raw)
         except DataLoss as e:
             self._corrupt(m.seq_id, None, tenant, e)
-            return False
+            return GONE
         if cur.gen != m.gen:
-            return False
+            return REPLACED
         keys = [mkey] + [self.chunk_key(m, i, tenant) for i in range(len(chunk_plan(m.block_lengths, chunk)))]
         px = self._ttl_ms()
 
@@ -433,7 +439,7 @@ class RemoteStore:
                     pipe.pexpire(k, px)
             return pipe.execute()
 
-        return all(bool(n) for n in self._call(f"presence of {m.seq_id!r}", run))
+        return WHOLE if all(bool(n) for n in self._call(f"presence of {m.seq_id!r}", run)) else GONE
 
     def read(self, m: Manifest, tenant: str = "") -> bytearray:
         out = bytearray(m.nbytes)

@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 from typing import Callable, Iterator
@@ -23,6 +24,7 @@ import torch
 
 from kvpark.client import Client, NotFound
 from kvpark.daemon.server import Daemon
+from kvpark.tiers.remote import RemoteOptions, RemoteStore
 
 from ..conftest import wait_until
 from ..redis_servers import RedisServer
@@ -94,6 +96,33 @@ def test_disk_eviction_copies_again_a_sequence_whose_remote_copy_is_gone(
         # Step: the copy that let it leave the disk is the one in Redis now.
         assert torch.equal(c.restore("s")[0], blob(1)), "disk eviction deleted the only copy"
         check(d)
+
+
+def test_disk_eviction_never_hides_a_later_version_another_daemon_wrote(
+        daemon: Callable[..., Daemon], fresh_redis: RedisServer) -> None:
+    ns = _new_ns()
+    d = daemon(**SMALL, **_remote(fresh_redis.url, ns))
+    other = RemoteStore(RemoteOptions(url=fresh_redis.url, namespace=ns))
+    try:
+        with Client(d.address, transport="inline") as c:
+            c.park("s", [blob(1)])
+            assert wait_until(lambda: _synced(c), timeout=30)
+            i = _park_until(c, lambda: _tier(c, "s") == "disk", 0)
+            # Step: another daemon overwrites "s" in the shared namespace.
+            assert d.engine is not None
+            with d.engine.catalog.lock:
+                mine = d.engine.catalog.find("s")
+            assert mine is not None
+            theirs = dataclasses.replace(mine.manifest, gen=mine.manifest.gen + 1000)
+            other.put(theirs, [memoryview(blob(9).numpy().tobytes())])
+            # Step: the disk evicts "s": its superseded version is not copied over theirs.
+            _park_until(c, lambda: _tier(c, "s") == "remote", i)
+            cur = other.get_manifest("s")
+            assert cur is not None and cur.gen == theirs.gen, "eviction republished a superseded version"
+            assert bytes(other.read(theirs)) == blob(9).numpy().tobytes()
+            check(d)
+    finally:
+        other.close()
 
 
 def test_a_remote_sequence_found_gone_takes_its_unshared_blocks_off_the_disk(

@@ -23,6 +23,7 @@ from typing import Iterator
 import pytest
 
 from kvpark.proto.errors import DeadlineExceeded, NotFound, Unavailable
+from kvpark.tiers.remote import GONE, REPLACED, WHOLE
 
 from ..conftest import wait_until
 from ..redis_servers import RedisServer
@@ -180,28 +181,28 @@ def test_a_hung_redis_times_out_typed_and_opens_the_breaker(fresh_redis: RedisSe
 
 
 
-def test_holds_answers_for_one_generation_whole_and_refreshes_its_ttl(redis_server: RedisServer) -> None:
+def test_copy_state_answers_for_one_generation_whole_and_refreshes_its_ttl(redis_server: RedisServer) -> None:
     st = _store(redis_server.url, ttl_s=3.0)
     try:
         m = _manifest("held", 40000)
         st.put(m, _payload(m)[1])
-        assert st.holds(m)
-        assert not st.holds(_manifest("held", 40000, gen=2))  # another generation is not this one
+        assert st.copy_state(m) == WHOLE
+        assert st.copy_state(_manifest("held", 40000, gen=2)) == REPLACED  # another generation's is current
         # Step: with ttl_s, a yes gives every key of that generation a fresh TTL.
         keys = [st.manifest_key("held")] + [st.chunk_key(m, i) for i in range(3)]
         pttl = lambda: min(int(redis_server.cli("pttl", k).strip()) for k in keys)  # noqa: E731
         assert wait_until(lambda: pttl() < 2000, timeout=20, interval=0.05)
-        assert st.holds(m)
-        assert pttl() > 2000, "holds() did not refresh the TTL"
+        assert st.copy_state(m) == WHOLE
+        assert pttl() > 2000, "copy_state() did not refresh the TTL"
         # Step: one chunk gone (evicted by Redis) is a no; so is the manifest gone.
         redis_server.cli("del", st.chunk_key(m, 1))
-        assert not st.holds(m)
+        assert st.copy_state(m) == GONE
         st.put(m, _payload(m)[1])
         redis_server.cli("del", st.manifest_key("held"))
-        assert not st.holds(m)
+        assert st.copy_state(m) == GONE
         # Step: expired is gone (watched with exists(), which refreshes nothing).
         st.put(m, _payload(m)[1])
         assert wait_until(lambda: st.exists(["held"]) == [False], timeout=20, interval=0.2)
-        assert not st.holds(m)
+        assert st.copy_state(m) == GONE
     finally:
         st.close()
