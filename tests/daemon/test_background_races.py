@@ -156,6 +156,10 @@ def test_a_write_through_copy_to_redis_leaves_nothing_of_an_id_dropped_or_overwr
     assert d.engine is not None and d.engine.remote is not None
     tier = d.engine.remote
     hold = threading.Event()
+
+    def held() -> None:  # the background queue's next job waits for the test
+        hold.wait(60)
+
     pid = fresh_redis.proc.pid if fresh_redis.proc else 0
     try:
         with Client(d.address) as c:
@@ -163,7 +167,7 @@ def test_a_write_through_copy_to_redis_leaves_nothing_of_an_id_dropped_or_overwr
             assert c.flush() == 1
             # Step: the copy of "race" queues behind a job the test holds; Redis stops
             # answering; the copy starts and hangs on the wire.
-            tier.submit("test hold", lambda: None if hold.wait(60) else None)
+            tier.submit("test hold", held)
             c.park("race", [full(MiB, 1)])
             os.kill(pid, signal.SIGSTOP)
             hold.set()
