@@ -24,7 +24,7 @@ from kvpark.client import Client, NotFound
 from kvpark.daemon.model import Seq
 from kvpark.daemon.server import Daemon
 
-from ..conftest import run_threads, wait_until
+from ..conftest import wait_until
 from ..redis_servers import RedisServer
 from .disk_seams import GatedWrites
 
@@ -178,7 +178,8 @@ def test_a_write_through_copy_to_redis_leaves_nothing_of_an_id_dropped_or_overwr
             assert wait_until(lambda: c.stat().remote.pending_writes == 0, timeout=60)
             keys = fresh_redis.cli("--scan", "--pattern", f"{ns}:*").split()
             if action == "drop":
-                assert not [k for k in keys if k.endswith(":m:race") or ":race:" in k], f"a dropped id left keys in Redis: {keys}"
+                left = [k for k in keys if k.endswith(":m:race") or ":race:" in k]
+                assert not left, f"a dropped id left keys in Redis: {left}"
             else:
                 gen = _find(d, "race").manifest.gen
                 old = [k for k in keys if ":race:" in k and not k.split(":")[-2] == str(gen)]

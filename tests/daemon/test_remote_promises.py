@@ -191,7 +191,8 @@ def test_write_through_copies_queued_for_a_slow_redis_are_bounded_and_no_park_is
     n = 1200
     # Slow but healthy: Redis holds every write (CLIENT PAUSE) for less than timeout_s,
     # so nothing fails and the breaker stays closed.
-    d = daemon(**{"tiers.host.slot_size": "64KiB", "tiers.host.capacity": "96MiB"}, **_remote(fresh_redis.url, ns, timeout_s=60.0))
+    d = daemon(**{"tiers.host.slot_size": "64KiB", "tiers.host.capacity": "96MiB"},
+               **_remote(fresh_redis.url, ns, timeout_s=60.0))
     assert d.engine is not None and d.engine.remote is not None
     bound = d.engine.remote.max_pending  # the default of tiers.remote.max_pending
     assert bound < n

@@ -9,7 +9,6 @@ never mocks; syncs by ``SyncObserver``, which overrides only ``sync()`` (``disk_
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Sequence
