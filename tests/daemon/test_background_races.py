@@ -1,7 +1,7 @@
 """A drop or an overwrite of an id raced against each background writer of it.
 
-The writers: the flush (``Flush`` and the stop), a demotion from host to disk, and the
-write_through copy to Redis. Each race is pinned, not hoped for: the writer is held
+The writers: the flush (``Flush`` and the stop), a demotion from host to disk, the
+write_through copy to Redis, and disk eviction's copy to Redis (on_evict). Each race is pinned, not hoped for: the writer is held
 inside its write (the disk seam's ``GatedWrites``; for Redis, a redis-server stopped
 with SIGSTOP while the copy is on the wire) until the test has dropped or overwritten
 the id. Then the daemon restarts from its disk, and what was dropped stays dropped, an
@@ -55,7 +55,7 @@ def after_restart(daemon: Callable[..., Daemon], action: str, **cfg: object) -> 
     never the old version (the new one was only in memory and the stop did not flush)."""
     d2 = daemon(**cfg)
     with Client(d2.address) as c:
-        assert c.present(["race"]) == [False], f"the {action}ped-away version of 'race' came back after a restart"
+        assert c.present(["race"]) == [False], f"the {DONE[action]} version of 'race' came back after a restart"
         with pytest.raises(NotFound):
             c.restore("race")
         assert torch.equal(c.restore("other")[0], full(MiB, 3))
@@ -70,6 +70,7 @@ def act(c: Client, action: str) -> None:
 
 
 NO_FLUSH = {"policy.flush_on_shutdown": False}
+DONE = {"drop": "dropped", "overwrite": "overwritten"}
 
 
 @pytest.mark.parametrize("action", ["drop", "overwrite"])
@@ -132,16 +133,15 @@ def _find(d: Daemon, seq_id: str) -> Seq:
     return seq
 
 
-def _in_remote_put(d: Daemon) -> bool:
-    """The remote tier's background thread is inside ``RemoteStore.put`` (on the wire)."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    for ident, frame in sys._current_frames().items():
-        if not names.get(ident, "").startswith("kvpark-remote"):
-            continue
+def _in_remote_put(seq_id: str = "") -> bool:
+    """Some thread is inside ``RemoteStore.put`` (on the wire), of ``seq_id`` if named."""
+    for frame in sys._current_frames().values():
         f = frame
         while f is not None:
             if f.f_code.co_name == "put" and f.f_code.co_filename.endswith(os.path.join("tiers", "remote.py")):
-                return True
+                m = f.f_locals.get("m")
+                if not seq_id or getattr(m, "seq_id", None) == seq_id:
+                    return True
             f = f.f_back
     return False
 
@@ -171,7 +171,7 @@ def test_a_write_through_copy_to_redis_leaves_nothing_of_an_id_dropped_or_overwr
             c.park("race", [full(MiB, 1)])
             os.kill(pid, signal.SIGSTOP)
             hold.set()
-            assert wait_until(lambda: _in_remote_put(d), timeout=30), "the copy never reached Redis"
+            assert wait_until(lambda: _in_remote_put(), timeout=30), "the copy never reached Redis"
             # Step: dropped or overwritten while its copy is on the wire.
             act(c, action)
             os.kill(pid, signal.SIGCONT)
@@ -200,3 +200,42 @@ def test_a_write_through_copy_to_redis_leaves_nothing_of_an_id_dropped_or_overwr
             assert torch.equal(c.restore("race")[0], full(MiB, 2))
         assert torch.equal(c.restore("other")[0], full(MiB, 3))
         check(d2)
+
+
+@pytest.mark.parametrize("action", ["drop", "overwrite"])
+def test_an_eviction_to_redis_leaves_nothing_of_an_id_dropped_or_overwritten_while_it_copied(
+        daemon: Callable[..., Daemon], fresh_redis: RedisServer, action: str) -> None:
+    ns = f"ev{os.getpid()}{action}"
+    remote = {"tiers.remote.url": fresh_redis.url, "tiers.remote.namespace": ns,
+              "tiers.remote.write": "on_evict", "tiers.remote.timeout_s": 60.0}
+    d = daemon(**remote, **NO_FLUSH)
+    assert d.engine is not None
+    mover = d.engine.mover
+    pid = fresh_redis.proc.pid if fresh_redis.proc else 0
+    try:
+        with Client(d.address) as c:
+            c.park("race", [full(MiB, 1)])  # the coldest: the first the disk evicts
+            c.park("other", [full(MiB, 3)])
+            assert c.flush() == 2
+            # Step: Redis stops answering; the disk evicts everything, "race" first, and
+            # its copy to Redis hangs on the wire.
+            os.kill(pid, signal.SIGSTOP)
+            evicting = threading.Thread(target=lambda: mover.evict_disk(0, target=0))
+            evicting.start()
+            assert wait_until(lambda: _in_remote_put("race"), timeout=30), "the eviction never reached Redis"
+            # Step: dropped or overwritten while its copy is on the wire.
+            act(c, action)
+            os.kill(pid, signal.SIGCONT)
+            evicting.join(120)
+            assert not evicting.is_alive()
+            assert wait_until(lambda: c.stat().remote.pending_writes == 0, timeout=60)
+            keys = fresh_redis.cli("--scan", "--pattern", f"{ns}:*").split()
+            left = [k for k in keys if k.endswith(":m:race") or ":race:" in k]
+            assert not left, f"the {DONE[action]} version of 'race' left keys in Redis: {left}"
+            if action == "overwrite":
+                assert torch.equal(c.restore("race")[0], full(MiB, 2))
+            check(d)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    d.stop()
+    after_restart(daemon, action, **remote)  # asks Redis too: nothing there either
