@@ -16,7 +16,9 @@ Keys (``NS`` = namespace, then ``t:<tenant>:`` when the sequence belongs to a te
 
 Every chunk is verified (header, index, fingerprint, generation, length, checksum)
 before a byte of it is served; a mismatch deletes the sequence from Redis and raises
-``DataLoss``. Chunks travel in pipelines of about ``pipeline_bytes``, ``inflight`` of
+``DataLoss``. A chunk that is not there at all (expired, evicted by Redis, dropped under
+the reader) is ``NotFound``, not damage: that generation's remains are deleted, nothing
+is counted as data loss. Chunks travel in pipelines of about ``pipeline_bytes``, ``inflight`` of
 them at once, each on its own pooled connection.
 
 Every call goes through a circuit breaker (``tiers/breaker.py``): a Redis that is down,
@@ -459,7 +461,9 @@ class RemoteStore:
     def read_blocks_into(self, m: Manifest, outs: Sequence[memoryview], tenant: str = "") -> None:
         """Fetch and verify every chunk into ``outs``, one writable view per block (slots
         of a memory tier, say: no staging buffer). A chunk that fails verification deletes
-        the sequence from Redis and raises ``DataLoss``; ``outs`` then hold garbage."""
+        the sequence from Redis and raises ``DataLoss``; a chunk that is gone raises
+        ``NotFound`` (and deletes what is left of that generation); ``outs`` then hold
+        garbage."""
         lengths = m.block_lengths
         if len(outs) != len(lengths) or any(len(o) != n for o, n in zip(outs, lengths)):
             raise ValueError(f"{len(outs)} output views do not match the {len(lengths)} blocks of {m.seq_id!r}")
@@ -487,6 +491,9 @@ class RemoteStore:
 
             raws = self._call(f"read {m.seq_id!r}", fetch)
             for i, raw in zip(idx, raws):
+                if raw is None:  # gone (expired, evicted, dropped under us), not damaged
+                    raise NotFound(f"sequence {m.seq_id!r}: chunk {i} is gone from the remote tier (expired, "
+                                   "evicted or dropped)")
                 try:
                     payload = verify_chunk(raw, i, m.fingerprint, m.gen, plan[i][1])
                     pos = 0
@@ -500,6 +507,14 @@ class RemoteStore:
             self._fan_out(self._groups(plan), run)
         except DataLoss as e:
             self._corrupt(m.seq_id, m, tenant, e)
+            raise
+        except NotFound:
+            # What is left of this generation is useless: its manifest (if still the
+            # current one) goes, so later readers miss at once instead of here.
+            try:
+                self.delete(m, tenant)
+            except (Unavailable, DeadlineExceeded):
+                pass  # a later read finds the same gap
             raise
         with self._stat_lock:
             self._read += m.nbytes

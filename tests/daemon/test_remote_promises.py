@@ -125,6 +125,26 @@ def test_disk_eviction_never_hides_a_later_version_another_daemon_wrote(
         other.close()
 
 
+def test_a_restore_of_a_sequence_missing_a_chunk_is_not_found_not_data_loss(
+        daemon: Callable[..., Daemon], fresh_redis: RedisServer) -> None:
+    ns = _new_ns()
+    d = daemon(**SMALL, **_remote(fresh_redis.url, ns, chunk_size="64KiB"))
+    with Client(d.address, transport="inline") as c:
+        c.park("s", [blob(1)])
+        assert wait_until(lambda: _synced(c), timeout=30)
+        _park_until(c, lambda: _tier(c, "s") == "remote", 0)
+        # Step: Redis evicts one chunk of it (maxmemory, or its TTL ran out first).
+        chunks = [k for k in fresh_redis.cli("--scan", "--pattern", f"{ns}:v:*").split() if ":s:" in k]
+        assert len(chunks) == 16
+        fresh_redis.cli("del", chunks[5])
+        with pytest.raises(NotFound):
+            c.restore("s")
+        assert c.stat().remote.data_loss == 0
+        with pytest.raises(NotFound):
+            c.info("s")
+        check(d)
+
+
 def test_a_remote_sequence_found_gone_takes_its_unshared_blocks_off_the_disk(
         daemon: Callable[..., Daemon], fresh_redis: RedisServer) -> None:
     ns = _new_ns()

@@ -206,3 +206,24 @@ def test_copy_state_answers_for_one_generation_whole_and_refreshes_its_ttl(redis
         assert st.copy_state(m) == GONE
     finally:
         st.close()
+
+
+def test_a_chunk_redis_evicted_reads_as_not_found_never_data_loss(redis_server: RedisServer) -> None:
+    # docs/remote.md: "A sequence whose keys Redis evicted or expired reads as NOT_FOUND".
+    # With ttl_s the chunks, written first, expire just before their manifest; Redis's
+    # maxmemory evicts keys one by one; another daemon's drop deletes the manifest, then
+    # the chunks, under a reader that already has the manifest.
+    st = _store(redis_server.url)
+    try:
+        m = _manifest("evicted", 40000)
+        _, views = _payload(m)
+        st.put(m, views)
+        redis_server.cli("del", st.chunk_key(m, 1))
+        with pytest.raises(NotFound, match="chunk 1"):
+            st.read(m)
+        assert st.stats().data_loss == 0, "a chunk Redis dropped was counted as damage"
+        # What is left of that generation is gone too: no later reader finds its manifest.
+        assert st.exists(["evicted"]) == [False]
+        assert redis_server.cli("exists", st.chunk_key(m, 0)).strip() == "0"
+    finally:
+        st.close()
