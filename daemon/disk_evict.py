@@ -146,6 +146,10 @@ def disk_to_remote(mover: "Mover", seq_id: str) -> bool:
                         "it leaves the disk", seq_id, m.gen)
             with mover.catalog.lock:
                 seq.on_remote = False
+            # Its remains first (a manifest over missing chunks): while the copy is
+            # rewritten, no reader finds that manifest, misses a chunk and deletes the
+            # generation under the rewrite.
+            mover.remote.store.delete(m)
         if not seq.on_remote:
             with mover.disk.read_txn() as r:
                 mover.remote.put(m, [r.read_block(m, i, n) for i, n in enumerate(m.block_lengths)])
