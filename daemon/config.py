@@ -154,6 +154,8 @@ class RemoteTierConfig:
     inflight: int = _f(4, "pipelines in flight at once for one sequence, each on its own connection")
     breaker_failures: int = _f(3, "consecutive failed remote calls that open the circuit breaker")
     breaker_cooldown_s: float = _f(5.0, "seconds an open breaker fails remote calls fast before one probe")
+    max_pending: int = _f(1024, "write_through copies waiting for Redis at most; past it a copy is skipped "
+                          "(counted, logged) and the sequence stays local until disk eviction copies it")
 
 
 @dataclass(frozen=True)
@@ -239,7 +241,8 @@ class Config:
             return None
         return RemoteOptions(url=r.url, cluster=r.cluster, namespace=r.namespace, ttl_s=r.ttl_s,
                              timeout_s=r.timeout_s, chunk_size=r.chunk_size, inflight=r.inflight,
-                             breaker_failures=r.breaker_failures, breaker_cooldown_s=r.breaker_cooldown_s)
+                             breaker_failures=r.breaker_failures, breaker_cooldown_s=r.breaker_cooldown_s,
+                             max_pending=r.max_pending)
 
 
 def _is_section(tp: Any) -> bool:
@@ -475,6 +478,8 @@ def _check_remote(r: RemoteTierConfig) -> None:
         raise ConfigError(f"tiers.remote.chunk_size: must be between 64KiB and 512MiB, got {r.chunk_size}")
     if r.inflight < 1 or r.breaker_failures < 1 or r.breaker_cooldown_s < 0:
         raise ConfigError("tiers.remote.inflight and breaker_failures must be >= 1, breaker_cooldown_s >= 0")
+    if r.max_pending < 1:
+        raise ConfigError(f"tiers.remote.max_pending: must be >= 1, got {r.max_pending}")
 
 
 def load(

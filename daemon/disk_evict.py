@@ -15,8 +15,9 @@ Primitives:
   most ``target`` bytes (default: room for ``need`` more); True when it got there.
 - ``disk_drop(mover, seq_id) -> bool``: no remote tier: free one disk copy (dropping the
   sequence when it was its only copy).
-- ``disk_to_remote(mover, seq_id) -> bool``: copy one sequence to remote, then delete
-  its disk copy.
+- ``disk_to_remote(mover, seq_id) -> bool``: copy one sequence to remote (unless that
+  generation is there now, checked in Redis: a remembered copy may have expired), then
+  delete its disk copy.
 - ``claim_on_disk(mover, seq_id) -> Seq | None``: a disk-resident sequence with its move
   lock held, if no other move owns it.
 """
@@ -29,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from kvpark.proto.errors import KVParkError
 from kvpark.tiers import policy
+from kvpark.tiers.remote import GONE
 
 from .model import Seq
 
@@ -134,6 +136,20 @@ def disk_to_remote(mover: "Mover", seq_id: str) -> bool:
     try:
         m = seq.manifest
         t0 = time.perf_counter()
+        # A remembered "it is in Redis" is not proof: Redis may have expired or evicted
+        # the keys since, or another daemon deleted them. Checked (and with ttl_s, the
+        # TTL refreshed) right before the only local copy goes; gone means copy again.
+        # Replaced means a later write of the id (another daemon's) is what Redis
+        # serves: this version is superseded there, and copying it would hide that one.
+        if seq.on_remote and mover.remote.copy_state(m) == GONE:
+            log.warning("remote copy of %r (generation %d) is gone from Redis; copying it again before "
+                        "it leaves the disk", seq_id, m.gen)
+            with mover.catalog.lock:
+                seq.on_remote = False
+            # Its remains first (a manifest over missing chunks): while the copy is
+            # rewritten, no reader finds that manifest, misses a chunk and deletes the
+            # generation under the rewrite.
+            mover.remote.store.delete(m)
         if not seq.on_remote:
             with mover.disk.read_txn() as r:
                 mover.remote.put(m, [r.read_block(m, i, n) for i, n in enumerate(m.block_lengths)])

@@ -544,4 +544,4 @@ class Mover:
         if self.remote is None:
             return
         for s in seqs:
-            self.remote.submit(f"copy of {s.seq_id!r} to remote", lambda s=s: remote_moves.copy_to_remote(self, s))
+            self.remote.copy_later(f"copy of {s.seq_id!r} to remote", lambda s=s: remote_moves.copy_to_remote(self, s))

@@ -13,7 +13,8 @@ Primitives:
 - ``fetch_remote_locked(mover, seq)``: bring ``seq`` from remote onto the local disk
   (REQUIRES: ``seq.move_lock`` held).
 - ``remote_blocks(mover, seq) -> list[memoryview]``: ``seq``'s blocks from remote, verified.
-- ``remote_guard(mover, seq, read) -> T``: run a remote read; NotFound/DataLoss retire ``seq``.
+- ``remote_guard(mover, seq, read) -> T``: run a remote read; NotFound/DataLoss retire ``seq``
+  (and delete the local disk copies of the shared blocks that leaves unreferenced).
 - ``copy_to_remote(mover, seq)``: copy ``seq`` (from memory, else from disk) to remote.
 """
 
@@ -74,7 +75,12 @@ def remote_guard(mover: "Mover", seq: Seq, read: Callable[[], T]) -> T:
         with mover.catalog.lock:
             if mover.catalog.find(seq.seq_id) is seq:
                 mover.catalog.retire(seq)
-            mover.catalog.take_orphans()  # blocks known only from remote: nothing local to delete
+            orphans = mover.catalog.take_orphans()
+        # Shared blocks it was the last user of leave the index; those held here lose
+        # their disk copies too (memory went with ``retire``). Their remote copies stay:
+        # other daemons' sequences may use them.
+        for s in orphans:
+            mover.delete_from_disk(s)
         raise
 
 

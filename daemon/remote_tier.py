@@ -7,6 +7,11 @@ is the policy around it for one daemon:
 - Copies to remote that nobody waits for (``write_through`` copies after the ack,
   deletes of dropped or overwritten sequences) run on one background thread, in order,
   so a slow Redis delays nothing local. ``close()`` waits for them.
+- At most ``max_pending`` copies wait at once: a Redis slow enough to fall behind (but
+  healthy: the breaker stays closed) would otherwise grow the queue without end, and
+  every drop's delete would wait behind it. A copy past the bound is skipped, counted
+  (``skipped``) and logged; the local copy stays authoritative (disk eviction copies it
+  to Redis when it needs to), so no park is lost. Deletes are never skipped.
 - Restores from remote and demotions into it are the caller's to wait for, and raise
   the store's typed errors (``Unavailable``, ``DeadlineExceeded``, ``NotFound``,
   ``DataLoss``).
@@ -14,9 +19,12 @@ is the policy around it for one daemon:
 Primitives:
 - ``RemoteTier(opts, write)``: ``write`` is ``"on_evict"`` or ``"write_through"``.
 - ``manifests(ids) -> list[Manifest | None]``; ``present(ids) -> list[bool]``: miss-safe.
+- ``copy_state(manifest) -> str``: what Redis holds of that generation (typed errors).
 - ``put(manifest, views)``; ``fetch(manifest) -> bytearray``; ``fetch_into(manifest,
   block_views)``: typed errors.
 - ``submit(what, fn)``: run ``fn()`` in the background; failures are logged.
+- ``copy_later(what, fn) -> bool``: ``submit`` a copy, unless ``max_pending`` copies
+  wait already (False: skipped and counted in ``skipped``).
 - ``delete_later(manifest)``.
 - ``stat(sequences) -> RemoteStat``; ``close()``.
 """
@@ -43,6 +51,9 @@ class RemoteTier:
         self._bg = ThreadPoolExecutor(1, thread_name_prefix="kvpark-remote-bg")
         self._lock = threading.Lock()
         self._pending = 0
+        self.max_pending = opts.max_pending
+        self._copies = 0  # write_through copies queued or running
+        self.skipped = 0  # copies not queued: max_pending were waiting
         log.info("remote tier: %s%s, namespace %r, %s", opts.url.split("@")[-1], " (cluster)" if opts.cluster else "",
                  opts.namespace, write)
 
@@ -67,6 +78,11 @@ class RemoteTier:
     def put(self, m: Manifest, views: Sequence[memoryview]) -> None:
         self.store.put(m, views)
 
+    def copy_state(self, m: Manifest) -> str:
+        """What Redis holds of generation ``m.gen`` (``tiers.remote.WHOLE``, ``REPLACED``,
+        ``GONE``); typed errors: an unreachable Redis is no answer, never a yes."""
+        return self.store.copy_state(m)
+
     def fetch(self, m: Manifest) -> bytearray:
         return self.store.read(m)
 
@@ -74,8 +90,34 @@ class RemoteTier:
         self.store.read_blocks_into(m, outs)
 
     def submit(self, what: str, fn: Callable[[], None]) -> None:
+        self._submit(what, fn, copy=False)
+
+    def copy_later(self, what: str, fn: Callable[[], None]) -> bool:
+        with self._lock:
+            if self._copies >= self.max_pending:
+                self.skipped += 1
+                n = self.skipped
+            else:
+                self._copies += 1
+                n = 0
+        if n:
+            if n == 1 or n % 1000 == 0:  # one line per thousand, not one per park
+                log.warning("remote tier: %d write_through copies wait for Redis (tiers.remote.max_pending); "
+                            "%s skipped (%d so far): it stays local until disk eviction copies it", self.max_pending,
+                            what, n)
+            return False
+        self._submit(what, fn, copy=True)
+        return True
+
+    def _submit(self, what: str, fn: Callable[[], None], copy: bool) -> None:
         with self._lock:
             self._pending += 1
+
+        def done() -> None:
+            with self._lock:
+                self._pending -= 1
+                if copy:
+                    self._copies -= 1
 
         def run() -> None:
             try:
@@ -85,14 +127,12 @@ class RemoteTier:
             except Exception:  # the background thread must never die
                 log.exception("remote tier: %s failed", what)
             finally:
-                with self._lock:
-                    self._pending -= 1
+                done()
 
         try:
             self._bg.submit(run)
         except RuntimeError:  # shut down: the daemon is stopping
-            with self._lock:
-                self._pending -= 1
+            done()
 
     def delete_later(self, m: Manifest) -> None:
         self.submit(f"delete of {m.seq_id!r}", lambda: self.store.delete(m))

@@ -16,7 +16,9 @@ Keys (``NS`` = namespace, then ``t:<tenant>:`` when the sequence belongs to a te
 
 Every chunk is verified (header, index, fingerprint, generation, length, checksum)
 before a byte of it is served; a mismatch deletes the sequence from Redis and raises
-``DataLoss``. Chunks travel in pipelines of about ``pipeline_bytes``, ``inflight`` of
+``DataLoss``. A chunk that is not there at all (expired, evicted by Redis, dropped under
+the reader) is ``NotFound``, not damage: that generation's remains are deleted, nothing
+is counted as data loss. Chunks travel in pipelines of about ``pipeline_bytes``, ``inflight`` of
 them at once, each on its own pooled connection.
 
 Every call goes through a circuit breaker (``tiers/breaker.py``): a Redis that is down,
@@ -27,13 +29,15 @@ then one probe goes out, and a success resumes the tier. State and counters are 
 
 Primitives:
 - ``RemoteOptions``: url, cluster, namespace, ttl_s, timeout_s, chunk_size,
-  pipeline_bytes, inflight, breaker settings.
+  pipeline_bytes, inflight, breaker settings; max_pending (the daemon's copy queue).
 - ``RemoteStore(opts)``: ``put(manifest, blocks, tenant="")``;
   ``get_manifest(seq_id, tenant="") -> Manifest | None``; ``get_manifests(ids, tenant="")``;
   ``read(manifest, tenant="") -> bytearray`` / ``read_into(manifest, out, tenant="")`` /
   ``read_blocks_into(manifest, outs, tenant="")`` (one view per block)
   (``NotFound`` when the sequence is gone or replaced in Redis);
   ``delete(manifest, tenant="")``; ``exists(seq_ids, tenant="") -> list[bool]``;
+  ``copy_state(manifest, tenant="") -> WHOLE | REPLACED | GONE`` (what Redis holds of
+  that generation; a whole one gets a fresh TTL);
   ``ping()``; ``stats() -> RemoteStats``; ``close()``.
 - ``chunk_plan(block_lengths, chunk_size) -> list[(offset, length)]``;
   ``slices(views, offset, length)``: the pieces of block views a chunk covers. Pure.
@@ -68,6 +72,9 @@ MANIFEST_HEADER = struct.Struct("<4sBBHIQQ")
 
 T = TypeVar("T")
 
+# copy_state(): what Redis holds of one generation of a sequence
+WHOLE, REPLACED, GONE = "whole", "replaced", "gone"
+
 
 @dataclass(frozen=True)
 class RemoteOptions:
@@ -81,6 +88,9 @@ class RemoteOptions:
     inflight: int = 4  # pipelines in flight at once
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
+    # Not the store's: the daemon's bound on write_through copies queued for Redis
+    # (daemon/remote_tier.py); past it a copy is skipped, the local copy stays.
+    max_pending: int = 1024
 
 
 @dataclass(frozen=True)
@@ -400,6 +410,39 @@ class RemoteStore:
 
         return self._call("exists", run)
 
+    def copy_state(self, m: Manifest, tenant: str = "") -> str:
+        """What Redis holds of generation ``m.gen``: ``WHOLE`` (its manifest is the current
+        one and every chunk key exists), ``REPLACED`` (the current manifest is another
+        generation's: a later write of the id, by this daemon or another) or ``GONE``
+        (no manifest, or a chunk missing: expired, evicted, flushed, deleted). With
+        ``ttl_s``, ``WHOLE`` also gives every one of those keys a fresh TTL in the same
+        step (PEXPIRE answers whether the key was there), so the copy outlives the check
+        by ``ttl_s``. Presence, not bytes: a read still verifies every chunk."""
+        mkey = self.manifest_key(m.seq_id, tenant)
+        raw = self._call(f"manifest of {m.seq_id!r}", lambda c: c.get(mkey))
+        if raw is None:
+            return GONE
+        try:
+            cur, chunk = decode_manifest(raw)
+        except DataLoss as e:
+            self._corrupt(m.seq_id, None, tenant, e)
+            return GONE
+        if cur.gen != m.gen:
+            return REPLACED
+        keys = [mkey] + [self.chunk_key(m, i, tenant) for i in range(len(chunk_plan(m.block_lengths, chunk)))]
+        px = self._ttl_ms()
+
+        def run(client: Any) -> list[Any]:
+            pipe = client.pipeline(transaction=False)
+            for k in keys:  # one key per command: on a cluster the keys sit in many slots
+                if px is None:
+                    pipe.exists(k)
+                else:
+                    pipe.pexpire(k, px)
+            return pipe.execute()
+
+        return WHOLE if all(bool(n) for n in self._call(f"presence of {m.seq_id!r}", run)) else GONE
+
     def read(self, m: Manifest, tenant: str = "") -> bytearray:
         out = bytearray(m.nbytes)
         self.read_into(m, memoryview(out), tenant)
@@ -418,7 +461,9 @@ class RemoteStore:
     def read_blocks_into(self, m: Manifest, outs: Sequence[memoryview], tenant: str = "") -> None:
         """Fetch and verify every chunk into ``outs``, one writable view per block (slots
         of a memory tier, say: no staging buffer). A chunk that fails verification deletes
-        the sequence from Redis and raises ``DataLoss``; ``outs`` then hold garbage."""
+        the sequence from Redis and raises ``DataLoss``; a chunk that is gone raises
+        ``NotFound`` (and deletes what is left of that generation); ``outs`` then hold
+        garbage."""
         lengths = m.block_lengths
         if len(outs) != len(lengths) or any(len(o) != n for o, n in zip(outs, lengths)):
             raise ValueError(f"{len(outs)} output views do not match the {len(lengths)} blocks of {m.seq_id!r}")
@@ -446,6 +491,9 @@ class RemoteStore:
 
             raws = self._call(f"read {m.seq_id!r}", fetch)
             for i, raw in zip(idx, raws):
+                if raw is None:  # gone (expired, evicted, dropped under us), not damaged
+                    raise NotFound(f"sequence {m.seq_id!r}: chunk {i} is gone from the remote tier (expired, "
+                                   "evicted or dropped)")
                 try:
                     payload = verify_chunk(raw, i, m.fingerprint, m.gen, plan[i][1])
                     pos = 0
@@ -459,6 +507,14 @@ class RemoteStore:
             self._fan_out(self._groups(plan), run)
         except DataLoss as e:
             self._corrupt(m.seq_id, m, tenant, e)
+            raise
+        except NotFound:
+            # What is left of this generation is useless: its manifest (if still the
+            # current one) goes, so later readers miss at once instead of here.
+            try:
+                self.delete(m, tenant)
+            except (Unavailable, DeadlineExceeded):
+                pass  # a later read finds the same gap
             raise
         with self._stat_lock:
             self._read += m.nbytes

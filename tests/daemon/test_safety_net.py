@@ -4,12 +4,11 @@ could not see (docs/testing.md lists the mutation each one catches).
 Everything goes through the client, the raw RPCs, or the engine's public methods
 (``flush``, ``check_invariants``, ``disk``), so the tests hold across a split of the engine.
 Faults and syncs are observed through the ``disk_factory`` seam: ``DiskStore`` subclasses,
-never mocks.
+never mocks; syncs by ``SyncObserver``, which overrides only ``sync()`` (``disk_seams.py``).
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -30,6 +29,7 @@ from kvpark.proto.wire import decode_chunk
 from kvpark.tiers.disk import DiskStore, Write
 
 from ..conftest import run_threads, wait_until
+from .disk_seams import SyncObserver
 
 MiB = 1 << 20
 
@@ -43,33 +43,7 @@ def check(d: Daemon) -> None:
     d.engine.check_invariants()
 
 
-class SyncRecorder(DiskStore):
-    """A disk store that remembers which sequence writes a later ``sync()`` made durable."""
-
-    def __init__(self, *args: object, **kw: object) -> None:
-        super().__init__(*args, **kw)  # type: ignore[arg-type]
-        self.rec_lock = threading.Lock()
-        self.unsynced: list[str] = []  # written, not yet covered by a sync
-        self.synced: list[str] = []
-
-    def write_many(self, writes: Sequence[Write], sync: bool = False) -> list[bool]:
-        # Every write goes through here (``write`` is one sequence of it).
-        done = super().write_many(writes, sync=False)
-        with self.rec_lock:  # only once the transaction has committed
-            self.unsynced.extend(w.manifest.seq_id for w, ok in zip(writes, done) if ok)
-        if sync:
-            self.sync()
-        return done
-
-    def sync(self) -> None:
-        with self.rec_lock:
-            covered, self.unsynced = self.unsynced, []
-        super().sync()
-        with self.rec_lock:
-            self.synced.extend(covered)
-
-
-class FailsFor(SyncRecorder):
+class FailsFor(SyncObserver):
     """Writes of the sequence named ``fail_id`` raise ``fail_with`` (set by the test)."""
 
     fail_id = "boom"
@@ -247,11 +221,11 @@ def test_two_reservations_of_one_id_exactly_one_commit_wins(daemon: Callable[...
 
 
 def test_write_through_syncs_before_acknowledging(daemon: Callable[..., Daemon]) -> None:
-    d = daemon(disk_factory=SyncRecorder, **{"policy.write": "write_through",
+    d = daemon(disk_factory=SyncObserver, **{"policy.write": "write_through",
                                              "policy.flush_on_shutdown": False})
     assert d.engine is not None
     disk = d.engine.disk
-    assert isinstance(disk, SyncRecorder)
+    assert isinstance(disk, SyncObserver)
     blk = full(300 * 1024, 4)
     for transport in ("shm", "inline"):
         with Client(d.address, transport=transport) as c:
@@ -260,11 +234,10 @@ def test_write_through_syncs_before_acknowledging(daemon: Callable[..., Daemon])
                 c.park(sid, [full(size, i + 1)], refs=[f"B{transport}"], new_blocks={f"B{transport}": [blk]})
                 # Step: everything the park wrote was covered by a sync before it returned.
                 with disk.rec_lock:
-                    assert disk.unsynced == [], f"acknowledged with unsynced writes: {disk.unsynced}"
-                    assert sid in disk.synced and f"B{transport}" in disk.synced
+                    assert sid in disk.durable and f"B{transport}" in disk.durable
                 c.park(sid, [full(size, 7)], refs=[f"B{transport}"], overwrite=True)
                 with disk.rec_lock:
-                    assert disk.unsynced == []
+                    assert disk.durable == disk.committed(), "acknowledged with unsynced writes"
     # Step: a stop without a flush keeps it all: shared blocks too.
     d.stop()
     d2 = daemon(**{"policy.write": "write_through"})
@@ -289,7 +262,7 @@ def test_reaper_collects_a_shared_block_whose_sequence_failed(daemon: Callable[.
             c.park("s", [full(1000, 1)], refs=["B"], new_blocks={"B": [full(2 * MiB, 2)]})
         # Step: a block and its sequence are one transaction: the failed park left neither.
         with disk.rec_lock:
-            assert "B" not in disk.synced
+            assert "B" not in disk.durable
         assert c.list() == [] and c.stat().tiers["disk"].used_bytes == 0
         assert c.stat().tiers["host"].used_bytes == 0
         check(d)

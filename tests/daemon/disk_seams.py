@@ -1,0 +1,61 @@
+"""Disk stores for the ``disk_factory`` seam that observe or pin the daemon's disk I/O.
+
+They re-implement nothing the daemon relies on: ``SyncObserver`` overrides only ``sync()``
+(the one seam every fsync goes through), so ``write_many``, ``stage_commit``,
+``update_manifest`` and the flush run exactly as shipped; ``GatedWrites`` holds one write
+transaction at a gate the test opens, then writes as shipped.
+
+Primitives:
+- ``SyncObserver``: ``durable`` (``{seq_id: generation}``: what LMDB held when the last
+  fsync started, i.e. what a power cut now would keep), ``syncs`` (how many completed),
+  ``wait_durable(seq_id, gen)``.
+- ``GatedWrites``: ``hold`` (a seq_id prefix; "" = none), ``entered`` / ``gate`` events.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+from kvpark.tiers.disk import DiskStore, Manifest, Write
+
+
+class SyncObserver(DiskStore):
+    """Records, at each fsync, the manifests committed before it: what that fsync made durable."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.rec_lock = threading.Lock()
+        self.durable: dict[str, int] = {}
+        self.syncs = 0
+
+    def committed(self) -> dict[str, int]:
+        """Every manifest LMDB holds now (committed transactions), by id."""
+        with self.env.begin() as txn:
+            db = self.env.open_db(b"manifests", txn=txn, create=False)
+            return {bytes(k).decode(): Manifest.decode(v).gen for k, v in txn.cursor(db=db)}
+
+    def sync(self) -> None:
+        # Taken before the fsync: everything committed by now is made durable by it (a
+        # write committing between the two is not counted, so the record never overstates).
+        snap = self.committed()
+        super().sync()
+        with self.rec_lock:
+            self.durable = snap
+            self.syncs += 1
+
+
+class GatedWrites(DiskStore):
+    """The first write transaction holding an id starting with ``hold`` waits at ``gate``."""
+
+    hold = ""
+    entered = threading.Event()
+    gate = threading.Event()
+
+    def write_many(self, writes: Sequence[Write], sync: bool = False) -> list[bool]:
+        cls = type(self)
+        if cls.hold and any(w.manifest.seq_id.startswith(cls.hold) for w in writes):
+            cls.hold = ""  # one write only
+            cls.entered.set()
+            assert cls.gate.wait(60), "the test never opened the gate"
+        return super().write_many(writes, sync=sync)
