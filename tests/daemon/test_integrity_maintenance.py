@@ -1,0 +1,357 @@
+"""Regression tests: the maintenance side across its gaps (expiry, eviction, demotion,
+drops, restart) acts on the version it chose, leaves exact accounting, and answers truly.
+
+Each interleaving is pinned through the ``disk_factory`` seam: a ``DiskStore`` subclass
+holds one call at a gate the test opens, or fails one call. Nothing in the product
+sleeps; the tests wait on conditions with deadlines.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+
+from kvpark.client import Client, NotFound, Unavailable
+from kvpark.daemon.server import Daemon
+from kvpark.tiers import policy
+from kvpark.tiers.disk import DiskStore, Manifest, ReadTxn
+
+from ..conftest import Proc, make_config, wait_until
+
+MiB = 1 << 20
+
+
+def full(n: int, v: int) -> torch.Tensor:
+    return torch.full((n,), v % 251, dtype=torch.uint8)
+
+
+class Gate:
+    """One call of the disk store, picked by ``pick``, waits at a gate the test opens."""
+
+    def __init__(self) -> None:
+        self.pick: Callable[[Any], bool] | None = None
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def arm(self, pick: Callable[[Any], bool]) -> None:
+        self.entered.clear()
+        self.gate.clear()
+        self.pick = pick
+
+    def hit(self, arg: Any) -> None:
+        if self.pick is not None and self.pick(arg):
+            self.pick = None
+            self.entered.set()
+            assert self.gate.wait(60), "the test never opened the gate"
+
+
+GATE = Gate()
+
+
+class GatedDisk(DiskStore):
+    """``delete`` and ``read_txn`` pass through ``GATE`` (``delete`` with its manifest,
+    ``read_txn`` with None)."""
+
+    def delete(self, m: Manifest, sync: bool = False) -> None:
+        GATE.hit(m)
+        super().delete(m, sync)
+
+    @contextmanager
+    def read_txn(self) -> Iterator[ReadTxn]:
+        GATE.hit(None)
+        with super().read_txn() as r:
+            yield r
+
+
+@pytest.fixture
+def gate() -> Iterator[Gate]:
+    GATE.arm(lambda _: False)
+    GATE.pick = None
+    yield GATE
+    GATE.pick = None
+    GATE.gate.set()  # never leave a daemon thread stuck past the test
+
+
+def restored(c: Client, sid: str) -> list[torch.Tensor]:
+    out = c.restore(sid)
+    assert isinstance(out, list)
+    return out
+
+
+# ---------------------------------------------------------------- expiry by identity (#5)
+
+def test_ttl_expiry_never_drops_a_fresh_re_park_of_the_same_id(daemon: Callable[..., Daemon], gate: Gate) -> None:
+    d = daemon(disk_factory=GatedDisk, **{"policy.write": "write_through"})
+    with Client(d.address) as c:
+        # Step: the expiry pass lists "a" and "b" together, and stops inside a's delete.
+        gate.arm(lambda m: m is not None and m.seq_id == "a")
+        c.park("a", [full(1000, 1)], ttl_s=0.05)
+        c.park("b", [full(1000, 2)], ttl_s=0.05)
+        assert gate.entered.wait(30), "the expiry pass never dropped 'a'"
+        # Step: in the gap, a client re-parks "b" for good (no TTL) and is acknowledged.
+        c.park("b", [full(1000, 3)], overwrite=True)
+        gate.gate.set()
+        # Step: a later pass has run (the first one is over): "c" expires after it.
+        c.park("c", [full(10, 4)], ttl_s=0.05)
+        assert wait_until(lambda: not any(c.present(["a", "c"])), timeout=30)
+        # The acknowledged re-park stands: the expiry dropped the version it chose, not the id.
+        assert c.present(["b"]) == [True]
+        assert torch.equal(restored(c, "b")[0], full(1000, 3))
+        assert c.info("b").expires_at == 0.0
+    d.engine.check_invariants()
+
+
+# ---------------------------------------------------------------- disk eviction by identity (#5)
+
+def test_disk_eviction_never_evicts_a_version_parked_after_it_was_chosen(daemon: Callable[..., Daemon],
+                                                                        gate: Gate) -> None:
+    d = daemon(disk_factory=GatedDisk, **{"policy.write": "write_through", "tiers.disk.capacity": "8MiB"})
+    eng = d.engine
+    with Client(d.address) as c:
+        for sid in ("v1", "v2", "v3"):  # disk only, coldest first
+            c.park(sid, [full(2 * MiB, 1)])
+            assert eng.mover.demote(sid, "host")
+        # Step: eviction down to 1000 bytes chooses all three, and stops inside v1's delete.
+        gate.arm(lambda m: m is not None and m.seq_id == "v1")
+        t = threading.Thread(target=eng.mover.evict_disk, args=(0, 1000))
+        t.start()
+        assert gate.entered.wait(30)
+        # Step: v2 is re-parked (write_through: on disk when acknowledged) in the gap.
+        c.park("v2", [full(1000, 9)], overwrite=True)
+        gate.gate.set()
+        t.join(30)
+        # The eviction went on to v3, not to the new version of v2 (1000 bytes: the
+        # target), which was parked after the plan and keeps its disk copy.
+        assert c.present(["v1", "v3"]) == [False, False]
+        with eng.catalog.lock:
+            v2 = eng.catalog.get("v2")
+        assert v2.on_disk and eng.disk.holds(v2.manifest)
+        assert torch.equal(restored(c, "v2")[0], full(1000, 9))
+    eng.check_invariants()
+
+
+# ---------------------------------------------------------------- composites after a crash (#9)
+
+def test_a_composite_demoted_to_disk_survives_kill_9_with_its_shared_block(tmp_path: Path) -> None:
+    p = Proc.start(tmp_path, "--set", "policy.write=write_back")
+    try:
+        with Client(p.address) as c:
+            c.park("comp", [full(MiB, 8)], refs=["B"], new_blocks={"B": [full(MiB, 7)]})
+            c.pin("B")
+            # Step: fill host until "comp" (the coldest, not pinned) is demoted to disk.
+            i = 0
+            while c.info("comp").tier != "disk":
+                c.park(f"fill{i}", [full(MiB, i)])
+                i += 1
+                assert i < 64, "comp was never demoted"
+            assert c.info("B").tier == "host"
+    finally:
+        p.kill()
+        p.popen.wait(30)
+    # Step: restart on the same disk. Whatever is listed restores; nothing is a zombie.
+    p2 = Proc.start(tmp_path, "--set", "policy.write=write_back")
+    try:
+        with Client(p2.address) as c:
+            listed = {s.seq_id for s in c.list()}
+            assert "comp" in listed and "B" in listed, listed
+            out = restored(c, "comp")
+            assert torch.equal(out[0], full(MiB, 7)) and torch.equal(out[1], full(MiB, 8))
+    finally:
+        p2.kill()
+        p2.popen.wait(30)
+
+
+def test_restart_retires_a_composite_whose_shared_block_is_gone(daemon: Callable[..., Daemon],
+                                                                 tmp_path: Path) -> None:
+    d0 = daemon()
+    with Client(d0.address) as c:
+        c.park("comp", [full(1000, 1)], refs=["B"], new_blocks={"B": [full(1000, 2)]})
+        c.park("plain", [full(1000, 3)])
+    d0.stop(0.5)  # flushes all three to disk
+    # Step: make the disk as a crash left it before the fix: "comp" on disk, its block "B" not.
+    cfg = make_config(tmp_path)
+    store = DiskStore(cfg.tiers.disk.path, cfg.disk_capacity)
+    try:
+        manifests = {m.seq_id: m for m in store.load_manifests()[0]}
+        assert set(manifests) == {"comp", "B", "plain"}
+        store.delete(manifests["B"], sync=True)
+    finally:
+        store.close()
+    # Step: the daemon starts: the composite is retired, its record deleted, the rest kept.
+    d = daemon()
+    with Client(d.address) as c:
+        assert c.present(["comp", "plain"]) == [False, True]
+        assert [s.seq_id for s in c.list()] == ["plain"]
+        assert c.stat().tiers["disk"].used_bytes == 1000
+        with pytest.raises(NotFound):
+            c.restore("comp")
+    d.engine.check_invariants()
+    d.stop(0.5)
+    store = DiskStore(cfg.tiers.disk.path, cfg.disk_capacity)
+    try:
+        assert [m.seq_id for m in store.load_manifests()[0]] == ["plain"]
+    finally:
+        store.close()
+
+
+# ---------------------------------------------------------------- a failed delete in a drop (#10a)
+
+class FailsOneDelete(DiskStore):
+    """The delete of ``comp`` fails once, as an unwritable disk fails it: the record
+    stays, and the store's accounting lets go (as ``DiskStore.delete`` does)."""
+
+    armed = False
+
+    def delete(self, m: Manifest, sync: bool = False) -> None:
+        if type(self).armed and m.seq_id == "comp":
+            type(self).armed = False
+            with self._acct:
+                self._forget((m.seq_id, m.gen))
+            raise Unavailable("injected: the disk tier cannot be written")
+        super().delete(m, sync)
+
+
+def test_a_failed_delete_in_a_drop_leaves_no_orphaned_block_and_is_retried(daemon: Callable[..., Daemon],
+                                                                          tmp_path: Path) -> None:
+    d = daemon(disk_factory=FailsOneDelete, **{"policy.write": "write_through"})
+    with Client(d.address) as c:
+        c.park("comp", [full(1000, 1)], refs=["B"], new_blocks={"B": [full(3000, 2)]})
+        FailsOneDelete.armed = True
+        with pytest.raises(Unavailable):
+            c.drop("comp")
+        # The drop unpublished both; B's disk copy was deleted regardless, and the
+        # accounting holds what the index holds.
+        assert c.present(["comp", "B"]) == [False, False]
+        assert c.stat().tiers["disk"].used_bytes == 0
+        d.engine.check_invariants()
+        # The maintenance pass deletes the record the failed delete left.
+        assert wait_until(lambda: d.engine.mover.deletes.pending == 0, timeout=30)
+    d.stop(0.5)
+    d2 = daemon()
+    with Client(d2.address) as c:
+        assert c.list() == []
+
+
+# ---------------------------------------------------------------- drops racing reads (#11)
+
+@pytest.mark.parametrize("how", ["restore", "restore_many", "prefetch"])
+def test_a_promotion_racing_a_drop_is_not_found_not_data_loss(daemon: Callable[..., Daemon], gate: Gate,
+                                                              how: str) -> None:
+    d = daemon(disk_factory=GatedDisk, **{"policy.write": "write_through"})
+    with Client(d.address) as c:
+        c.park("s", [full(2 * MiB, 5)])
+        assert d.engine.mover.demote("s", "host")
+        assert c.info("s").tier == "disk"
+        # Step: the restore promotes from disk, and stops before its read transaction.
+        gate.arm(lambda arg: arg is None)
+        errors: list[BaseException] = []
+
+        def read() -> None:
+            with Client(d.address) as c2:
+                try:
+                    if how == "restore":
+                        c2.restore("s")
+                    elif how == "restore_many":
+                        c2.restore_many(["s"])
+                    else:
+                        c2.prefetch("s", tier="host", wait=True, timeout=60)
+                except BaseException as e:  # surfaced below
+                    errors.append(e)
+
+        t = threading.Thread(target=read)
+        t.start()
+        assert gate.entered.wait(30)
+        # Step: the sequence is dropped in the gap; then the read goes on.
+        assert c.drop("s")
+        gate.gate.set()
+        t.join(60)
+        assert len(errors) == 1 and isinstance(errors[0], NotFound), errors
+    d.engine.check_invariants()
+
+
+# ---------------------------------------------------------------- a granted disk read is protected (#12)
+
+def test_a_granted_disk_only_restore_survives_disk_eviction_until_read(daemon: Callable[..., Daemon]) -> None:
+    d = daemon(**{"policy.write": "write_through", "policy.promote_on_restore": "false"})
+    eng = d.engine
+    with Client(d.address) as c:
+        c.park("s", [full(2 * MiB, 6)])
+        assert eng.mover.demote("s", "host")
+    # Step: a restore is granted from disk (the data channel reads it later).
+    h = eng.acquire("s")
+    assert h.parts[0].tier == "disk" and h.lease_id
+    # Step: disk eviction runs before the read: the granted copy is not its victim.
+    eng.mover.evict_disk(0, 0)
+    got = b"".join(bytes(v) for _, views in eng.iter_chunks(h, MiB) for v in views)
+    assert got == bytes(full(2 * MiB, 6).numpy())
+    assert eng.release(h.lease_id)
+    # Once read and released, it may go.
+    assert eng.mover.evict_disk(0, 0)
+    with Client(d.address) as c:
+        assert c.present(["s"]) == [False]
+    eng.check_invariants()
+
+
+# ---------------------------------------------------------------- eviction order, kept incrementally (#13)
+
+def test_demotion_follows_the_lru_order_as_reads_touch_sequences(daemon: Callable[..., Daemon]) -> None:
+    d = daemon()
+    eng = d.engine
+    with Client(d.address) as c:
+        for sid in ("a", "b", "c", "d"):
+            c.park(sid, [full(3 * MiB, 1)])
+        restored(c, "a")
+        restored(c, "c")
+        with eng.catalog.lock:
+            plan = [s.seq_id for s in eng.catalog.demotion_plan("host")]
+            metas = eng.catalog.evictable("host")
+        assert plan == ["b", "d", "a", "c"] == policy.demotion_order("lru", metas)
+        # Step: a park that needs room demotes the coldest first: b, then d.
+        c.park("e", [full(6 * MiB, 2)])
+        tiers = {s.seq_id: s.tier for s in c.list()}
+        assert tiers["b"] == "disk" and tiers["a"] == tiers["c"] == "host", tiers
+    eng.check_invariants()
+
+
+def test_disk_eviction_takes_the_coldest_disk_copies_first(daemon: Callable[..., Daemon]) -> None:
+    d = daemon(**{"policy.write": "write_through", "tiers.disk.capacity": "8MiB"})
+    eng = d.engine
+    with Client(d.address) as c:
+        for sid in ("a", "b", "c"):
+            c.park(sid, [full(2 * MiB, 1)])
+            assert eng.mover.demote(sid, "host")
+        restored(c, "a")  # a is read (and promoted): b is now the coldest disk copy
+        c.park("d", [full(3 * MiB, 2)])  # needs 1 MiB more than the disk has free
+        assert c.present(["a", "b", "c", "d"]) == [True, False, True, True]
+    eng.check_invariants()
+
+
+def test_busy_counts_moves_in_flight_without_making_move_locks(daemon: Callable[..., Daemon], gate: Gate) -> None:
+    d = daemon(disk_factory=GatedDisk, **{"policy.write": "write_through"})
+    eng = d.engine
+    with Client(d.address) as c:
+        for i in range(20):
+            c.park(f"s{i}", [full(1000, i)])
+        assert eng.mover.demote("s0", "host")
+        with eng.catalog.lock:
+            assert not eng.catalog.busy()
+            # Asking made no move lock: most sequences never move, and never need one.
+            assert sum(s._move_lock is not None for s in eng.catalog.sequences()) <= 1
+        # Step: a promotion of s0 from disk holds at its read: a move is in flight.
+        gate.arm(lambda arg: arg is None)
+        t = threading.Thread(target=lambda: eng.prefetch("s0", "host", wait=True, timeout=60))
+        t.start()
+        assert gate.entered.wait(30)
+        with eng.catalog.lock:
+            s0 = eng.catalog.get("s0")
+            assert eng.catalog.busy() and not eng.catalog.busy(exclude=s0)
+        gate.gate.set()
+        t.join(60)
+        assert wait_until(lambda: not eng.catalog.busy(), timeout=30)
+        assert c.info("s0").tier == "host"
+    eng.check_invariants()
