@@ -19,16 +19,25 @@ Primitives:
   references when it validates, so the blocks it names cannot be retired while it
   writes to disk without a lock.
 - ``publish_blocks``, ``publish_commit``, ``publish``: make committed sequences visible.
-- ``expired(wall, grace_s) -> (ttl, unused)``: ids past their TTL, and shared blocks
-  nobody took up (it looks only at sequences with a TTL and shared blocks, which the
-  catalog keeps apart, not at every indexed block).
+- ``expired(wall, grace_s) -> (ttl, unused)``: the versions (``Seq`` records) past their
+  TTL, and shared blocks nobody took up (it looks only at sequences with a TTL and
+  shared blocks, which the catalog keeps apart, not at every indexed block);
+  ``current(seq)``: whether ``seq`` is still its id's indexed version (work chosen
+  under the lock re-checks this after a gap); ``dangling()``: sequences referencing a
+  missing shared block (start-up only: it scans).
 - ``adopt(manifests)``: index sequences found in the remote tier on a local miss;
   ``on_remote()``: how many indexed sequences have a remote copy.
 - ``retire(seq)``: unlink a sequence (drop, overwrite, expiry); memory is freed now or
   by the last reader or copy (``release_dropped``); shared blocks left unreferenced
   retire with it and are returned by ``take_orphans()`` for their disk copies.
-- ``free(tier, alloc)``; ``evictable(tier)``; ``over_high()`` (a memory tier, or the disk
-  through ``disk_pressure``, past its high mark).
+- ``free(tier, alloc)``; ``over_high()`` (a memory tier, or the disk through
+  ``disk_pressure``, past its high mark).
+- Eviction without a scan: ``order`` keeps each tier's eviction order (``evict_order.py``)
+  as copies come and go (``touch(seq)`` after a read or a new copy);
+  ``demotion_plan(tier, exclude, cover)`` and ``disk_victims(ok, cover)`` give the
+  coldest eligible few; ``evictable(tier, exclude, among)`` (policy snapshots).
+- ``claim(seq)`` / ``unclaim(seq)`` (a move lock, counted) and ``copy_begin`` /
+  ``copy_end`` (``Seq.moving``, counted): ``busy(exclude)`` reads the two counters.
 - ``info``, ``info_of``, ``infos``, ``tier_stats``: read-only views.
 - ``check(disk_used)``: the invariants, as assertions.
 """

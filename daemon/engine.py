@@ -3,7 +3,8 @@
 Speaks dataclasses only (protobuf stops at the servicer). The jobs around it live in
 their own modules: the index (``catalog.py``), the lease table (``leases.py``), moving
 bytes between tiers (``mover.py``), the restore side's leasing and streaming
-(``reads.py``), opening the memory tiers (``memory.py``), the records (``model.py``);
+(``reads.py``), the maintenance pass, expiry, drops and the start-up reconcile
+(``maintenance.py``), opening the memory tiers (``memory.py``), the records (``model.py``);
 each tier keeps its own accounting (``kvpark.tiers``).
 
 Primitives:

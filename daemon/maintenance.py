@@ -10,7 +10,7 @@ Locks as in ``engine.py``; no disk I/O under the index lock.
 
 Primitives:
 - ``maintain(engine)``: the maintenance thread's loop: reap leases, expire, retry
-  failed disk deletes, relieve tiers past their high marks.
+  failed disk deletes, compact the eviction order, relieve tiers past their high marks.
 - ``expire(engine)``: drop versions past their TTL, and shared blocks nobody took up.
 - ``retire(engine, seq) -> list[Seq]`` (REQUIRES: index lock): unlink ``seq`` (and the
   shared blocks it leaves unreferenced); returns what has disk copies to delete.
@@ -57,6 +57,8 @@ def maintain(engine: "Engine") -> None:
             engine.leases.reap()
             expire(engine)
             engine.mover.retry_deletes()
+            with cat.lock:
+                cat.order.compact()  # touches without evictions leave stale heap entries
             moved = engine.mover.relieve()
         except Exception:  # the maintenance thread must never die
             log.exception("maintenance pass failed")
