@@ -143,7 +143,7 @@ def disk_to_remote(mover: "Mover", victim: Seq | str) -> bool:
             if stale:
                 mover.remote.delete_later(m)
                 return False
-        mover.delete_from_disk(seq)
+        mover.delete_all([seq])  # a failed delete is retried; the copy is in remote either way
         with mover.catalog.lock:
             mover.catalog.notify()
         mover._count_eviction("disk")

@@ -318,6 +318,25 @@ def test_demotion_follows_the_lru_order_as_reads_touch_sequences(daemon: Callabl
     eng.check_invariants()
 
 
+@pytest.mark.parametrize("name", ["lru", "lfu", "s3fifo", "arc"])
+def test_the_kept_eviction_order_is_the_policys_order(daemon: Callable[..., Daemon], name: str) -> None:
+    d = daemon(**{"policy.eviction": name})
+    eng = d.engine
+    with Client(d.address) as c:
+        for i in range(8):
+            c.park(f"s{i}", [full(MiB, i)], priority=1 if i == 3 else 0)
+        for i in (5, 1, 5, 6, 1, 5, 0):  # reads change recency and frequency
+            restored(c, f"s{i}")
+        with eng.catalog.lock:
+            kept = [s.seq_id for s in eng.catalog.demotion_plan("host")]
+            metas = eng.catalog.evictable("host")
+            few = [s.seq_id for s in eng.catalog.demotion_plan("host", None, 2 * MiB)]
+        assert len(metas) == 8
+        assert kept == policy.demotion_order(name, metas)
+        assert few == policy.plan_demotion(name, metas, 2 * MiB, 2 * MiB, 0) == kept[:2]
+    eng.check_invariants()
+
+
 def test_disk_eviction_takes_the_coldest_disk_copies_first(daemon: Callable[..., Daemon]) -> None:
     d = daemon(**{"policy.write": "write_through", "tiers.disk.capacity": "8MiB"})
     eng = d.engine
