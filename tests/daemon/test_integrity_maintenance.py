@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import pytest
 import torch
@@ -19,7 +19,7 @@ import torch
 from kvpark.client import Client, NotFound, Unavailable
 from kvpark.daemon.server import Daemon
 from kvpark.tiers import policy
-from kvpark.tiers.disk import DiskStore, Manifest, ReadTxn
+from kvpark.tiers.disk import DiskStore, Manifest, ReadTxn, Write
 
 from ..conftest import Proc, make_config, wait_until
 
@@ -31,20 +31,20 @@ def full(n: int, v: int) -> torch.Tensor:
 
 
 class Gate:
-    """One call of the disk store, picked by ``pick``, waits at a gate the test opens."""
+    """One call of the disk store, picked by ``pick(kind, arg)``, waits at a gate the test opens."""
 
     def __init__(self) -> None:
-        self.pick: Callable[[Any], bool] | None = None
+        self.pick: Callable[[str, Any], bool] | None = None
         self.entered = threading.Event()
         self.gate = threading.Event()
 
-    def arm(self, pick: Callable[[Any], bool]) -> None:
+    def arm(self, pick: Callable[[str, Any], bool]) -> None:
         self.entered.clear()
         self.gate.clear()
         self.pick = pick
 
-    def hit(self, arg: Any) -> None:
-        if self.pick is not None and self.pick(arg):
+    def hit(self, kind: str, arg: Any) -> None:
+        if self.pick is not None and self.pick(kind, arg):
             self.pick = None
             self.entered.set()
             assert self.gate.wait(60), "the test never opened the gate"
@@ -54,23 +54,27 @@ GATE = Gate()
 
 
 class GatedDisk(DiskStore):
-    """``delete`` and ``read_txn`` pass through ``GATE`` (``delete`` with its manifest,
-    ``read_txn`` with None)."""
+    """``delete`` (with its manifest), ``read_txn`` and ``write_many`` (with the ids it
+    writes) pass through ``GATE``."""
 
     def delete(self, m: Manifest, sync: bool = False) -> None:
-        GATE.hit(m)
+        GATE.hit("delete", m.seq_id)
         super().delete(m, sync)
 
     @contextmanager
     def read_txn(self) -> Iterator[ReadTxn]:
-        GATE.hit(None)
+        GATE.hit("read", None)
         with super().read_txn() as r:
             yield r
+
+    def write_many(self, writes: Sequence[Write], sync: bool = False) -> list[bool]:
+        GATE.hit("write", [w.manifest.seq_id for w in writes])
+        return super().write_many(writes, sync)
 
 
 @pytest.fixture
 def gate() -> Iterator[Gate]:
-    GATE.arm(lambda _: False)
+    GATE.arm(lambda kind, arg: False)
     GATE.pick = None
     yield GATE
     GATE.pick = None
@@ -89,7 +93,7 @@ def test_ttl_expiry_never_drops_a_fresh_re_park_of_the_same_id(daemon: Callable[
     d = daemon(disk_factory=GatedDisk, **{"policy.write": "write_through"})
     with Client(d.address) as c:
         # Step: the expiry pass lists "a" and "b" together, and stops inside a's delete.
-        gate.arm(lambda m: m is not None and m.seq_id == "a")
+        gate.arm(lambda kind, arg: kind == "delete" and arg == "a")
         c.park("a", [full(1000, 1)], ttl_s=0.05)
         c.park("b", [full(1000, 2)], ttl_s=0.05)
         assert gate.entered.wait(30), "the expiry pass never dropped 'a'"
@@ -106,6 +110,31 @@ def test_ttl_expiry_never_drops_a_fresh_re_park_of_the_same_id(daemon: Callable[
     d.engine.check_invariants()
 
 
+# ---------------------------------------------------------------- demotion by identity (#5)
+
+def test_background_demotion_never_demotes_a_version_parked_after_its_plan(daemon: Callable[..., Daemon],
+                                                                          gate: Gate) -> None:
+    d = daemon(disk_factory=GatedDisk, **{"policy.write": "write_back"})
+    half = MiB // 2
+    with Client(d.address) as c:
+        # Step: 14 MiB of host in half-MiB sequences, x00 the coldest.
+        for i in range(28):
+            c.park(f"x{i:02d}", [full(half, i)])
+        # Step: past the high mark: relief plans x00, x01, ... and stops inside x00's disk write.
+        gate.arm(lambda kind, arg: kind == "write" and "x00" in arg)
+        c.park("big", [full(MiB, 99)])
+        assert gate.entered.wait(30), "background demotion never reached the disk"
+        # Step: x01 (in the plan) is re-parked in the gap: the new version is the hottest.
+        c.park("x01", [full(half, 101)], overwrite=True)
+        gate.gate.set()
+        assert wait_until(lambda: c.info("x02").tier == "disk", timeout=30)
+        # The plan went on past x01 without touching its new version.
+        assert c.info("x00").tier == "disk"
+        assert c.info("x01").tier == "host"
+        assert torch.equal(restored(c, "x01")[0], full(half, 101))
+    d.engine.check_invariants()
+
+
 # ---------------------------------------------------------------- disk eviction by identity (#5)
 
 def test_disk_eviction_never_evicts_a_version_parked_after_it_was_chosen(daemon: Callable[..., Daemon],
@@ -117,7 +146,7 @@ def test_disk_eviction_never_evicts_a_version_parked_after_it_was_chosen(daemon:
             c.park(sid, [full(2 * MiB, 1)])
             assert eng.mover.demote(sid, "host")
         # Step: eviction down to 1000 bytes chooses all three, and stops inside v1's delete.
-        gate.arm(lambda m: m is not None and m.seq_id == "v1")
+        gate.arm(lambda kind, arg: kind == "delete" and arg == "v1")
         t = threading.Thread(target=eng.mover.evict_disk, args=(0, 1000))
         t.start()
         assert gate.entered.wait(30)
@@ -248,7 +277,7 @@ def test_a_promotion_racing_a_drop_is_not_found_not_data_loss(daemon: Callable[.
         assert d.engine.mover.demote("s", "host")
         assert c.info("s").tier == "disk"
         # Step: the restore promotes from disk, and stops before its read transaction.
-        gate.arm(lambda arg: arg is None)
+        gate.arm(lambda kind, arg: kind == "read")
         errors: list[BaseException] = []
 
         def read() -> None:
@@ -362,7 +391,7 @@ def test_busy_counts_moves_in_flight_without_making_move_locks(daemon: Callable[
             # Asking made no move lock: most sequences never move, and never need one.
             assert sum(s._move_lock is not None for s in eng.catalog.sequences()) <= 1
         # Step: a promotion of s0 from disk holds at its read: a move is in flight.
-        gate.arm(lambda arg: arg is None)
+        gate.arm(lambda kind, arg: kind == "read")
         t = threading.Thread(target=lambda: eng.prefetch("s0", "host", wait=True, timeout=60))
         t.start()
         assert gate.entered.wait(30)
