@@ -9,7 +9,8 @@ new version, and the old version's fate (expired, evicted) is not the new one's.
 Locks as in ``engine.py``; no disk I/O under the index lock.
 
 Primitives:
-- ``maintain(engine)``: the maintenance thread's loop: reap leases, expire, retry
+- ``maintain(engine)``: the maintenance thread: once, sweep block records no manifest owns
+  (``DiskStore.sweep_orphans``); then its loop: reap leases, expire, retry
   failed disk deletes, compact the eviction order, relieve tiers past their high marks.
 - ``expire(engine)``: drop versions past their TTL, and shared blocks nobody took up.
 - ``retire(engine, seq) -> list[Seq]`` (REQUIRES: index lock): unlink ``seq`` (and the
@@ -21,8 +22,9 @@ Primitives:
   ``remote``, their remote copies.
 - ``reconcile(engine) -> int``: at start-up, after the index is loaded: retire the
   sequences whose referenced shared blocks are missing (a crash between a composite's
-  disk write and its blocks'), and delete their records. Block records without a
-  manifest and unfinished windowed parks are the disk store's (``DiskStore.open``).
+  disk write and its blocks'), and delete their records. Unfinished windowed parks
+  are deleted when the disk store opens; block records without a manifest by the
+  maintenance thread's first pass.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ log = logging.getLogger("kvpark.engine")
 def maintain(engine: "Engine") -> None:
     cat = engine.catalog
     interval = min(1.0, max(0.05, engine.config.leases.ttl_s / 4))
+    try:
+        engine.disk.sweep_orphans()  # block records a crash left without a manifest (no lock held)
+    except Exception:  # the maintenance thread must never die
+        log.exception("disk tier: the sweep of orphaned block records failed")
     while True:
         with cat.lock:
             if engine._closed:

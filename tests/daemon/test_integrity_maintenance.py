@@ -8,18 +8,20 @@ sleeps; the tests wait on conditions with deadlines.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator, Sequence
 
+import lmdb
 import pytest
 import torch
 
 from kvpark.client import Client, NotFound, Unavailable
 from kvpark.daemon.server import Daemon
 from kvpark.tiers import policy
-from kvpark.tiers.disk import DiskStore, Manifest, ReadTxn, Write
+from kvpark.tiers.disk import DiskStore, Manifest, ReadTxn, Write, block_key
 
 from ..conftest import Proc, make_config, wait_until
 
@@ -226,6 +228,43 @@ def test_restart_retires_a_composite_whose_shared_block_is_gone(daemon: Callable
         assert [m.seq_id for m in store.load_manifests()[0]] == ["plain"]
     finally:
         store.close()
+
+
+def test_restart_collects_block_records_no_manifest_owns(daemon: Callable[..., Daemon], tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
+    d0 = daemon(**{"policy.write": "write_through"})
+    with Client(d0.address) as c:
+        c.park("s", [full(1000, 1)])
+    d0.stop(0.5)
+    # Step: as a crash leaves it: a newer generation's manifest replaced the old one,
+    # whose blocks were never deleted (their delete is a separate transaction).
+    cfg = make_config(tmp_path)
+    store = DiskStore(cfg.tiers.disk.path, cfg.disk_capacity)
+    try:
+        (old,) = store.load_manifests()[0]
+        new = dataclasses.replace(old, gen=old.gen + 1)
+        assert store.write(new, [memoryview(full(1000, 2).numpy())], sync=True)
+    finally:
+        store.close()
+
+    def blocks_of() -> set[int]:
+        env = lmdb.open(cfg.tiers.disk.path, max_dbs=4)
+        try:
+            with env.begin(db=env.open_db(b"blocks")) as txn:
+                return {g for g in (old.gen, new.gen) if txn.get(block_key("s", g, 0)) is not None}
+        finally:
+            env.close()
+
+    assert blocks_of() == {old.gen, new.gen}
+    # Step: the daemon starts; its maintenance thread collects the orphaned records.
+    d = daemon()
+    assert wait_until(lambda: "no manifest owned" in caplog.text, timeout=30)
+    with Client(d.address) as c:
+        assert torch.equal(restored(c, "s")[0], full(1000, 2))
+        assert c.stat().tiers["disk"].used_bytes == 1000
+    d.engine.check_invariants()
+    d.stop(0.5)
+    assert blocks_of() == {new.gen}
 
 
 # ---------------------------------------------------------------- a failed delete in a drop (#10a)
