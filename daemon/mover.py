@@ -235,8 +235,8 @@ class Mover:
                             block = r.read_block(seq.manifest, i, n)
                         except DataLoss:
                             with self.catalog.lock:
-                                gone = seq.dropped or not seq.on_disk
-                            if gone:  # dropped, replaced or evicted under us: gone, not corrupt
+                                gone = seq.dropped
+                            if gone:  # dropped or replaced under us: gone, not corrupt
                                 raise NotFound(f"sequence {seq.seq_id!r} was dropped or overwritten during the "
                                                "restore") from None
                             raise
