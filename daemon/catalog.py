@@ -33,7 +33,7 @@ Primitives:
 - ``free(tier, alloc)``; ``over_high()`` (a memory tier, or the disk through
   ``disk_pressure``, past its high mark).
 - Eviction without a scan: ``order`` keeps each tier's eviction order (``evict_order.py``)
-  as copies come and go (``touch(seq)`` after a read or a new copy);
+  as copies come and go (``touch(seq, tier)`` after a new copy, ``touch(seq)`` after a read);
   ``demotion_plan(tier, exclude, cover)`` and ``disk_victims(ok, cover)`` give the
   coldest eligible few; ``evictable(tier, exclude, among)`` (policy snapshots).
 - ``claim(seq)`` / ``unclaim(seq)`` (a move lock, counted) and ``copy_begin`` /
@@ -383,9 +383,10 @@ class Catalog:
         """Sequences with a disk copy for which ``ok`` holds, coldest first, enough to cover ``cover`` bytes."""
         return self.order.victims(DISK, ok, cover, self._seqs.values)
 
-    def touch(self, seq: Seq) -> None:
-        """``seq`` was read, or gained a copy: its place in each tier's eviction order."""
-        self.order.track(seq)
+    def touch(self, seq: Seq, tier: str | None = None) -> None:
+        """``seq`` gained a copy in ``tier``, or (no tier) was read: its place in the
+        eviction order of that tier (every tier it is in)."""
+        self.order.track(seq, tier)
 
     def claim(self, seq: Seq, blocking: bool = True) -> bool:
         """Take ``seq``'s move lock, counted for ``busy``. NOT under the index lock."""

@@ -2,10 +2,10 @@
 at the coldest few, not at every indexed sequence, under the index lock.
 
 For a key-ordered policy (``policy.order_key``: ``lru``, ``lfu``, ``s3fifo``) each tier
-(``device``, ``host``, ``disk``) keeps a heap of ``(key, n, seq)`` with lazy deletion:
-an entry is live while its sequence still has a copy in that tier, is not dropped, and
-its current key there is the entry's key (a touch pushes a new entry; the old one, a
-colder key, comes out first and is discarded). For any other policy (``arc``, registered
+(``device``, ``host``, ``disk``) keeps a heap of ``(*key, gen, seq)`` with lazy
+deletion: an entry is live while its sequence still has a copy in that tier, is not
+dropped, and its key now is the entry's key (a touch pushes a new entry; the old one, a
+colder key, comes out first and is discarded). Nothing else is kept per sequence. For any other policy (``arc``, registered
 ones) each tier keeps its member set, and the pure policy orders that set: a scan of the
 tier, not of the index.
 
@@ -17,8 +17,8 @@ REQUIRES: the index lock (``Catalog.lock``) for everything.
 
 Primitives:
 - ``EvictionOrder(policy, tiers)``.
-- ``track(seq)``: ``seq`` has copies where it has them now (published, promoted,
-  written to disk) or its access metadata changed (a touch): (re)key it in each tier.
+- ``track(seq, tier=None)``: ``seq`` gained a copy in ``tier`` (promoted, written to
+  disk), or (no tier: published, or read, so its key changed) in every tier it is in.
 - ``forget(seq)``: ``seq`` left the index.
 - ``victims(tier, ok, cover, index) -> list[Seq]``: the eligible sequences (``ok``) in
   the tier, in policy order, just enough that their sizes in the tier cover ``cover``
@@ -32,7 +32,6 @@ Primitives:
 from __future__ import annotations
 
 import heapq
-import itertools
 from typing import Callable, Iterable
 
 from kvpark.tiers import policy
@@ -62,58 +61,61 @@ class EvictionOrder:
         self.policy = policy_name
         self._key = policy.order_key(policy_name)
         self._tiers = (*tiers, DISK)
-        self._keys: dict[str, dict[Seq, tuple]] = {t: {} for t in self._tiers}  # live members -> key
-        self._heaps: dict[str, list[tuple[tuple, int, Seq]]] = {t: [] for t in self._tiers}
+        # Key-ordered policies: per tier, a heap of flat entries ``(*key, gen, seq)`` (the
+        # generation makes every entry unique, so no comparison reaches the ``Seq``), and
+        # nothing else per sequence: about 90 bytes each, for a million parked blocks.
+        self._heaps: dict[str, list[tuple]] = {t: [] for t in self._tiers}
+        self._floor = {t: 0 for t in self._tiers}  # heap size after the last compaction
+        # Other policies: per tier, its members (the policy orders them all when asked).
+        self._members: dict[str, dict[Seq, None]] = {t: {} for t in self._tiers}
         self._built = set(tiers)  # the disk's order is built on first use (see the module docstring)
-        self._n = itertools.count()
 
-    def track(self, seq: Seq) -> None:
-        for t in self._tiers:
-            if t not in self._built:
+    def _entry(self, seq: Seq, tier: str) -> tuple:
+        assert self._key is not None
+        return (*self._key(meta(seq, tier)), seq.gen, seq)
+
+    def track(self, seq: Seq, tier: str | None = None) -> None:
+        for t in self._tiers if tier is None else (tier,):
+            if t not in self._built or not has(seq, t):
                 continue
-            keys = self._keys[t]
-            if not has(seq, t):
-                keys.pop(seq, None)
-                continue
-            key = self._key(meta(seq, t)) if self._key is not None else ()
-            if keys.get(seq) == key:
-                continue
-            keys[seq] = key
-            if self._key is not None:
-                heapq.heappush(self._heaps[t], (key, next(self._n), seq))
+            if self._key is None:
+                self._members[t][seq] = None
+            else:
+                heapq.heappush(self._heaps[t], self._entry(seq, t))
 
     def forget(self, seq: Seq) -> None:
+        # Heap entries of a retired sequence go as they surface (it is ``dropped``).
         for t in self._tiers:
-            self._keys[t].pop(seq, None)
+            self._members[t].pop(seq, None)
+
+    def _live(self, entry: tuple, tier: str) -> bool:
+        seq = entry[-1]
+        return has(seq, tier) and entry == self._entry(seq, tier)
 
     def victims(self, tier: str, ok: Callable[[Seq], bool], cover: int | None,
                 index: Callable[[], Iterable[Seq]]) -> list[Seq]:
         if tier not in self._built:
             self._build(tier, index())
-        keys = self._keys[tier]
         if self._key is None:
-            live = [s for s in keys if has(s, tier)]
-            for s in [s for s in keys if not has(s, tier)]:
-                del keys[s]
-            cands = {s.seq_id: s for s in live if ok(s)}
+            members = self._members[tier]
+            for s in [s for s in members if not has(s, tier)]:
+                del members[s]
+            cands = {s.seq_id: s for s in members if ok(s)}
             metas = [meta(s, tier) for s in cands.values()]
             if cover is None:
                 return [cands[sid] for sid in policy.demotion_order(self.policy, metas)]
             return [cands[sid] for sid in policy.plan_demotion(self.policy, metas, cover, cover, 0)]
         heap = self._heaps[tier]
         out: list[Seq] = []
-        back: list[tuple[tuple, int, Seq]] = []
+        back: list[tuple] = []
         seen: set[int] = set()
         got = 0
         while heap and (cover is None or got < cover):
             entry = heapq.heappop(heap)
-            key, _, seq = entry
-            if keys.get(seq) != key or id(seq) in seen:
+            seq = entry[-1]
+            if id(seq) in seen or not self._live(entry, tier):
                 continue  # re-keyed since (a touch), gone from the tier, or a twin entry
             seen.add(id(seq))
-            if not has(seq, tier):
-                del keys[seq]
-                continue
             back.append(entry)
             if ok(seq):
                 out.append(seq)
@@ -123,29 +125,41 @@ class EvictionOrder:
         return out
 
     def _build(self, tier: str, index: Iterable[Seq]) -> None:
-        keys = self._keys[tier]
-        for s in index:
-            if has(s, tier):
-                keys[s] = self._key(meta(s, tier)) if self._key is not None else ()
-        if self._key is not None:
-            heap = [(k, next(self._n), s) for s, k in keys.items()]
+        if self._key is None:
+            self._members[tier] = {s: None for s in index if has(s, tier)}
+        else:
+            heap = [self._entry(s, tier) for s in index if has(s, tier)]
             heapq.heapify(heap)
             self._heaps[tier] = heap
+            self._floor[tier] = len(heap)
         self._built.add(tier)
 
     def compact(self) -> None:
+        """Drop stale entries once they outnumber the live ones (amortised: a heap is
+        rebuilt only after it has doubled since the last time)."""
+        if self._key is None:
+            return
         for t, heap in self._heaps.items():
-            keys = self._keys[t]
-            if len(heap) > 2 * len(keys) + 4096:
-                fresh = [(k, next(self._n), s) for s, k in keys.items()]
-                heapq.heapify(fresh)
-                self._heaps[t] = fresh
+            if len(heap) <= 2 * self._floor[t] + 4096:
+                continue
+            seen: set[int] = set()
+            fresh = []
+            for e in heap:
+                if id(e[-1]) not in seen and self._live(e, t):
+                    seen.add(id(e[-1]))
+                    fresh.append(e)
+            heapq.heapify(fresh)
+            self._heaps[t] = fresh
+            self._floor[t] = len(fresh)
 
     def check(self, seqs: Iterable[Seq]) -> None:
+        entries = {t: {(id(e[-1]), e[:-1]) for e in self._heaps[t]} for t in self._built} if self._key else {}
         for s in seqs:
             for t in self._tiers:
-                if t not in self._built:
-                    continue  # not built yet: built from the index when first wanted
-                if has(s, t):
-                    want = self._key(meta(s, t)) if self._key is not None else ()
-                    assert self._keys[t].get(s) == want, f"{s.seq_id}: its {t} copy is not in the eviction order"
+                if t not in self._built or not has(s, t):
+                    continue  # the disk's order is built from the index when first wanted
+                if self._key is None:
+                    assert s in self._members[t], f"{s.seq_id}: its {t} copy is not in the eviction order"
+                else:
+                    want = (id(s), self._entry(s, t)[:-1])
+                    assert want in entries[t], f"{s.seq_id}: its {t} copy is not in the eviction order under its key"

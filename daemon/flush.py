@@ -105,7 +105,7 @@ def write_batch(mover: "Mover", seqs: list[Seq]) -> int:
                         stale.append(s)
                     else:
                         s.on_disk = True
-                        cat.touch(s)  # its place in the disk's eviction order
+                        cat.touch(s, "disk")  # its place in the disk's eviction order
                 cat.release_dropped(s)
             # Waiters may demote these now. No version bump: see Mover.write_to_disk.
             cat.changed.notify_all()

@@ -193,7 +193,7 @@ class Mover:
                     self.catalog.copy_end(seq)
                     if landed and not seq.dropped:
                         seq.res[to] = a
-                        self.catalog.touch(seq)
+                        self.catalog.touch(seq, to)
                     else:
                         self.catalog.free(to, a)
                     self.catalog.release_dropped(seq)
@@ -252,7 +252,7 @@ class Mover:
                 self.catalog.free(to, a)
                 return
             seq.res[to] = a
-            self.catalog.touch(seq)
+            self.catalog.touch(seq, to)
 
     def _alloc_in(self, tier: str, seq: Seq, make_room: bool) -> Allocation | None:
         mem = self.tiers[tier]
@@ -288,7 +288,7 @@ class Mover:
                 attached = job.error is None and not seq.dropped and dst not in seq.res
                 if attached:
                     seq.res[dst] = dst_alloc
-                    self.catalog.touch(seq)
+                    self.catalog.touch(seq, dst)
                 else:
                     self.catalog.free(dst, dst_alloc)
                 self.catalog.release_dropped(seq)
@@ -541,7 +541,7 @@ class Mover:
                 stale = seq.dropped  # dropped or overwritten while we wrote
                 if written and not stale:
                     seq.on_disk = True
-                    self.catalog.touch(seq)
+                    self.catalog.touch(seq, "disk")
                 self.catalog.release_dropped(seq)
                 # Waiters may demote it now. No version bump: a write that failed (disk
                 # full) must not send a make_room loop straight back to the same victim.

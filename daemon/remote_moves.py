@@ -48,7 +48,7 @@ def fetch_remote_locked(mover: "Mover", seq: Seq) -> None:
         if written and not stale:
             seq.on_disk = True
             seq.promotions += 1
-            mover.catalog.touch(seq)  # its place in the disk's eviction order
+            mover.catalog.touch(seq, "disk")  # its place in the disk's eviction order
         mover.catalog.notify()
     if written and stale:
         mover.disk.delete(m)
