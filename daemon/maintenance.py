@@ -33,7 +33,7 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from kvpark.proto.errors import FailedPrecondition, KVParkError
+from kvpark.proto.errors import FailedPrecondition
 
 from .model import Seq
 
@@ -135,7 +135,7 @@ def reconcile(engine: "Engine") -> int:
     if engine.remote is not None:
         try:
             found = [m for m in engine.remote.store.get_manifests(missing) if m is not None]
-        except KVParkError as e:
+        except Exception as e:  # noqa: BLE001 - a remote tier that cannot answer must not stop the start
             log.warning("start-up: %d sequence(s) reference shared blocks this disk lacks, and the remote tier "
                         "cannot be asked (%s); left as they are", len(broken), e)
             return 0
