@@ -230,6 +230,30 @@ def test_restart_retires_a_composite_whose_shared_block_is_gone(daemon: Callable
         store.close()
 
 
+def test_restart_adopts_a_missing_shared_block_from_the_remote_tier(daemon: Callable[..., Daemon], tmp_path: Path,
+                                                                    redis_server: Any) -> None:
+    remote = {"tiers.remote.url": redis_server.url, "tiers.remote.namespace": f"h5maint{threading.get_ident()}",
+              "tiers.remote.write": "write_through", "tiers.remote.timeout_s": 1.0}
+    d0 = daemon(**remote)
+    with Client(d0.address) as c:
+        c.park("comp", [full(1000, 1)], refs=["B"], new_blocks={"B": [full(3000, 2)]})
+        assert wait_until(lambda: (r := c.stat().remote) is not None and r.pending_writes == 0, timeout=30)
+    d0.stop(0.5)
+    # Step: the local disk lost B (it had moved to the remote tier); Redis still has it.
+    cfg = make_config(tmp_path)
+    store = DiskStore(cfg.tiers.disk.path, cfg.disk_capacity)
+    try:
+        store.delete(next(m for m in store.load_manifests()[0] if m.seq_id == "B"), sync=True)
+    finally:
+        store.close()
+    # Step: the restart adopts B from Redis instead of retiring comp; comp restores whole.
+    d = daemon(**remote)
+    with Client(d.address) as c:
+        out = restored(c, "comp")
+        assert torch.equal(out[0], full(3000, 2)) and torch.equal(out[1], full(1000, 1))
+    d.engine.check_invariants()
+
+
 def test_restart_collects_block_records_no_manifest_owns(daemon: Callable[..., Daemon], tmp_path: Path,
                                                         caplog: pytest.LogCaptureFixture) -> None:
     d0 = daemon(**{"policy.write": "write_through"})
