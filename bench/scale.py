@@ -24,7 +24,9 @@ Per size N (the index grows from one size to the next; ``--sizes 10k,100k,1M``):
   ``--tracemalloc`` the Python-allocated growth is reported too, with the top sites.
 - p50 / p99 of ``--ops`` operations each: park (one fresh block, one commit), lookup
   (``present`` of 16 random parked keys: one ``Lookup`` RPC's work), restore (one random
-  block: acquire, read its bytes, release) and drop (the blocks the park step added);
+  block: acquire, read its bytes, release), drop (the blocks the park step added) and
+  make_room (the index-lock part of making room in a full host tier: one slot's worth of
+  victims from the eviction order, and ``busy()``);
   beside the p99 of wall time, the p99 of the thread's CPU time, the full garbage
   collections and the involuntary context switches during the ops (on a shared machine a
   wall-time p99 far above the CPU-time p99 is time spent waiting for a core).
@@ -180,7 +182,7 @@ class Bench:
         """``n`` timed operations of each kind: wall times, and this thread's CPU times
         (a wall time far above its CPU time waited: on a lock, or for a core)."""
         e = self.engine
-        wall: dict[str, list[float]] = {"park": [], "lookup": [], "restore": [], "drop": []}
+        wall: dict[str, list[float]] = {"park": [], "lookup": [], "restore": [], "drop": [], "make_room": []}
         cpu: dict[str, list[float]] = {op: [] for op in wall}
 
         def timed(op: str, fn: Callable[[], None]) -> None:
@@ -202,6 +204,14 @@ class Bench:
         def lookup(ks: list[str]) -> None:
             assert all(e.present(ks))
 
+        def make_room() -> None:
+            # What a park that finds its tier full does under the index lock before it
+            # demotes: choose one slot's worth of victims, and ask whether moves are in
+            # flight. (Both once scanned every indexed block.)
+            with e.catalog.lock:
+                assert e.catalog.demotion_plan("host", None, SLOT)
+                e.catalog.busy()
+
         parked = []
         for _ in range(n):
             k = key(self.fresh)
@@ -216,6 +226,8 @@ class Bench:
             timed("restore", lambda: restore(k))
         for k in parked:
             timed("drop", lambda: drop(k))
+        for _ in range(n):
+            timed("make_room", make_room)
         return wall, cpu
 
 
@@ -340,7 +352,7 @@ def main(argv: list[str] | None = None) -> int:
         if big != small:
             result["p50_ratio_largest_vs_smallest"] = {
                 op: round(result["sizes"][big][op]["p50_us"] / result["sizes"][small][op]["p50_us"], 2)
-                for op in ("park", "lookup", "restore", "drop")}
+                for op in ("park", "lookup", "restore", "drop", "make_room")}
             print(f"p50 at {big} / p50 at {small}: {result['p50_ratio_largest_vs_smallest']}")
         result["load_after"] = os.getloadavg()
     finally:

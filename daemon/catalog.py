@@ -20,16 +20,25 @@ Primitives:
   references when it validates, so the blocks it names cannot be retired while it
   writes to disk without a lock.
 - ``publish_blocks``, ``publish_commit``, ``publish``: make committed sequences visible.
-- ``expired(wall, grace_s) -> (ttl, unused)``: ids past their TTL, and shared blocks
-  nobody took up (it looks only at sequences with a TTL and shared blocks, which the
-  catalog keeps apart, not at every indexed block).
+- ``expired(wall, grace_s) -> (ttl, unused)``: the versions (``Seq`` records) past their
+  TTL, and shared blocks nobody took up (it looks only at sequences with a TTL and
+  shared blocks, which the catalog keeps apart, not at every indexed block);
+  ``current(seq)``: whether ``seq`` is still its id's indexed version (work chosen
+  under the lock re-checks this after a gap); ``dangling()``: sequences referencing a
+  missing shared block (start-up only: it scans).
 - ``adopt(manifests)``: index sequences found in the remote tier on a local miss;
   ``on_remote()``: how many indexed sequences have a remote copy.
 - ``retire(seq)``: unlink a sequence (drop, overwrite, expiry); memory is freed now or
   by the last reader or copy (``release_dropped``); shared blocks left unreferenced
   retire with it and are returned by ``take_orphans()`` for their disk copies.
-- ``free(tier, alloc)``; ``evictable(tier)``; ``over_high()`` (a memory tier, or the disk
-  through ``disk_pressure``, past its high mark).
+- ``free(tier, alloc)``; ``over_high()`` (a memory tier, or the disk through
+  ``disk_pressure``, past its high mark).
+- Eviction without a scan: ``order`` keeps each tier's eviction order (``evict_order.py``)
+  as copies come and go (``touch(seq, tier)`` after a new copy, ``touch(seq)`` after a read);
+  ``demotion_plan(tier, exclude, cover)`` and ``disk_victims(ok, cover)`` give the
+  coldest eligible few; ``evictable(tier, exclude, among)`` (policy snapshots).
+- ``claim(seq)`` / ``unclaim(seq)`` (a move lock, counted) and ``copy_begin`` /
+  ``copy_end`` (``Seq.moving``, counted): ``busy(exclude)`` reads the two counters.
 - ``info``, ``info_of``, ``infos``, ``tier_stats``: read-only views.
 - ``check(disk_used)``: the invariants, as assertions.
 """
@@ -46,14 +55,22 @@ from kvpark.tiers.arena import Allocation
 from kvpark.tiers.disk import Manifest
 from kvpark.tiers.memory import MemTier
 
+from .evict_order import DISK, EvictionOrder, meta
 from .model import MEM_TIERS, NS_SEP, Generations, Lease, ParkSpec, Seq
 
 _RANK = {"device": 0, "host": 1, "disk": 2, "remote": 3}
 
 
 class Catalog:
-    def __init__(self, tiers: dict[str, MemTier]) -> None:
+    def __init__(self, tiers: dict[str, MemTier], eviction: str = "lru") -> None:
         self.tiers = tiers
+        # Each tier's eviction order, kept as copies come and go and sequences are read:
+        # victims are found among the coldest few, not by sorting the index.
+        self.order = EvictionOrder(eviction, tiers)
+        # Moves in flight (``claim``ed move locks) and copies reading a memory copy
+        # (``copy_begin``): ``busy`` reads them, rather than every sequence's move lock.
+        self._claims = 0
+        self._copies = 0
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.wake = threading.Condition(self.lock)
@@ -224,11 +241,14 @@ class Catalog:
         prev = self._seqs.get(seq.seq_id)
         if prev is not None:
             self._special.pop(prev, None)
+        if prev is not None:
+            self.order.forget(prev)
         self._seqs[seq.seq_id] = seq
         if seq.shared or seq.expires_at is not None:
             self._special[seq] = None
         if NS_SEP in seq.seq_id:
             self._space_add(seq)
+        self.order.track(seq)
 
     def _space_add(self, seq: Seq) -> None:
         sid = seq.seq_id
@@ -256,6 +276,7 @@ class Catalog:
             del self._seqs[seq.seq_id]
             self._special.pop(seq, None)
             self._space_drop(seq)
+        self.order.forget(seq)
         self.release_dropped(seq)
         for r in seq.refs:
             left = self._refcount.get(r, 0) - 1
@@ -268,15 +289,33 @@ class Catalog:
                 self.retire(block)  # its last user is gone
                 self._orphans.append(block)
 
-    def expired(self, wall: float, grace_s: float) -> tuple[list[str], list[str]]:
-        """Ids past their TTL; and shared blocks nobody took up within ``grace_s`` of their
-        park. A block known only from the remote tier holds nothing here and is left alone
-        (another daemon's sequences may use it)."""
-        ttl = [s.seq_id for s in self._special if s.expires_at is not None and s.expires_at <= wall]
-        unused = [s.seq_id for s in self._special
+    def expired(self, wall: float, grace_s: float) -> tuple[list[Seq], list[Seq]]:
+        """Versions past their TTL; and shared blocks nobody took up within ``grace_s`` of
+        their park. A block known only from the remote tier holds nothing here and is left
+        alone (another daemon's sequences may use it). The records themselves, not their
+        ids: the caller drops them after releasing the lock, and an id re-parked meanwhile
+        is another version (``drop_version``)."""
+        ttl = [s for s in self._special if s.expires_at is not None and s.expires_at <= wall]
+        unused = [s for s in self._special
                   if s.shared and not self._refcount.get(s.seq_id) and s.manifest.created_at < wall - grace_s
-                  and (s.res or s.on_disk) and s.seq_id not in ttl]
+                  and (s.res or s.on_disk) and (s.expires_at is None or s.expires_at > wall)]
         return ttl, unused
+
+    def current(self, seq: Seq) -> bool:
+        """Whether ``seq`` is still the indexed version of its id. REQUIRES: lock."""
+        return self._seqs.get(seq.seq_id) is seq
+
+    def dangling(self) -> list[Seq]:
+        """Sequences that reference a shared block the index lacks (a crash left them);
+        a start-up check, not for a request's path (it scans the index). REQUIRES: lock."""
+        out = []
+        for s in self._seqs.values():
+            for r in s.refs:
+                block = self._seqs.get(r)
+                if block is None or not block.shared:
+                    out.append(s)
+                    break
+        return out
 
     def adopt(self, manifests: Iterable[Manifest]) -> None:
         """Index sequences found in the remote tier on a local miss (ids already indexed
@@ -321,21 +360,62 @@ class Catalog:
         return (any(policy.over_high(t.alloc.used_bytes, t.alloc.capacity, t.high) for t in self.tiers.values())
                 or self.disk_pressure())
 
-    def evictable(self, tier: str, exclude: Seq | None = None,
-                  among: Iterable[Seq] | None = None) -> list[policy.SeqMeta]:
+    @staticmethod
+    def _demotable(s: Seq, tier: str, exclude: Seq | None) -> bool:
         # Pinned sequences leave a tier only when a faster copy remains (they are never
         # demoted below the tier they are in); leased or moving copies stay.
-        return [
-            policy.SeqMeta(s.seq_id, s.res[tier].charged, s.manifest.last_access, s.manifest.priority,
-                           s.access_count, s.manifest.created_at, s.promotions)
-            for s in (self._seqs.values() if among is None else among)
-            if tier in s.res and not s.readers.get(tier) and not s.moving and s is not exclude
-            and (not s.pinned or s.tier != tier)
-        ]
+        return (tier in s.res and not s.dropped and not s.readers.get(tier) and not s.moving and s is not exclude
+                and (not s.pinned or s.tier != tier))
+
+    def evictable(self, tier: str, exclude: Seq | None = None,
+                  among: Iterable[Seq] | None = None) -> list[policy.SeqMeta]:
+        """Every copy in ``tier`` that may be demoted now (``among`` given sequences, or
+        the tier's members: not the whole index)."""
+        pool = self.demotion_plan(tier, exclude) if among is None else among
+        return [meta(s, tier) for s in pool if self._demotable(s, tier, exclude)]
+
+    def demotion_plan(self, tier: str, exclude: Seq | None = None, cover: int | None = None) -> list[Seq]:
+        """Copies in memory tier ``tier`` that may be demoted now, coldest first by the
+        eviction policy, just enough to free ``cover`` bytes (None: all of them)."""
+        return self.order.victims(tier, lambda s: self._demotable(s, tier, exclude), cover, self._seqs.values)
+
+    def disk_victims(self, ok: Callable[[Seq], bool], cover: int | None) -> list[Seq]:
+        """Sequences with a disk copy for which ``ok`` holds, coldest first, enough to cover ``cover`` bytes."""
+        return self.order.victims(DISK, ok, cover, self._seqs.values)
+
+    def touch(self, seq: Seq, tier: str | None = None) -> None:
+        """``seq`` gained a copy in ``tier``, or (no tier) was read: its place in the
+        eviction order of that tier (every tier it is in)."""
+        self.order.track(seq, tier)
+
+    def claim(self, seq: Seq, blocking: bool = True) -> bool:
+        """Take ``seq``'s move lock, counted for ``busy``. NOT under the index lock."""
+        if not seq.move_lock.acquire(blocking):
+            return False
+        with self.lock:
+            self._claims += 1
+        return True
+
+    def unclaim(self, seq: Seq) -> None:
+        with self.lock:
+            self._claims -= 1
+        seq.move_lock.release()
+
+    def copy_begin(self, seq: Seq) -> None:
+        """A copy reads ``seq``'s memory (it cannot be freed meanwhile). REQUIRES: lock."""
+        seq.moving += 1
+        self._copies += 1
+
+    def copy_end(self, seq: Seq) -> None:
+        seq.moving -= 1
+        self._copies -= 1
 
     def busy(self, exclude: Seq | None = None) -> bool:
-        """A copy or promotion is in flight: room may appear without anyone demoting."""
-        return any(s.moving or (s.move_lock.locked() and s is not exclude) for s in self._seqs.values())
+        """A copy or promotion is in flight: room may appear without anyone demoting.
+        ``exclude``'s own move (the caller's) does not count. Two counters, no scan."""
+        lock = exclude._move_lock if exclude is not None else None  # never made here
+        own = 1 if lock is not None and lock.locked() else 0
+        return self._copies > 0 or self._claims - own > 0
 
     # ------------------------------------------------------------------ views (REQUIRES: lock)
 
@@ -420,6 +500,8 @@ class Catalog:
             for r in s.refs:
                 refs[r] = refs.get(r, 0) + 1
         assert refs == self._refcount, f"refcounts {self._refcount} != references {refs}"
+        assert self._copies == sum(s.moving for s in [*self._seqs.values(), *gone]), "copies in flight miscounted"
+        self.order.check(self._seqs.values())
         special = [s for s in self._seqs.values() if s.shared or s.expires_at is not None]
         assert set(map(id, special)) == set(map(id, self._special)), "expiry candidates out of step with the index"
         spaced = {id(s) for s in self._seqs.values() if NS_SEP in s.seq_id}

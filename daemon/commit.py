@@ -16,14 +16,11 @@ passed in. The rules (``docs/protocol.md``, "Versions and commits"):
   by its generation.
 - **Visible is success.** Once a park is published, a failed delete of the version it
   replaced does not fail the park: the delete is retried by the maintenance pass
-  (``Deletes``); the disk accounting has already let the old version go.
+  (``deletes.py``); the disk accounting has already let the old version go.
 
 Primitives:
 - ``Pending``: ids with a commit between its commit point and its publish (REQUIRES:
   index lock): ``wait(catalog, ids, deadline)``, ``add(ids)``, ``done(catalog, ids)``.
-- ``Deletes(mover, disk)``: ``delete(seqs, reraise=False)`` (a failure is queued; raised
-  again after the rest only with ``reraise``),
-  ``retry()``, ``held() -> set[(seq_id, key generation)]`` (records queued for deletion).
 - ``commit(engine, lease, expect_nbytes) -> SeqInfo``: a reserved (not windowed) park.
 - ``check_disk(seqs, scan, deleting, all_on_disk)``: the index against LMDB, as assertions.
 """
@@ -31,20 +28,18 @@ Primitives:
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from typing import TYPE_CHECKING, Iterable
 
 from kvpark.proto.errors import KVParkError, Unavailable
 from kvpark.proto.types import SeqInfo
-from kvpark.tiers.disk import DiskStore, Manifest, Scan, Write
+from kvpark.tiers.disk import Manifest, Scan, Write
 
 from .catalog import Catalog
 from .model import Lease, ParkSpec, Seq
 
 if TYPE_CHECKING:
     from .engine import Engine
-    from .mover import Mover
 
 log = logging.getLogger("kvpark.commit")
 
@@ -89,49 +84,6 @@ def creates(spec: ParkSpec) -> list[str]:
     """The ids a park creates, not overwrites: they wait for pending commits of theirs."""
     own = [spec.seq_id] if not spec.is_batch and not spec.overwrite else []
     return own + [b.seq_id for b in spec.blocks]
-
-
-class Deletes:
-    """Disk copies of retired versions; a delete that fails is retried later."""
-
-    def __init__(self, mover: "Mover", disk: DiskStore) -> None:
-        self.mover = mover
-        self.disk = disk
-        self._lock = threading.Lock()
-        self._failed: list[Manifest] = []
-
-    def delete(self, seqs: Iterable[Seq], reraise: bool = False) -> None:
-        first: Exception | None = None
-        for s in seqs:
-            try:
-                self.mover.delete_from_disk(s)
-            except Exception as e:  # the park or drop it follows has happened: never undone by this
-                log.warning("deleting the disk copy of %r (generation %d) failed, retried later: %s",
-                            s.seq_id, s.gen, e)
-                with self._lock:
-                    self._failed.append(s.manifest)
-                first = first or e
-        if reraise and first is not None:
-            raise first
-
-    def retry(self) -> int:
-        """Delete what failed before; returns how many are still left."""
-        with self._lock:
-            todo, self._failed = self._failed, []
-        left = []
-        for m in todo:
-            try:
-                self.disk.delete(m)  # by generation: a newer version's manifest stays
-            except Exception as e:  # still failing: next pass
-                log.debug("retried delete of %r failed: %s", m.seq_id, e)
-                left.append(m)
-        with self._lock:
-            self._failed.extend(left)
-            return len(self._failed)
-
-    def held(self) -> set[tuple[str, int]]:
-        with self._lock:
-            return {(m.seq_id, m.key_gen) for m in self._failed}
 
 
 def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo:
@@ -193,7 +145,7 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
                 gone = [seq]
         orphans = catalog.take_orphans()
         pending.done(catalog, held)
-    engine.deletes.delete(gone + orphans)
+    engine.deletes.delete_all(gone + orphans)  # a failure is retried: the park is visible
     engine._forget_remote(gone)
     if failed is not None:
         raise failed

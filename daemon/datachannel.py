@@ -302,7 +302,7 @@ class DataChannelServer:
             self._get(sock, ticket, nbytes)
 
     def _abort(self, ticket: Ticket) -> None:
-        if ticket.lease_id:  # "" : a restore served from disk holds no lease
+        if ticket.lease_id:  # "" : an expired or never-leased handle
             ticket.view.release(ticket.lease_id)
 
     def _put(self, sock: socket.socket, ticket: Ticket, nbytes: int) -> None:

@@ -13,13 +13,14 @@ disk or Redis I/O runs under the index lock.
 Primitives:
 - ``evict_disk(mover, need, target=None, exclude=None) -> bool``: make the disk hold at
   most ``target`` bytes (default: room for ``need`` more); True when it got there.
-- ``disk_drop(mover, seq_id) -> bool``: no remote tier: free one disk copy (dropping the
+- ``disk_drop(mover, victim) -> bool``: no remote tier: free one disk copy (dropping the
   sequence when it was its only copy).
-- ``disk_to_remote(mover, seq_id) -> bool``: copy one sequence to remote (unless that
+- ``disk_to_remote(mover, victim) -> bool``: copy one sequence to remote (unless that
   generation is there now, checked in Redis: a remembered copy may have expired), then
   delete its disk copy.
-- ``claim_on_disk(mover, seq_id) -> Seq | None``: a disk-resident sequence with its move
-  lock held, if no other move owns it.
+- ``claim_on_disk(mover, victim) -> Seq | None``: a disk-resident sequence with its move
+  lock held, if no other move owns it. ``victim`` is the ``Seq`` a plan chose (acted on
+  only while it is still the indexed version), or an id.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ import time
 from typing import TYPE_CHECKING
 
 from kvpark.proto.errors import KVParkError
-from kvpark.tiers import policy
 from kvpark.tiers.remote import GONE
 
 from .model import Seq
@@ -66,22 +66,20 @@ def evict_disk(mover: "Mover", need: int, target: int | None = None, exclude: Se
             used = mover.disk.used
             if used <= goal:
                 return True
-            cands = [
-                policy.SeqMeta(s.seq_id, s.manifest.nbytes, s.manifest.last_access, s.manifest.priority,
-                               s.access_count, s.manifest.created_at, s.promotions)
-                for s in mover.catalog.sequences()
-                if s.on_disk and s is not exclude and not s.moving and not any(s.readers.values())
-                and not (s.pinned and (mover.remote is None or s.tier == "disk"))
-                and not (s.shared and mover.catalog.refcount(s.seq_id))
-            ]
-            plan = policy.plan_demotion(mover.eviction, cands, used, cap, goal)
+            # The coldest few of the disk's eviction order, not a sort of the index; a
+            # read lease on a disk copy (a granted restore) keeps it.
+            plan = mover.catalog.disk_victims(
+                lambda s: (s is not exclude and not s.moving and not any(s.readers.values())
+                           and not (s.pinned and (mover.remote is None or s.tier == "disk"))
+                           and not (s.shared and mover.catalog.refcount(s.seq_id)) and s.on_disk),
+                used - goal)
         moved = False
-        for sid in plan:
+        for victim in plan:  # the records chosen: an id re-parked meanwhile is another version
             if mover.disk.used <= goal:
                 return True
             if mover.remote is None:
-                moved |= disk_drop(mover, sid)
-            elif disk_to_remote(mover, sid):
+                moved |= disk_drop(mover, victim)
+            elif disk_to_remote(mover, victim):
                 moved = True
             elif mover.remote.store.breaker.state != "closed":
                 return False  # Redis is down: stop here, fail fast
@@ -98,41 +96,42 @@ def evict_disk(mover: "Mover", need: int, target: int | None = None, exclude: Se
             mover.catalog.changed.wait(min(0.05, left))
 
 
-def disk_drop(mover: "Mover", seq_id: str) -> bool:
+def disk_drop(mover: "Mover", victim: Seq | str) -> bool:
     """Without a remote tier: free one sequence's disk copy, dropping the sequence
     when the disk held its only copy. True when the disk copy is gone."""
-    seq = claim_on_disk(mover, seq_id)
+    seq = claim_on_disk(mover, victim)
     if seq is None:
         return False
+    seq_id = seq.seq_id
     try:
         with mover.catalog.lock:
             # Checked again under the lock: a reader, a pin or a new reference since
-            # the plan keeps it.
+            # the plan keeps it; a version no longer indexed is no one's to evict.
             if (seq.dropped or not seq.on_disk or seq.moving or any(seq.readers.values()) or seq.pinned
-                    or (seq.shared and mover.catalog.refcount(seq_id))):
+                    or (seq.shared and mover.catalog.refcount(seq_id)) or not mover.catalog.current(seq)):
                 return False
             todo = [seq]
             if not seq.res:  # the disk held its only copy: it leaves the index too
                 mover.catalog.retire(seq)
                 todo += mover.catalog.take_orphans()
-        for s in todo:
-            mover.delete_from_disk(s)
+        mover.delete_all(todo)  # a failed delete is retried; the accounting follows the index
         with mover.catalog.lock:
             mover.catalog.notify()
         mover._count_eviction("disk")
         log.debug("evicted %r from disk%s", seq_id, "" if seq.res else " (its only copy: dropped)")
         return True
     finally:
-        seq.move_lock.release()
+        mover.catalog.unclaim(seq)
 
 
-def disk_to_remote(mover: "Mover", seq_id: str) -> bool:
+def disk_to_remote(mover: "Mover", victim: Seq | str) -> bool:
     """Write one disk-resident sequence to remote (unless it is there), then delete
     its disk copy. True when the disk copy is gone."""
     assert mover.remote is not None
-    seq = claim_on_disk(mover, seq_id)
+    seq = claim_on_disk(mover, victim)
     if seq is None:
         return False
+    seq_id = seq.seq_id
     try:
         m = seq.manifest
         t0 = time.perf_counter()
@@ -160,7 +159,7 @@ def disk_to_remote(mover: "Mover", seq_id: str) -> bool:
             if stale:
                 mover.remote.delete_later(m)
                 return False
-        mover.delete_from_disk(seq)
+        mover.delete_all([seq])  # a failed delete is retried; the copy is in remote either way
         with mover.catalog.lock:
             mover.catalog.notify()
         mover._count_eviction("disk")
@@ -169,15 +168,16 @@ def disk_to_remote(mover: "Mover", seq_id: str) -> bool:
         log.warning("eviction of %r from disk to remote failed: %s", seq_id, e)
         return False
     finally:
-        seq.move_lock.release()
+        mover.catalog.unclaim(seq)
 
 
-def claim_on_disk(mover: "Mover", seq_id: str) -> Seq | None:
-    """``seq_id``'s record with its move lock held, if it is on disk and no promotion
-    or other move owns it right now; else None. The caller releases the lock."""
+def claim_on_disk(mover: "Mover", victim: Seq | str) -> Seq | None:
+    """The victim's record (the one chosen; an id: the one indexed now) with its move
+    lock held, if it is on disk and no promotion or other move owns it right now; else
+    None. The caller releases it with ``Catalog.unclaim``."""
     with mover.catalog.lock:
-        seq = mover.catalog.find(seq_id)
-        if seq is None or not seq.on_disk:
+        seq = mover.catalog.find(victim) if isinstance(victim, str) else victim
+        if seq is None or seq.dropped or not seq.on_disk:
             return None
-    return seq if seq.move_lock.acquire(blocking=False) else None
+    return seq if mover.catalog.claim(seq, blocking=False) else None
 

@@ -3,7 +3,8 @@
 Speaks dataclasses only (protobuf stops at the servicer). The jobs around it live in
 their own modules: the index (``catalog.py``), the lease table (``leases.py``), moving
 bytes between tiers (``mover.py``), the restore side's leasing and streaming
-(``reads.py``), opening the memory tiers (``memory.py``), the records (``model.py``);
+(``reads.py``), the maintenance pass, expiry, drops and the start-up reconcile
+(``maintenance.py``), opening the memory tiers (``memory.py``), the records (``model.py``);
 each tier keeps its own accounting (``kvpark.tiers``).
 
 Primitives:
@@ -57,7 +58,6 @@ from typing import Callable, Iterator
 from kvpark.proto import VERSION
 from kvpark.proto.errors import (
     AlreadyExists,
-    FailedPrecondition,
     InvalidArgument,
     LeaseExpired,
     ResourceExhausted,
@@ -71,12 +71,12 @@ from kvpark.tiers.arena import Allocation
 from kvpark.tiers.disk import DiskStore
 from kvpark.tiers.memory import MemTier
 
-from . import commit, reads
+from . import commit, maintenance, reads
 from .catalog import Catalog
 from .config import Config
 from .leases import LeaseTable
 from .metrics import Metrics
-from .model import MAX_PARTS, MEM_TIERS, Capabilities, Grant, Lease, ParkSpec, ReadHandle, Reservation, Seq
+from .model import MAX_PARTS, MEM_TIERS, Capabilities, Grant, ParkSpec, ReadHandle, Reservation, Seq
 from .memory import MemoryTiers
 from .mover import ROOM_WAIT_S, Mover
 from .remote_tier import RemoteTier
@@ -126,7 +126,7 @@ class Engine:
         # shm or cuda_ipc, always has its sequence promoted into that tier.)
         pol = config.policy
         self.restore_to = None if not pol.promote_on_restore else "host" if pol.restore_to == "auto" else pol.restore_to
-        self.catalog = Catalog(self.tiers)
+        self.catalog = Catalog(self.tiers, config.policy.eviction)
         self.leases = LeaseTable(self.catalog, config.leases, metrics)
         if metrics is not None:
             self.disk.on_corrupt = metrics.checksum_failure
@@ -136,7 +136,7 @@ class Engine:
                            self.remote, metrics)
         self.catalog.disk_pressure = self.mover.disk_pressure
         self.pending = commit.Pending()  # ids between their commit point and their publish
-        self.deletes = commit.Deletes(self.mover, self.disk)  # retired disk copies, retried on failure
+        self.deletes = self.mover.deletes  # retired disk copies, retried on failure (``deletes.py``)
         self.windows = Windows(self.catalog, self.leases, self.disk, self.mover, self.tiers, self.slot_size,
                                config.tiers.host.window_size, self._write_through, self._forget_remote,
                                self.pending, self.deletes)
@@ -159,9 +159,11 @@ class Engine:
         total = self.catalog.load(manifests)
         if manifests:
             log.info("disk tier: %d sequence(s), %d MiB, rebuilt from manifests", len(manifests), total >> 20)
+            maintenance.reconcile(self)  # versions a crash left without their shared blocks
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._maintain, name="kvpark-maintain", daemon=True)
+        self._thread = threading.Thread(target=maintenance.maintain, args=(self,), name="kvpark-maintain",
+                                        daemon=True)
         self._thread.start()
 
     def close(self, flush: bool | None = None) -> None:
@@ -203,43 +205,6 @@ class Engine:
     def park_tier(self) -> str:
         """Where inline parks land: the fastest tier."""
         return "device" if "device" in self.tiers else "host"
-
-    def _maintain(self) -> None:
-        interval = min(1.0, max(0.05, self.config.leases.ttl_s / 4))
-        while True:
-            with self.catalog.lock:
-                if self._closed:
-                    return
-                if not self.catalog.over_high():
-                    self.catalog.wake.wait(interval)
-                if self._closed:
-                    return
-            moved = 0
-            try:
-                self.leases.reap()
-                self.deletes.retry()  # disk copies of retired versions a failed delete left
-                self._expire()
-                moved = self.mover.relieve()
-            except Exception:  # the maintenance thread must never die
-                log.exception("maintenance pass failed")
-            if not moved:
-                # Nothing could move (disk full, or everything leased/pinned): back off, don't spin.
-                with self.catalog.lock:
-                    if not self._closed:
-                        self.catalog.wake.wait(interval)
-
-    def _expire(self) -> None:
-        """Drop sequences past their TTL, and shared blocks nobody took up."""
-        with self.catalog.lock:
-            ttl, unused = self.catalog.expired(time.time(), self.config.leases.ttl_s)
-        # A TTL is over for everyone: the remote copy goes too. A shared block nobody here
-        # took up may be used by another daemon's sequences: only the local copy goes.
-        for sid in ttl + unused:
-            try:
-                if self.drop(sid, everywhere=sid not in unused):
-                    log.info("sequence %r expired (TTL, or an unused shared block); dropped", sid)
-            except FailedPrecondition:
-                pass  # a shared block taken up meanwhile
 
     # ------------------------------------------------------------------ park
 
@@ -391,6 +356,7 @@ class Engine:
             # About to be read: not the first victim of the demotion its own promotion may
             # start (a cold sequence prefetched to a full tier would leave it again at once).
             seq.manifest.last_access = time.time()
+            self.catalog.touch(seq)
         return self.mover.prefetch(seq, tier, wait, timeout)
 
     # ------------------------------------------------------------------ queries
@@ -408,18 +374,8 @@ class Engine:
             seq = self.catalog.find(seq_id)
             if seq is None:
                 return False
-            if seq.shared and self.catalog.refcount(seq_id):
-                raise FailedPrecondition(
-                    f"shared block {seq_id!r} is used by {self.catalog.refcount(seq_id)} sequence(s); "
-                    "drop those instead"
-                )
-            self.catalog.retire(seq)
-            todo = [seq, *self.catalog.take_orphans()]
-        # A failed delete answers UNAVAILABLE (the drop is not acknowledged) and is retried
-        # by the maintenance pass: the index has let the id go either way.
-        self.deletes.delete(todo, reraise=True)
-        if everywhere:
-            self._forget_remote([seq])  # not the orphaned blocks: other daemons' sequences may use them
+            todo = maintenance.retire(self, seq)
+        maintenance.finish_drop(self, todo, [seq] if everywhere else [])
         return True
 
     def present(self, seq_ids: list[str]) -> list[bool]:

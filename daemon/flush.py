@@ -74,15 +74,23 @@ def write_batch(mover: "Mover", seqs: list[Seq]) -> int:
         need = sum(s.manifest.nbytes for s in seqs if not (s.dropped or s.on_disk or not s.res))
     mover.evict_disk(need)
     picked: list[tuple[Seq, str, Allocation]] = []
+    later: list[Seq] = []
     with cat.lock:
+        batch = {id(s) for s in seqs}
         for s in seqs:
             if s.dropped or s.on_disk or not s.res:
                 continue
+            if any((b := cat.find(r)) is not None and not (b.on_disk or b.on_remote or id(b) in batch)
+                   for r in s.refs):
+                # A block it references is not on disk and not in this transaction: the
+                # sequence goes after it (``Mover.write_to_disk``), never before.
+                later.append(s)
+                continue
             src = "host" if "host" in s.res else "device"
-            s.moving += 1  # pins the memory copy while we read it
+            cat.copy_begin(s)  # pins the memory copy while we read it
             picked.append((s, src, s.res[src]))
     if not picked:
-        return 0
+        return sum(mover.write_to_disk(s) for s in later)
     written: list[bool] = []
     stale: list[Seq] = []
     t0 = time.perf_counter()
@@ -91,12 +99,13 @@ def write_batch(mover: "Mover", seqs: list[Seq]) -> int:
     finally:
         with cat.lock:
             for k, (s, _, _) in enumerate(picked):
-                s.moving -= 1
+                cat.copy_end(s)
                 if written and written[k]:
                     if s.dropped:  # dropped or overwritten while we wrote
                         stale.append(s)
                     else:
                         s.on_disk = True
+                        cat.touch(s, "disk")  # its place in the disk's eviction order
                 cat.release_dropped(s)
             # Waiters may demote these now. No version bump: see Mover.write_to_disk.
             cat.changed.notify_all()
@@ -107,4 +116,5 @@ def write_batch(mover: "Mover", seqs: list[Seq]) -> int:
         for (s, src, _), ok in zip(picked, written):
             if ok:
                 mover.metrics.moved(src, "disk", share)
-    return sum(1 for (s, _, _), ok in zip(picked, written) if ok and s not in stale)
+    done = sum(1 for (s, _, _), ok in zip(picked, written) if ok and s not in stale)
+    return done + sum(mover.write_to_disk(s) for s in later)

@@ -23,11 +23,15 @@ Primitives:
   it ready, so a demotion cannot take it away in between; True when leased.
 - ``promote_batch(seqs, to)``: the memory-resident ones among ``seqs`` in one copy job
   (a restore of many blocks); what does not fit now is left to ``promote``.
-- ``demote(seq_id, tier, jobs=None) -> bool``: move one copy down a tier.
+- ``demote(victim, tier, jobs=None) -> bool``: move one copy down a tier; ``victim`` is
+  the ``Seq`` a plan chose (a version dropped or replaced since is left alone) or an id.
 - ``await_room(tier, need, exclude, deadline) -> bool``: demote, or wait on the catalog's
   ``changed`` condition for in-flight work to free room.
 - ``relieve() -> int``: one background pass: every tier past its high mark down to its low mark.
-- ``write_to_disk(seq) -> bool``; ``flush() -> int`` (batched: ``flush.py``).
+- ``write_to_disk(seq) -> bool`` (the shared blocks it references first); ``flush() -> int``
+  (batched: ``flush.py``).
+- ``delete_from_disk(seq)``; ``delete_all(seqs) -> KVParkError | None`` (every one tried);
+  ``retry_deletes()`` (the maintenance pass): ``deletes.py``.
 - The remote tier (when configured), below disk: ``promote`` reads a sequence known
   only from remote straight into memory (verified); ``fetch_remote(seq)`` brings one
   onto the local disk instead (when memory has no room, or it is served from disk);
@@ -51,7 +55,7 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from kvpark.proto.errors import DeadlineExceeded, KVParkError, NotFound, ResourceExhausted
+from kvpark.proto.errors import DataLoss, DeadlineExceeded, KVParkError, NotFound, ResourceExhausted
 from kvpark.tiers import policy
 from kvpark.tiers.arena import Allocation
 from kvpark.tiers.copy import CopyEngine, CopyJob, runs
@@ -59,6 +63,7 @@ from kvpark.tiers.disk import DiskStore
 
 from . import disk_evict, flush, remote_moves
 from .catalog import Catalog
+from .deletes import Deletes
 from .config import PolicyConfig
 from .leases import LeaseTable
 from .metrics import Metrics
@@ -91,6 +96,7 @@ class Mover:
         self.slot_size = slot_size
         self.closed = False
         self._paused = 0  # quiet() holders: no demotion starts
+        self.deletes = Deletes(catalog, disk)  # a failed delete is retried (``deletes.py``)
         self._prefetches: dict[tuple[str, str], concurrent.futures.Future[None]] = {}
         self._prefetcher = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpark-prefetch")
 
@@ -122,7 +128,8 @@ class Mover:
             self.fetch_remote(seq)
             return False  # parked under another slot size; served from disk as it is
         try:
-            with seq.move_lock:
+            self.catalog.claim(seq)
+            try:
                 if to == "device" and "host" not in seq.res and "device" not in seq.res:
                     self._promote_locked(seq, "host", make_room=False)  # stage via pinned host memory
                 self._promote_locked(seq, to, make_room)
@@ -134,6 +141,8 @@ class Mover:
                     seq.add_reader(to)
                     lease.parts.append((seq, to))
                     return True
+            finally:
+                self.catalog.unclaim(seq)
         finally:
             with self.catalog.lock:
                 self.catalog.notify()  # a demotion waiting for this sequence may take it now
@@ -156,7 +165,7 @@ class Mover:
         mem = self.tiers[to]
         try:
             for seq in todo:
-                seq.move_lock.acquire()  # demotion only ever tries these, so no cycle
+                self.catalog.claim(seq)  # demotion only ever tries these, so no cycle
                 locked.append(seq)
             for seq in todo:
                 # Only what fits now: making room would wait on the move locks this batch
@@ -169,7 +178,7 @@ class Mover:
                     if src is None:
                         self.catalog.free(to, a)
                         continue
-                    seq.moving += 1  # the source copy cannot be freed under the copy
+                    self.catalog.copy_begin(seq)  # the source copy cannot be freed under the copy
                     planned.append((seq, src, seq.res[src], a))
             if not planned:
                 return
@@ -181,15 +190,16 @@ class Mover:
         finally:
             with self.catalog.lock:
                 for seq, _, _, a in planned:
-                    seq.moving -= 1
+                    self.catalog.copy_end(seq)
                     if landed and not seq.dropped:
                         seq.res[to] = a
+                        self.catalog.touch(seq, to)
                     else:
                         self.catalog.free(to, a)
                     self.catalog.release_dropped(seq)
                 self.catalog.notify()
             for seq in locked:
-                seq.move_lock.release()
+                self.catalog.unclaim(seq)
 
     def _promote_locked(self, seq: Seq, to: str, make_room: bool) -> None:
         # REQUIRES: seq.move_lock held.
@@ -221,7 +231,16 @@ class Mover:
             else:
                 with self.disk.read_txn() as r:
                     for i, (off, n) in enumerate(a.extents):
-                        mem.write(off, r.read_block(seq.manifest, i, n))
+                        try:
+                            block = r.read_block(seq.manifest, i, n)
+                        except DataLoss:
+                            with self.catalog.lock:
+                                gone = seq.dropped
+                            if gone:  # dropped or replaced under us: gone, not corrupt
+                                raise NotFound(f"sequence {seq.seq_id!r} was dropped or overwritten during the "
+                                               "restore") from None
+                            raise
+                        mem.write(off, block)
                 self._moved("disk", to, t0)
         except BaseException:
             with self.catalog.lock:
@@ -233,6 +252,7 @@ class Mover:
                 self.catalog.free(to, a)
                 return
             seq.res[to] = a
+            self.catalog.touch(seq, to)
 
     def _alloc_in(self, tier: str, seq: Seq, make_room: bool) -> Allocation | None:
         mem = self.tiers[tier]
@@ -260,14 +280,15 @@ class Mover:
             src_alloc = seq.res.get(src)
             if src_alloc is None:  # dropped (its copies freed) since the caller looked
                 raise NotFound(f"sequence {seq.seq_id!r} was dropped during a move")
-            seq.moving += 1  # the source copy cannot be freed under the copy
+            self.catalog.copy_begin(seq)  # the source copy cannot be freed under the copy
 
         def done(job: CopyJob) -> None:
             with self.catalog.lock:
-                seq.moving -= 1
+                self.catalog.copy_end(seq)
                 attached = job.error is None and not seq.dropped and dst not in seq.res
                 if attached:
                     seq.res[dst] = dst_alloc
+                    self.catalog.touch(seq, dst)
                 else:
                     self.catalog.free(dst, dst_alloc)
                 self.catalog.release_dropped(seq)
@@ -283,7 +304,7 @@ class Mover:
             return self.copy.submit(pieces, restore=restore, on_done=done)
         except BaseException:
             with self.catalog.lock:
-                seq.moving -= 1
+                self.catalog.copy_end(seq)
                 self.catalog.release_dropped(seq)
             raise
 
@@ -356,28 +377,37 @@ class Mover:
         checks the allocator itself after every victim.
         """
         mem = self.tiers[tier]
-        with self.catalog.lock:
-            if mem.alloc.fits(need):
-                return True
-            order = policy.demotion_order(self.eviction, self.catalog.evictable(tier, exclude))
-        for sid in order:
-            self.demote(sid, tier)
+        while True:
             with self.catalog.lock:
                 if mem.alloc.fits(need):
                     return True
-        return False
+                # Just enough victims to cover the shortfall (a fragmented tier may need
+                # another round): the coldest few of the tier's order, not a sort of it all.
+                order = self.catalog.demotion_plan(tier, exclude, max(need - mem.alloc.free_bytes, self.slot_size))
+            freed = False
+            for seq in order:
+                freed |= self.demote(seq, tier)  # the version chosen, not whatever holds its id by now
+                with self.catalog.lock:
+                    if mem.alloc.fits(need):
+                        return True
+            if not freed:
+                return False
 
-    def demote(self, seq_id: str, tier: str, jobs: list[CopyJob] | None = None) -> bool:
-        """Move ``seq_id``'s copy out of ``tier`` to the next tier down. True if freed (or in flight).
+    def demote(self, victim: Seq | str, tier: str, jobs: list[CopyJob] | None = None) -> bool:
+        """Move ``victim``'s copy out of ``tier`` to the next tier down. True if freed (or in flight).
 
+        ``victim`` is the record chosen (a plan made under the index lock): a version
+        dropped or replaced since is left alone, never the one now under its id. An id
+        (tools, benches) means the version indexed now.
         With ``jobs``, a device-to-host copy is left in flight and appended to it; its
         completion frees the device copy.
         """
         with self.catalog.lock:
-            seq = self.catalog.find(seq_id)
-            if seq is None or tier not in seq.res or self._paused:
+            seq = self.catalog.find(victim) if isinstance(victim, str) else victim
+            if seq is None or seq.dropped or tier not in seq.res or self._paused:
                 return False
-        if not seq.move_lock.acquire(blocking=False):
+        seq_id = seq.seq_id
+        if not self.catalog.claim(seq, blocking=False):
             return False  # a promotion or another demotion owns it right now
         handed_off = False
         try:
@@ -389,7 +419,7 @@ class Mover:
                             if attached:
                                 self._evicted(seq, tier)
                         finally:
-                            seq.move_lock.release()
+                            self.catalog.unclaim(seq)
                             with self.catalog.lock:
                                 self.catalog.notify()
 
@@ -413,7 +443,7 @@ class Mover:
             return False
         finally:
             if not handed_off:
-                seq.move_lock.release()
+                self.catalog.unclaim(seq)
         return self._evicted(seq, tier)
 
     def _evicted(self, seq: Seq, tier: str) -> bool:
@@ -450,18 +480,16 @@ class Mover:
             if mem is None:
                 continue
             with self.catalog.lock:
-                plan = []
+                plan: list[Seq] = []
                 if policy.over_high(mem.alloc.used_bytes, mem.alloc.capacity, mem.high):
-                    plan = policy.plan_demotion(
-                        self.eviction, self.catalog.evictable(name), mem.alloc.used_bytes,
-                        mem.alloc.capacity, policy.background_target(mem.alloc.capacity, mem.low),
-                    )
+                    plan = self.catalog.demotion_plan(
+                        name, None, mem.alloc.used_bytes - policy.background_target(mem.alloc.capacity, mem.low))
             jobs: list[CopyJob] = []
             try:
-                for sid in plan:
+                for seq in plan:
                     if self.closed:
                         break
-                    moved += self.demote(sid, name, jobs)
+                    moved += self.demote(seq, name, jobs)
             finally:
                 for job in jobs:  # device copies in flight land before host is relieved
                     try:
@@ -480,17 +508,27 @@ class Mover:
             policy.over_high(self.disk.used, self.disk.capacity, self.disk_high)
 
     def write_to_disk(self, seq: Seq) -> bool:
-        """Make sure ``seq`` has a disk copy; its memory copies are kept."""
+        """Make sure ``seq`` has a disk copy; its memory copies are kept.
+
+        A sequence's disk copy goes after those of the shared blocks it references: a
+        crash in between must not leave it on disk, listed at the next start, with
+        blocks that never got there (every restore of it would fail).
+        """
         with self.catalog.lock:
             if seq.dropped or seq.on_disk or not seq.res:
                 return seq.on_disk
+            blocks = [b for r in seq.refs if (b := self.catalog.find(r)) is not None and not b.on_disk]
+        for b in blocks:
+            # A block only in remote is durable there (adopted at the next start).
+            if not self.write_to_disk(b) and not b.on_remote:
+                return False
         self.evict_disk(seq.manifest.nbytes)
         with self.catalog.lock:
             if seq.dropped or seq.on_disk or not seq.res:
                 return seq.on_disk
             src = "host" if "host" in seq.res else "device"
             alloc = seq.res[src]
-            seq.moving += 1  # pins the memory copy while we read it
+            self.catalog.copy_begin(seq)  # pins the memory copy while we read it
         written = False
         t0 = time.perf_counter()
         try:
@@ -499,10 +537,11 @@ class Mover:
                 self._moved(src, "disk", t0)
         finally:
             with self.catalog.lock:
-                seq.moving -= 1
+                self.catalog.copy_end(seq)
                 stale = seq.dropped  # dropped or overwritten while we wrote
                 if written and not stale:
                     seq.on_disk = True
+                    self.catalog.touch(seq, "disk")
                 self.catalog.release_dropped(seq)
                 # Waiters may demote it now. No version bump: a write that failed (disk
                 # full) must not send a make_room loop straight back to the same victim.
@@ -514,11 +553,15 @@ class Mover:
         return written and not stale
 
     def delete_from_disk(self, seq: Seq) -> None:
-        with self.catalog.lock:
-            if not seq.on_disk:
-                return
-            seq.on_disk = False
-        self.disk.delete(seq.manifest)
+        self.deletes.delete(seq)
+
+    def delete_all(self, seqs: list[Seq]) -> KVParkError | None:
+        """Delete the disk copies of ``seqs``, every one tried; the first failure is
+        returned, and what failed is deleted again by ``retry_deletes`` (``deletes.py``)."""
+        return self.deletes.delete_all(seqs)
+
+    def retry_deletes(self) -> int:
+        return self.deletes.retry()
 
     def flush(self) -> int:
         """Write every memory-only sequence to disk (keeping its memory copies), in
@@ -531,8 +574,11 @@ class Mover:
         """If ``seq`` is known only from the remote tier, bring it onto the local disk."""
         if self.remote is None or not seq.on_remote:
             return
-        with seq.move_lock:
+        self.catalog.claim(seq)
+        try:
             remote_moves.fetch_remote_locked(self, seq)
+        finally:
+            self.catalog.unclaim(seq)
 
     def evict_disk(self, need: int, target: int | None = None, exclude: Seq | None = None) -> bool:
         """Make the disk hold at most ``target`` bytes (default: room for ``need`` more):

@@ -29,8 +29,10 @@ from kvpark.proto.errors import FailedPrecondition, ResourceExhausted
 from kvpark.proto.types import TenantStat
 from kvpark.tiers import policy
 
+from . import maintenance
 from .config import QUOTA_TIERS, TenantConfig
-from .model import ParkSpec
+from .evict_order import meta
+from .model import ParkSpec, Seq
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -78,41 +80,44 @@ class Quotas:
 
     def _fit(self, tenant: TenantConfig, prefix: str, tier: str, need: int, quota: int, replacing: str) -> None:
         eng = self.engine
-        tried: set[str] = set()
+        tried: set[int] = set()
         while True:
             with eng.catalog.lock:
                 used = self.usage(prefix, replacing)[1][tier]
                 if used + need <= quota:
                     return
-                victims = [v for v in self._order(prefix, tier) if v not in tried and v != replacing]
+                victims = [v for v in self._order(prefix, tier) if id(v) not in tried and v.seq_id != replacing]
             if not victims:
                 verb = "dropped" if tier == "disk" else "demoted"
                 raise ResourceExhausted(
                     f"tenant {tenant.name!r} is over its {tier} quota ({quota} bytes): {used} used, {need} more "
                     f"needed, and none of its own data can be {verb} (pinned, being read, or shared blocks in use)")
-            tried.add(victims[0])
+            victim = victims[0]
+            tried.add(id(victim))
+            # The version chosen, not whatever holds its id by now: a park that replaced
+            # it meanwhile is not this quota's victim.
             if tier == "disk":
                 try:
-                    eng.drop(victims[0], everywhere=False)  # a remote copy, if any, stays there
+                    maintenance.drop_version(eng, victim, everywhere=False)  # a remote copy, if any, stays
                 except FailedPrecondition:
                     pass  # a shared block taken up meanwhile
             else:
-                eng.mover.demote(victims[0], tier)
+                eng.mover.demote(victim, tier)
 
-    def _order(self, prefix: str, tier: str) -> list[str]:
+    def _order(self, prefix: str, tier: str) -> list[Seq]:
         """The tenant's own sequences that may leave ``tier``, coldest first. REQUIRES: index lock."""
         cat = self.engine.catalog
         name = self.engine.config.policy.eviction
         if tier != "disk":
-            return policy.demotion_order(name, cat.evictable(tier, among=cat.in_namespace(prefix)))
-        cands = [
-            policy.SeqMeta(s.seq_id, s.manifest.nbytes, s.manifest.last_access, s.manifest.priority,
-                           s.access_count, s.manifest.created_at, s.promotions)
-            for s in cat.in_namespace(prefix)
-            if not s.pinned and not any(s.readers.values()) and not s.moving
-            and not (s.shared and cat.refcount(s.seq_id))
-        ]
-        return policy.demotion_order(name, cands)
+            pool = cat.in_namespace(prefix)
+            metas = cat.evictable(tier, among=pool)
+        else:
+            pool = [s for s in cat.in_namespace(prefix)
+                    if not s.pinned and not any(s.readers.values()) and not s.moving
+                    and not (s.shared and cat.refcount(s.seq_id))]
+            metas = [meta(s, "disk") for s in pool]
+        by_id = {s.seq_id: s for s in pool}
+        return [by_id[sid] for sid in policy.demotion_order(name, metas)]
 
     def stat(self, tenant: TenantConfig, prefix: str) -> TenantStat:
         with self.engine.catalog.lock:

@@ -78,6 +78,7 @@ def acquire(engine: "Engine", seq_ids: str | list[str], need: str | None = None,
         for c in comps:
             c.manifest.last_access = now
             c.access_count += 1
+            engine.catalog.touch(c)  # its place in each tier's eviction order
         if need is not None and sum(c.manifest.nbytes for c in comps) <= inline_max:
             need = None
         big = (need is not None and len(comps) == 1 and need not in comps[0].res
@@ -129,8 +130,8 @@ def lease_part(seq: Seq, need: str | None, want: str | None, lease: Lease, final
     if seq.dropped:
         raise NotFound(f"sequence {seq.seq_id!r} was dropped or overwritten during the restore")
     held = next((t for s, t in lease.parts if s is seq), None)
-    if held is not None:  # the promotion leased it as it made it ready
-        return Part(seq.manifest, seq.res[held], held, seq)
+    if held is not None:  # the promotion leased it as it made it ready (or an earlier part is it)
+        return Part(seq.manifest, seq.res[held] if held != "disk" else None, held, seq)
     if not final and (want and want not in seq.res or not seq.res and not seq.on_disk):
         return None
     if need is not None:
@@ -147,6 +148,11 @@ def lease_part(seq: Seq, need: str | None, want: str | None, lease: Lease, final
             seq.add_reader(t)
             lease.parts.append((seq, t))
             return Part(seq.manifest, seq.res[t], t, seq)
+    # Served from disk: the lease pins the disk copy (no eviction takes it, to remote or
+    # away) until the read is done or the lease expires. A drop still drops it: the
+    # read then answers NOT_FOUND.
+    seq.add_reader("disk")
+    lease.parts.append((seq, "disk"))
     return Part(seq.manifest, None, "disk", seq)
 
 

@@ -49,6 +49,7 @@ def fetch_remote_locked(mover: "Mover", seq: Seq) -> None:
         if written and not stale:
             seq.on_disk = True
             seq.promotions += 1
+            mover.catalog.touch(seq, "disk")  # its place in the disk's eviction order
         mover.catalog.notify()
     if written and stale:
         mover.disk.delete(m)
@@ -96,7 +97,7 @@ def copy_to_remote(mover: "Mover", seq: Seq) -> None:
             return
         alloc = seq.res[src] if src is not None else None
         if src is not None:
-            seq.moving += 1  # pins the memory copy while we read it
+            mover.catalog.copy_begin(seq)  # pins the memory copy while we read it
     m = seq.manifest
     try:
         if src is not None:
@@ -108,7 +109,7 @@ def copy_to_remote(mover: "Mover", seq: Seq) -> None:
     finally:
         if src is not None:
             with mover.catalog.lock:
-                seq.moving -= 1
+                mover.catalog.copy_end(seq)
                 mover.catalog.release_dropped(seq)
                 mover.catalog.notify()
     with mover.catalog.lock:

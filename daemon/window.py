@@ -20,7 +20,7 @@ straight into its messages. Such a sequence is never promoted into a tier it can
 Primitives:
 - ``Windows(catalog, leases, disk, mover, tiers, slot_size, window_size, write_through,
   forget_remote, pending, deletes)``; ``forget_remote(seqs)`` deletes replaced versions'
-  remote copies; ``pending`` / ``deletes``: the commit side's (``commit.py``).
+  remote copies; ``pending``: the commit side's (``commit.py``); ``deletes``: the mover's (``deletes.py``).
 - ``close()``: after the lease table's (its I/O threads end).
 - ``size_for(tier) -> int``: the window of ``tier``: ``window_size`` (0: a quarter of the
   tier, at most ``AUTO_MAX``), whole slots, at least one slot, at most the tier;
@@ -55,7 +55,8 @@ from kvpark.tiers.disk import DiskStore
 from kvpark.tiers.memory import MemTier
 
 from .catalog import Catalog
-from .commit import PENDING_WAIT_S, Deletes, Pending, creates
+from .commit import PENDING_WAIT_S, Pending, creates
+from .deletes import Deletes
 from .leases import LeaseTable
 from .model import Lease, ParkSpec, Part, ReadHandle, Reservation, Seq, Window
 from .mover import ROOM_WAIT_S, Mover
@@ -288,7 +289,7 @@ class Windows:
                     failed, seq.dropped, gone = e, True, [seq]
             orphans = self.catalog.take_orphans()
             self.pending.done(catalog, ids)
-        self.deletes.delete(gone + orphans)
+        self.deletes.delete_all(gone + orphans)
         self.forget_remote(gone)  # not the orphaned blocks: other daemons' sequences may use them
         if failed is not None:
             raise failed

@@ -43,6 +43,7 @@ Primitives:
 - ``scan() -> Scan``: every manifest, block record and staged generation in LMDB
   (invariant checks on a quiet store).
 - ``read_txn()``: a read transaction whose ``read_block`` returns zero-copy verified views.
+- ``sweep_orphans() -> int``: delete block records no manifest (or staged write) owns.
   ``DiskStore.on_corrupt`` (optional) is called for every record that fails verification;
   ``damaged`` counts the held generations that did (until dropped or replaced).
 - ``update_manifest(m, sync=False) -> bool``: rewrite one generation's manifest (a pin).
@@ -636,6 +637,59 @@ class DiskStore:
             with self._acct:
                 self._staged.pop((m.seq_id, m.key_gen), None)
                 self._forget((m.seq_id, m.key_gen))
+
+    # ------------------------------------------------------------------ orphans
+
+    def sweep_orphans(self) -> int:
+        """Delete block records no manifest owns and no staged write is filling; returns
+        how many generations went. A crash can leave them: a generation whose manifest
+        a newer one replaced before its own delete ran (the delete is a separate
+        transaction). Runs without the engine's locks (the maintenance thread, once per
+        start): the candidates come from one read snapshot, and each is checked again in
+        the write transaction that deletes it, so a write published since is never
+        touched (its blocks and its manifest go in one transaction; a staged write
+        records itself before its first block)."""
+        found: list[bytes] = []  # block key prefixes: seq_id | 0x00 | generation
+        with self._acct:
+            held = set(self._held)  # generations the store holds (a manifest, or a write under way)
+        with self.env.begin() as txn:
+            last = b""
+            for k in txn.cursor(db=self._blocks).iternext(keys=True, values=False):
+                prefix = k[:-4]
+                if prefix == last:
+                    continue
+                last = prefix
+                key = (prefix[:-9].decode(errors="replace"), struct.unpack(">Q", prefix[-8:])[0])
+                if key not in held and not self._owned(txn, prefix):
+                    found.append(prefix)
+        if not found:
+            return 0
+        done = 0
+        with self.env.begin(write=True) as txn:
+            for prefix in found:
+                if self._owned(txn, prefix):
+                    continue
+                cur = txn.cursor(db=self._blocks)
+                keys = []
+                if cur.set_range(prefix):
+                    for k in cur.iternext(keys=True, values=False):
+                        if bytes(k[:len(prefix)]) != prefix or len(k) != len(prefix) + 4:
+                            break
+                        keys.append(bytes(k))
+                for k in keys:
+                    txn.delete(k, db=self._blocks)
+                done += 1
+        log.warning("disk tier: deleted the blocks of %d generation(s) no manifest owned (left by a crash)", done)
+        return done
+
+    def _owned(self, txn: lmdb.Transaction, prefix: bytes) -> bool:
+        """Whether the blocks under ``prefix`` belong to a manifest or a staged write."""
+        if txn.get(prefix, db=self._staging) is not None:
+            return True
+        raw = txn.get(prefix[:-9], db=self._manifests)
+        if raw is None:
+            return False
+        return Manifest.decode(raw).key_gen == struct.unpack(">Q", prefix[-8:])[0]
 
     @contextmanager
     def read_txn(self) -> Iterator[ReadTxn]:

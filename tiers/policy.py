@@ -20,6 +20,9 @@ Primitives:
 - ``demotion_order(policy, candidates) -> list[str]``: all of them, coldest first.
 - ``plan_demotion(policy, candidates, used, capacity, target) -> list[str]``: victims in
   order whose removal brings ``used`` to ``target`` or below (all of them if not enough).
+- ``order_key(policy)``: for ``lru``, ``lfu`` and ``s3fifo``, the key whose ascending
+  order is the demotion order (priority first), so a caller may keep the order
+  incrementally; None for a policy that must see every candidate (``arc``, registered ones).
 """
 
 from __future__ import annotations
@@ -53,16 +56,28 @@ def _by_priority(order: Order) -> Order:
     return wrapped
 
 
+def _lru_key(m: SeqMeta) -> tuple:
+    return (m.last_access, m.seq_id)
+
+
+def _lfu_key(m: SeqMeta) -> tuple:
+    return (m.access_count, m.last_access, m.seq_id)
+
+
+def _s3fifo_key(m: SeqMeta) -> tuple:
+    return (m.access_count > 0, m.created_at, m.seq_id)
+
+
 def _lru(c: list[SeqMeta]) -> list[SeqMeta]:
-    return sorted(c, key=lambda m: (m.last_access, m.seq_id))
+    return sorted(c, key=_lru_key)
 
 
 def _lfu(c: list[SeqMeta]) -> list[SeqMeta]:
-    return sorted(c, key=lambda m: (m.access_count, m.last_access, m.seq_id))
+    return sorted(c, key=_lfu_key)
 
 
 def _s3fifo(c: list[SeqMeta]) -> list[SeqMeta]:
-    return sorted(c, key=lambda m: (m.access_count > 0, m.created_at, m.seq_id))
+    return sorted(c, key=_s3fifo_key)
 
 
 def _arc(c: list[SeqMeta]) -> list[SeqMeta]:
@@ -97,8 +112,25 @@ POLICIES: dict[str, Order] = {
 }
 
 
+# The policies whose order is a sort by one key of each candidate alone (after priority):
+# the engine keeps such an order incrementally (a heap per tier) instead of sorting every
+# candidate on every eviction. ``arc`` depends on the whole population, so it has none.
+KEYS: dict[str, Callable[[SeqMeta], tuple]] = {"lru": _lru_key, "lfu": _lfu_key, "s3fifo": _s3fifo_key}
+
+
 def register(name: str, order: Order) -> None:
     POLICIES[name] = _by_priority(order)
+    KEYS.pop(name, None)
+
+
+def order_key(policy: str) -> Callable[[SeqMeta], tuple] | None:
+    """The full sort key ``(priority, ...)`` of a key-ordered policy, or None (order
+    the whole population with ``demotion_order``)."""
+    _get(policy)
+    key = KEYS.get(policy)
+    if key is None:
+        return None
+    return lambda m: (m.priority, *key(m))
 
 
 def over_high(used: int, capacity: int, high: float) -> bool:

@@ -1,0 +1,79 @@
+"""Deleting disk copies, totally: every delete of a batch is tried, and a record a
+failed delete left on disk is deleted again later.
+
+A drop (or an eviction, or an expiry) that retires a sequence and the shared blocks it
+left unreferenced deletes all their disk copies after the index lock. One failed delete
+(the disk unwritable for a moment) must not leave the rest undone: their records would
+stay on disk, charged to nobody, and come back at the next start. The disk store's
+accounting follows the index at once (``DiskStore.delete`` forgets a generation even
+when its delete fails); the record itself waits here until a retry deletes it.
+
+Primitives:
+- ``Deletes(catalog, disk)``.
+- ``delete(seq)``: delete ``seq``'s disk copy if it has one (``on_disk`` cleared under
+  the index lock first, so nothing else deletes or reads it as present).
+- ``delete_all(seqs) -> KVParkError | None``: every one tried; the first failure returned.
+- ``retry() -> int``: delete again what failed (the maintenance pass); how many went.
+- ``pending``: records waiting for a retry; ``held()``: which (REQUIRES: index lock).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvpark.proto.errors import KVParkError
+from kvpark.tiers.disk import DiskStore, Manifest
+
+from .catalog import Catalog
+from .model import Seq
+
+log = logging.getLogger("kvpark.mover")
+
+
+class Deletes:
+    def __init__(self, catalog: Catalog, disk: DiskStore) -> None:
+        self.catalog = catalog
+        self.disk = disk
+        self._undeleted: list[Manifest] = []  # REQUIRES: index lock
+
+    def delete(self, seq: Seq) -> None:
+        with self.catalog.lock:
+            if not seq.on_disk:
+                return
+            seq.on_disk = False
+        self.disk.delete(seq.manifest)
+
+    def delete_all(self, seqs: list[Seq]) -> KVParkError | None:
+        first: KVParkError | None = None
+        for s in seqs:
+            try:
+                self.delete(s)
+            except KVParkError as e:
+                log.warning("delete of %r from disk failed (retried later): %s", s.seq_id, e)
+                with self.catalog.lock:
+                    self._undeleted.append(s.manifest)
+                first = first or e
+        return first
+
+    def retry(self) -> int:
+        with self.catalog.lock:
+            todo, self._undeleted = self._undeleted, []
+        for i, m in enumerate(todo):
+            try:
+                self.disk.delete(m)  # generation-exact: never touches a newer version of the id
+            except KVParkError as e:
+                log.warning("delete of %r from disk failed again: %s", m.seq_id, e)
+                with self.catalog.lock:
+                    self._undeleted.extend(todo[i:])
+                return i
+        return len(todo)
+
+    def held(self) -> set[tuple[str, int]]:
+        """(id, key generation) of the records waiting for a retry (``check_invariants``
+        allows them on disk). REQUIRES: index lock."""
+        return {(m.seq_id, m.key_gen) for m in self._undeleted}
+
+    @property
+    def pending(self) -> int:
+        with self.catalog.lock:
+            return len(self._undeleted)

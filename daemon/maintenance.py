@@ -1,0 +1,156 @@
+"""The engine's maintenance side: the background pass, expiry, drops by identity, and
+the reconcile at start-up.
+
+Every piece of work here is chosen under the index lock and done after it: it acts on
+the record it chose (the ``Seq`` object, so its generation), re-checked under the lock,
+never on whatever is under that id by the time it acts. An id re-parked in the gap is a
+new version, and the old version's fate (expired, evicted) is not the new one's.
+
+Locks as in ``engine.py``; no disk I/O under the index lock.
+
+Primitives:
+- ``maintain(engine)``: the maintenance thread: once, sweep block records no manifest owns
+  (``DiskStore.sweep_orphans``); then its loop: reap leases, expire, retry
+  failed disk deletes, compact the eviction order, relieve tiers past their high marks.
+- ``expire(engine)``: drop versions past their TTL, and shared blocks nobody took up.
+- ``retire(engine, seq) -> list[Seq]`` (REQUIRES: index lock): unlink ``seq`` (and the
+  shared blocks it leaves unreferenced); returns what has disk copies to delete.
+- ``drop_version(engine, seq, everywhere) -> bool``: drop exactly this version, if it is
+  still the indexed one; ``FailedPrecondition`` for a shared block in use.
+- ``finish_drop(engine, todo, remote)``: delete the disk copies of what ``retire``
+  returned (every one tried; a failure is retried by the maintenance pass) and, for
+  ``remote``, their remote copies.
+- ``reconcile(engine) -> int``: at start-up, after the index is loaded: retire the
+  sequences whose referenced shared blocks are missing (a crash between a composite's
+  disk write and its blocks'), and delete their records. Unfinished windowed parks
+  are deleted when the disk store opens; block records without a manifest by the
+  maintenance thread's first pass.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from kvpark.proto.errors import FailedPrecondition
+
+from .model import Seq
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+log = logging.getLogger("kvpark.engine")
+
+
+def maintain(engine: "Engine") -> None:
+    cat = engine.catalog
+    interval = min(1.0, max(0.05, engine.config.leases.ttl_s / 4))
+    try:
+        engine.disk.sweep_orphans()  # block records a crash left without a manifest (no lock held)
+    except Exception:  # the maintenance thread must never die
+        log.exception("disk tier: the sweep of orphaned block records failed")
+    while True:
+        with cat.lock:
+            if engine._closed:
+                return
+            if not cat.over_high():
+                cat.wake.wait(interval)
+            if engine._closed:
+                return
+        moved = 0
+        try:
+            engine.leases.reap()
+            expire(engine)
+            engine.mover.retry_deletes()
+            with cat.lock:
+                cat.order.compact()  # touches without evictions leave stale heap entries
+            moved = engine.mover.relieve()
+        except Exception:  # the maintenance thread must never die
+            log.exception("maintenance pass failed")
+        if not moved:
+            # Nothing could move (disk full, or everything leased/pinned): back off, don't spin.
+            with cat.lock:
+                if not engine._closed:
+                    cat.wake.wait(interval)
+
+
+def expire(engine: "Engine") -> None:
+    """Drop versions past their TTL, and shared blocks nobody took up."""
+    with engine.catalog.lock:
+        ttl, unused = engine.catalog.expired(time.time(), engine.config.leases.ttl_s)
+    # A TTL is over for everyone: the remote copy goes too. A shared block nobody here
+    # took up may be used by another daemon's sequences: only the local copy goes.
+    for seq, everywhere in [(s, True) for s in ttl] + [(s, False) for s in unused]:
+        try:
+            if drop_version(engine, seq, everywhere):
+                log.info("sequence %r expired (TTL, or an unused shared block); dropped", seq.seq_id)
+        except FailedPrecondition:
+            pass  # a shared block taken up meanwhile
+
+
+def retire(engine: "Engine", seq: Seq) -> list[Seq]:
+    """Unlink ``seq``; returns it and the shared blocks it left unreferenced. REQUIRES: index lock."""
+    cat = engine.catalog
+    if seq.shared and cat.refcount(seq.seq_id):
+        raise FailedPrecondition(
+            f"shared block {seq.seq_id!r} is used by {cat.refcount(seq.seq_id)} sequence(s); drop those instead")
+    cat.retire(seq)
+    return [seq, *cat.take_orphans()]
+
+
+def drop_version(engine: "Engine", seq: Seq, everywhere: bool) -> bool:
+    """Drop ``seq`` if it is still the indexed version of its id; False when it was
+    dropped or replaced since it was chosen (the newer version stays)."""
+    with engine.catalog.lock:
+        if not engine.catalog.current(seq):
+            return False
+        todo = retire(engine, seq)
+    finish_drop(engine, todo, [seq] if everywhere else [])
+    return True
+
+
+def finish_drop(engine: "Engine", todo: list[Seq], remote: list[Seq]) -> None:
+    """Delete the disk copies of ``todo`` and the remote copies of ``remote``. Every
+    delete is tried: one that fails is left to the maintenance pass to retry (the disk
+    accounting already follows the index), and the first failure is raised after."""
+    failed = engine.mover.delete_all(todo)
+    engine._forget_remote(remote)  # not orphaned blocks: other daemons' sequences may use them
+    if failed is not None:
+        raise failed
+
+
+def reconcile(engine: "Engine") -> int:
+    """Retire the loaded sequences that reference a shared block the disk does not
+    hold, and delete their records; returns how many. A crash can leave one: a version
+    whose disk copy was written before its blocks' (a write_back demotion), or whose
+    blocks' delete finished before its own. With a remote tier, a block that moved
+    there is adopted instead; when Redis cannot answer, nothing is retired."""
+    cat = engine.catalog
+    with cat.lock:
+        broken = cat.dangling()
+        missing = list(dict.fromkeys(r for s in broken for r in s.refs if cat.find(r) is None))
+    if not broken:
+        return 0
+    if engine.remote is not None:
+        try:
+            found = [m for m in engine.remote.store.get_manifests(missing) if m is not None]
+        except Exception as e:  # noqa: BLE001 - a remote tier that cannot answer must not stop the start
+            log.warning("start-up: %d sequence(s) reference shared blocks this disk lacks, and the remote tier "
+                        "cannot be asked (%s); left as they are", len(broken), e)
+            return 0
+        with cat.lock:
+            cat.adopt(found)
+    with cat.lock:
+        broken = [s for s in broken if cat.current(s) and any(
+            (b := cat.find(r)) is None or not b.shared for r in s.refs)]
+        for seq in broken:
+            cat.retire(seq)
+        todo = broken + cat.take_orphans()
+    if not broken:
+        return 0
+    log.warning("start-up: %d sequence(s) referenced shared blocks that are gone (a crash); removed", len(broken))
+    failed = engine.mover.delete_all(todo)
+    if failed is not None:
+        log.warning("start-up: removing them failed (%s); retried in the background", failed)
+    return len(broken)
