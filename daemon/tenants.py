@@ -1,16 +1,22 @@
 """One tenant's view of the engine: its names namespaced, its quotas applied, its data paths.
 
 The servicer asks ``Tenants.view()`` for the engine of the running call. Without tenants
-configured that is the engine itself (names, replies and the on-disk format as they
-always were); with tenants it is a ``TenantView`` for the caller that ``auth`` bound.
+configured that is an ``OpenView``: the engine itself (names, replies and the on-disk
+format as they always were) behind the one id check every daemon applies; with tenants it is a ``TenantView`` for the caller that ``auth`` bound.
 
 Primitives:
 - ``SEP``: what joins a tenant's name to each id it uses ("alice" + SEP + "chat-1"). A
-  tenant name cannot contain it, so no id one tenant can send lands in another's space.
-- ``Tenants(engine, tenants)``: ``view() -> Engine | TenantView`` for the running call
+  tenant name cannot contain it, and no id a client sends may (``check_id``), so no id
+  one tenant can send lands in another's space.
+- ``check_id(seq_id)``: the one rule for an id a client sends, on every daemon:
+  ``InvalidArgument`` for an empty, overlong or control-character id, or one holding ``SEP``.
+- ``Tenants(engine, tenants)``: ``view() -> OpenView | TenantView`` for the running call
   (``Unauthenticated`` if tenants are configured and no tenant is bound: the last line of
   defence should the interceptor ever be bypassed); ``all_stats()`` (every tenant's row,
   for /metrics).
+- ``OpenView``: the engine as a daemon without tenants serves it, every id checked by
+  ``check_id`` on the way in (so a token-less client of an open daemon can name no
+  tenant's sequence, on its disk or in a Redis it shares); everything else is the engine's.
 - ``TenantView``: the engine calls the servicer makes (``hello``, ``reserve``,
   ``write_chunk``, ``commit``, ``release``, ``acquire``, ``grant``, ``iter_chunks``,
   ``prefetch``, ``present``, ``in_memory``, ``drop``, ``info``, ``list``, ``stat``, ``pin``, ``flush``),
@@ -53,6 +59,69 @@ if TYPE_CHECKING:
 SEP = NS_SEP
 
 
+def check_id(seq_id: str) -> None:
+    """An id as a client may send it, whatever daemon it reaches."""
+    validate_seq_id(seq_id)
+    if SEP in seq_id:
+        raise InvalidArgument(f"seq_id must not contain {SEP!r} (U+241F, the tenant separator)")
+
+
+def _check_spec(spec: ParkSpec) -> None:
+    if spec.seq_id:  # "": a batch of blocks only
+        check_id(spec.seq_id)
+    for r in spec.refs:
+        check_id(r)
+    for b in spec.blocks:
+        _check_spec(b)
+
+
+class OpenView:
+    """The engine of a daemon without tenants, ids checked as a tenant's are."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.engine, name)  # calls that name no id: the engine's own
+
+    def reserve(self, spec: ParkSpec, inline: bool = False, tier: str | None = None) -> Reservation:
+        _check_spec(spec)
+        return self.engine.reserve(spec, inline=inline, tier=tier)
+
+    def acquire(self, seq_ids: str | list[str], need: str | None = None, stream: bool = False,
+                expect_layout: str = "", inline_max: int = 0) -> ReadHandle:
+        for s in [seq_ids] if isinstance(seq_ids, str) else seq_ids:
+            check_id(s)
+        return self.engine.acquire(seq_ids, need=need, stream=stream, expect_layout=expect_layout,
+                                   inline_max=inline_max)
+
+    def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None) -> str:
+        check_id(seq_id)
+        return self.engine.prefetch(seq_id, tier, wait=wait, timeout=timeout)
+
+    def present(self, seq_ids: list[str]) -> list[bool]:
+        for s in seq_ids:
+            check_id(s)
+        return self.engine.present(seq_ids)
+
+    def in_memory(self, seq_ids: list[str]) -> bool:
+        for s in seq_ids:
+            check_id(s)
+        return self.engine.in_memory(seq_ids)
+
+    def drop(self, seq_id: str) -> bool:
+        check_id(seq_id)
+        return self.engine.drop(seq_id)
+
+    def info(self, seq_id: str) -> SeqInfo:
+        check_id(seq_id)
+        return self.engine.info(seq_id)
+
+    def pin(self, seq_id: str, pinned: bool = True) -> SeqInfo:
+        check_id(seq_id)
+        return self.engine.pin(seq_id, pinned)
+
+
 @contextmanager
 def _scrubbed(prefix: str) -> Iterator[None]:
     """Errors name ids as the tenant sent them."""
@@ -75,7 +144,7 @@ class TenantView:
     # ------------------------------------------------------------------ names
 
     def _ns(self, seq_id: str) -> str:
-        validate_seq_id(seq_id)
+        check_id(seq_id)
         if len(seq_id.encode("utf-8")) > self.max_seq_id_len:
             raise InvalidArgument(f"seq_id is {len(seq_id.encode('utf-8'))} bytes; the limit for tenant "
                                   f"{self.tenant.name!r} is {self.max_seq_id_len}")
@@ -223,10 +292,11 @@ class Tenants:
         self.engine = engine
         self.quotas = Quotas(engine)
         self.views = {name: TenantView(engine, t, self.quotas) for name, t in tenants.items()}
+        self.open = OpenView(engine)
 
-    def view(self) -> "Engine | TenantView":
+    def view(self) -> "OpenView | TenantView":
         if not self.views:
-            return self.engine
+            return self.open
         t = current_tenant()
         if t is None or t.name not in self.views:
             raise Unauthenticated("no tenant bound to this call")
@@ -236,4 +306,4 @@ class Tenants:
         return [self.quotas.stat(v.tenant, v.prefix) for v in self.views.values()]
 
 
-__all__ = ["SEP", "TenantView", "Tenants"]
+__all__ = ["SEP", "OpenView", "TenantView", "Tenants", "check_id"]
