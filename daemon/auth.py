@@ -15,8 +15,10 @@ Primitives:
   an open daemon).
 - ``AuthInterceptor.identify(metadata) -> TenantConfig | None``: the tenant a call's
   metadata proves, compared in constant time.
-- ``check_exposure(ServerConfig, tenants)``: ``StartupError`` for a listen address off
-  loopback without tenants or without TLS, unless ``server.insecure``.
+- ``check_exposure(ServerConfig, tenants, metrics=None)``: ``StartupError`` for a listen
+  address off loopback without tenants or without TLS, unless ``server.insecure``; and
+  with ``metrics`` (``MetricsConfig``), for ``metrics.listen`` off loopback without
+  ``metrics.token_sha256``, unless ``server.insecure``.
 - ``server_credentials(ServerConfig) -> grpc.ServerCredentials | None``: TLS (and mTLS
   with ``tls_client_ca``) from the configured PEM files; None without ``tls_cert``.
 
@@ -36,7 +38,7 @@ import grpc
 
 from kvpark.proto.errors import ERROR_KEY, StartupError, Unauthenticated
 
-from .config import ServerConfig, TenantConfig
+from .config import MetricsConfig, ServerConfig, TenantConfig
 from .metrics import Metrics
 
 _TENANT: contextvars.ContextVar[TenantConfig | None] = contextvars.ContextVar("kvpark_tenant", default=None)
@@ -177,12 +179,20 @@ def _loopback(listen: str) -> bool:
         return False  # a host name: it may resolve to anything
 
 
-def check_exposure(server: ServerConfig, tenants: Mapping[str, TenantConfig]) -> None:
+def check_exposure(server: ServerConfig, tenants: Mapping[str, TenantConfig],
+                   metrics: MetricsConfig | None = None) -> None:
     # The data channel carries the same bytes: an address of its own is held to the same rule.
     dc = server.data_channel_listen if server.data_channel else ""
     for key, listen in (("server.listen", server.listen), ("server.data_channel_listen", dc)):
         if listen:
             _check_one(key, listen, server, tenants)
+    # /metrics shows the daemon's usage (and, with tenant_labels, every tenant's): off
+    # loopback only behind its own token, or when the operator says insecure.
+    if metrics is not None and metrics.listen and not _loopback(metrics.listen) and not server.insecure \
+            and not metrics.token_sha256:
+        raise StartupError(f"metrics.listen {metrics.listen} is not loopback and metrics.token_sha256 is not set: "
+                           "anyone who reaches the port could watch the daemon; set metrics.token_sha256, listen "
+                           "on 127.0.0.1, or set server.insecure = true")
 
 
 def _check_one(key: str, listen: str, server: ServerConfig, tenants: Mapping[str, TenantConfig]) -> None:

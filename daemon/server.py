@@ -98,10 +98,10 @@ class Daemon:
 
     def start(self) -> "Daemon":
         self.metrics = Metrics()
-        metrics_server = MetricsServer(self.metrics, self.config.metrics.listen)
+        metrics_server = MetricsServer(self.metrics, self.config.metrics.listen, self.config.metrics.token_sha256)
         engine: Engine | None = None
         datachannel: DataChannelServer | None = None
-        check_exposure(self.config.server, self.config.tenants)
+        check_exposure(self.config.server, self.config.tenants, self.config.metrics)
         creds = server_credentials(self.config.server)
         auth = [AuthInterceptor(self.config.tenants, self.metrics)] if self.config.tenants else None
         server = grpc.server(
@@ -136,8 +136,11 @@ class Daemon:
             t0 = time.perf_counter()
             engine = Engine(self.config, disk_factory=self._disk_factory, metrics=self.metrics)
             tenants = Tenants(engine, self.config.tenants)
-            # /metrics (loopback by default, the operator's) shows every tenant's row.
-            self.metrics.watch(lambda: dataclasses.replace(engine.stat(), tenants=tuple(tenants.all_stats())))
+            # /metrics (loopback by default, the operator's) shows every tenant's row, named,
+            # only when the operator asks for it (metrics.tenant_labels).
+            named = self.config.metrics.tenant_labels
+            self.metrics.watch(lambda: dataclasses.replace(
+                engine.stat(), tenants=tuple(tenants.all_stats()) if named else ()))
             if self.config.server.data_channel:
                 # TLS exactly when gRPC has it (the same certificate, and client
                 # certificates required when gRPC requires them).
