@@ -328,9 +328,14 @@ def _tenant(name: str, data: Any) -> TenantConfig:
     if path:
         try:
             with open(path, "rb") as fh:
+                mode = os.fstat(fh.fileno()).st_mode & 0o777
                 token = fh.read().strip()
         except OSError as e:
             raise ConfigError(f"{key}.token_file: cannot read {path}: {e.strerror or e}") from None
+        if mode & 0o077:
+            # A token others on the host can read is anyone's token.
+            raise ConfigError(f"{key}.token_file: {path} is mode {mode:04o}, open to group or others; "
+                              f"chmod 600 {path}")
         if not token:
             raise ConfigError(f"{key}.token_file: {path} is empty")
         digest = hashlib.sha256(token).hexdigest()

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator, Mapping
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 from kvpark.proto.errors import (
     InvalidArgument,
@@ -48,8 +48,10 @@ from kvpark.proto.errors import (
 from kvpark.proto.layout import MAX_SEQ_ID_BYTES, validate_seq_id
 from kvpark.proto.types import SeqInfo, Stat, TenantStat
 
+from . import flush as flushing
 from .auth import current_tenant
 from .config import TenantConfig
+from .leases import gone, write_gone, write_idle
 from .model import NS_SEP, Capabilities, Grant, ParkSpec, ReadHandle, Reservation
 from .quota import Quotas
 
@@ -200,18 +202,19 @@ class TenantView:
                     self.quotas.admit(self.tenant, self.prefix, spec, landing)
                 return self.engine.reserve(spec, inline=inline, tier=tier)
 
-    def _own(self, lease_id: str) -> None:
+    def _own(self, lease_id: str, missing: Callable[[str], LeaseExpired]) -> None:
         owner = self.engine.leases.owner(lease_id)
         if owner is not None and not owner.startswith(self.prefix):
-            # Answered as for a lease that never was: its holder learns nothing either way.
-            raise LeaseExpired(f"lease {lease_id!r} is gone (expired, aborted or never issued)")
+            # Answered exactly as the engine answers a lease that never was (``missing``
+            # is its error for this call): the caller learns nothing either way.
+            raise missing(lease_id)
 
     def write_chunk(self, lease_id: str, offset: int, data: memoryview) -> None:
-        self._own(lease_id)
+        self._own(lease_id, write_idle)
         self.engine.write_chunk(lease_id, offset, data)
 
     def commit(self, lease_id: str, expect_nbytes: int | None = None) -> SeqInfo:
-        self._own(lease_id)
+        self._own(lease_id, write_gone)
         with _scrubbed(self.prefix):
             return self._out(self.engine.commit(lease_id, expect_nbytes=expect_nbytes))
 
@@ -224,7 +227,7 @@ class TenantView:
     def window(self, lease_id: str, index: int) -> tuple[tuple[int, int], ...]:
         # Windows are arena slots: the shm / cuda_ipc path of a sequence larger than its tier.
         self._trusted("the windowed shm / cuda_ipc path")
-        self._own(lease_id)
+        self._own(lease_id, gone)
         return self.engine.window(lease_id, index)
 
     # ------------------------------------------------------------------ restore
@@ -279,12 +282,30 @@ class TenantView:
             return self._out(self.engine.pin(self._ns(seq_id), pinned))
 
     def flush(self) -> int:
-        return self.engine.flush()
+        # This tenant's own sequences only: one tenant cannot make the daemon write (or
+        # time the writing of) another's.
+        return flushing.flush(self.engine.mover, self.prefix)
 
     def stat(self) -> Stat:
-        # The daemon's tiers as a whole, and this tenant's own row only: no tenant learns
-        # another's name or usage.
-        return dataclasses.replace(self.engine.stat(), tenants=(self.quotas.stat(self.tenant, self.prefix),))
+        # The tiers' totals (capacity, bytes and extents used: how full the daemon is),
+        # and every count this tenant's own: no tenant learns another's name, usage or
+        # activity (how many sequences or leases it holds).
+        st = self.engine.stat()
+        row = self.quotas.stat(self.tenant, self.prefix)
+        held = dict.fromkeys(st.tiers, 0)
+        cat = self.engine.catalog
+        with cat.lock:
+            own = cat.in_namespace(self.prefix)
+            for s in own:
+                for t in s.res:
+                    held[t] = held.get(t, 0) + 1
+                held["disk"] = held.get("disk", 0) + s.on_disk
+            on_remote = sum(1 for s in own if s.on_remote)
+            leases = self.engine.leases.count_owned(self.prefix)
+        tiers = {name: dataclasses.replace(t, sequences=held.get(name, 0)) for name, t in st.tiers.items()}
+        remote = None if st.remote is None else dataclasses.replace(st.remote, sequences=on_remote)
+        return dataclasses.replace(st, tiers=tiers, sequences=row.sequences, leases=leases, remote=remote,
+                                   tenants=(row,))
 
 
 class Tenants:
