@@ -52,7 +52,7 @@ from . import flush as flushing
 from .auth import current_tenant
 from .config import TenantConfig
 from .leases import gone, write_gone, write_idle
-from .model import NS_SEP, Capabilities, Grant, ParkSpec, ReadHandle, Reservation
+from .model import MEM_TIERS, NS_SEP, Capabilities, Grant, ParkSpec, ReadHandle, Reservation
 from .quota import Quotas
 
 if TYPE_CHECKING:
@@ -198,9 +198,20 @@ class TenantView:
                         raise
                     # As the engine does for room: an inline park that cannot land on the
                     # device lands on host, under the host quota.
-                    landing = tier = "host"
+                    tier = "host"
+                    landing = "disk" if self.engine.windowed(spec, inline, tier) else tier
                     self.quotas.admit(self.tenant, self.prefix, spec, landing)
-                return self.engine.reserve(spec, inline=inline, tier=tier)
+                r = self.engine.reserve(spec, inline=inline, tier=tier)
+                landed = "disk" if r.window_size else r.tier
+                if landed != landing and landed != "disk":
+                    # The engine's own fallback (the device physically full): charged where
+                    # the bytes are, the open reservation counted there already.
+                    try:
+                        self.quotas.settle(self.tenant, self.prefix, landed)
+                    except BaseException:
+                        self.engine.release(r.lease_id)
+                        raise
+                return r
 
     def _own(self, lease_id: str, missing: Callable[[str], LeaseExpired]) -> None:
         owner = self.engine.leases.owner(lease_id)
@@ -222,7 +233,19 @@ class TenantView:
         owner = self.engine.leases.owner(lease_id)
         if owner is not None and not owner.startswith(self.prefix):
             return False  # as for a lease that never was
-        return self.engine.release(lease_id)
+        done = self.engine.release(lease_id)
+        self._settle()  # a read that promoted has ended: its copies may leave now
+        return done
+
+    def _settle(self) -> None:
+        """Bring the tenant back within its memory quotas after a promotion."""
+        for tier in MEM_TIERS:
+            if tier in self.tenant.quota and tier in self.engine.tiers:
+                with self.quotas.lock(self.tenant.name):
+                    try:
+                        self.quotas.settle(self.tenant, self.prefix, tier)
+                    except ResourceExhausted:
+                        pass  # only copies still being read are left: the last of those reads settles
 
     def window(self, lease_id: str, index: int) -> tuple[tuple[int, int], ...]:
         # Windows are arena slots: the shm / cuda_ipc path of a sequence larger than its tier.
@@ -251,7 +274,18 @@ class TenantView:
 
     def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None) -> str:
         with _scrubbed(self.prefix):
-            return self.engine.prefetch(self._ns(seq_id), tier, wait=wait, timeout=timeout)
+            sid = self._ns(seq_id)
+            if tier in self.tenant.quota and tier in self.engine.tiers:
+                # Room within the quota first: a promotion never takes the tenant over it.
+                info = self.engine.info(sid)
+                with self.engine.catalog.lock:
+                    there = tier in self.engine.catalog.get(sid).res
+                with self.quotas.lock(self.tenant.name):
+                    self.quotas.make_room(self.tenant, self.prefix, tier, 0 if there else info.nbytes)
+            out = self.engine.prefetch(sid, tier, wait=wait, timeout=timeout)
+            if wait:
+                self._settle()  # a promotion through a faster tier leaves the tenant within each
+            return out
 
     # ------------------------------------------------------------------ queries
 
