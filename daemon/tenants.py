@@ -2,7 +2,8 @@
 
 The servicer asks ``Tenants.view()`` for the engine of the running call. Without tenants
 configured that is an ``OpenView``: the engine itself (names, replies and the on-disk
-format as they always were) behind the one id check every daemon applies; with tenants it is a ``TenantView`` for the caller that ``auth`` bound.
+format as they always were) behind the one id check every daemon applies; with
+tenants it is a ``TenantView`` for the caller that ``auth`` bound.
 
 Primitives:
 - ``SEP``: what joins a tenant's name to each id it uses ("alice" + SEP + "chat-1"). A
