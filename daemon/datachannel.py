@@ -25,10 +25,12 @@ a whole gets the idle limit, so a peer trickling bytes cannot hold the lock for 
   error mid-stream (a record failing its checksum, a lease released under the transfer)
   is sent typed after a zero-length chunk.
 
-A connection that has not yet sent its whole request header (its TLS handshake
-included) is unauthenticated: it may stay so for ``HANDSHAKE_S`` (a deadline on the
-connection, enforced by the acceptor whatever the peer trickles), and at most
-``MAX_UNAUTHENTICATED`` may be so at once; beyond that the oldest is closed for the
+A connection that has not yet sent its whole first request header is unauthenticated.
+Its TLS handshake, and its header once the first byte of it has arrived, each get
+``HANDSHAKE_S`` as a whole; silence before the header gets ``IDLE_S`` (a client connects,
+then makes its Reserve or Acquire call, then sends the header at once). The acceptor
+enforces these deadlines whatever the peer trickles, and at most ``MAX_UNAUTHENTICATED``
+connections may be unauthenticated at once: beyond that the oldest is closed for the
 newest. Token-less sockets therefore never hold the slots that transfers need.
 
 Bad input (an unknown, expired or reused token, a wrong op or size, a frame of 0 or more
@@ -84,8 +86,9 @@ log = logging.getLogger("kvpark.datachannel")
 # closed. It also bounds how long a stalled PUT holds its lease's copy lock.
 IDLE_S = 10.0
 MAX_CONNECTIONS = 64
-# A connection's TLS handshake and first request header, together, within this; and at
-# most this many connections at that stage at once (the oldest gives way to the newest).
+# A connection's TLS handshake, and its first request header from its first byte, each
+# within this; and at most this many connections before their first header at once (the
+# oldest gives way to the newest).
 HANDSHAKE_S = 5.0
 MAX_UNAUTHENTICATED = 16
 GET_CHUNK = 4 << 20  # bytes per outgoing chunk (one sendmsg of slot views)
@@ -173,7 +176,7 @@ class DataChannelServer:
         self.address = ""
         self._sock: socket.socket | None = None
         self._conns: set[socket.socket] = set()
-        # Connections still in their handshake -> when they were accepted (oldest first).
+        # Connections before their first whole header -> their deadline (oldest first).
         self._unauth: dict[socket.socket, float] = {}
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
@@ -270,7 +273,7 @@ class DataChannelServer:
                 full = len(self._conns) >= MAX_CONNECTIONS
                 if not full:
                     self._conns.add(conn)
-                    self._unauth[conn] = time.monotonic()
+                    self._unauth[conn] = time.monotonic() + (HANDSHAKE_S if self.ssl_context else IDLE_S)
             if full:
                 _close(conn)  # the client sees the refusal and falls back to gRPC
                 continue
@@ -287,8 +290,16 @@ class DataChannelServer:
 
     def _expire_handshakes(self, now: float) -> None:
         with self._lock:
-            for c in [c for c, t in self._unauth.items() if now - t > HANDSHAKE_S]:
+            for c in [c for c, deadline in self._unauth.items() if now > deadline]:
                 self._drop_unauth(c)
+
+    def _unauth_deadline(self, conn: socket.socket, seconds: float) -> bool:
+        """A new deadline for an unauthenticated connection; False if it was closed meanwhile."""
+        with self._lock:
+            if conn not in self._unauth:
+                return False
+            self._unauth[conn] = time.monotonic() + seconds
+            return True
 
     def _serve(self, conn: socket.socket) -> None:
         sock = conn
@@ -298,10 +309,18 @@ class DataChannelServer:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.ssl_context is not None:
                 sock = self.ssl_context.wrap_socket(sock, server_side=True)
+                if not self._unauth_deadline(conn, IDLE_S):  # silence until the header, as in clear
+                    return
             first = True
             while not self._stopping.is_set():
                 try:
-                    head = recv_exact(sock, REQUEST.size)
+                    if first:
+                        lead = recv_exact(sock, 1)
+                        if not self._unauth_deadline(conn, HANDSHAKE_S):  # the header has begun
+                            return
+                        head = lead + recv_exact(sock, REQUEST.size - 1)
+                    else:
+                        head = recv_exact(sock, REQUEST.size)
                 except Closed:
                     return  # the client closed an idle connection (or its handshake ran out): normal
                 if first:

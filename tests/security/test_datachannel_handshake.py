@@ -9,11 +9,15 @@ import socket
 import threading
 from typing import Callable
 
+import pytest
 import torch
 
 from kvpark.client import Client
+from kvpark.client.client import _header
+from kvpark.daemon import datachannel
 from kvpark.daemon.server import Daemon
-from kvpark.proto.dataframe import MAGIC, PUT, REQUEST, VERSION, parse_address
+from kvpark.proto.dataframe import CHUNK, MAGIC, PUT, REQUEST, VERSION, parse_address, read_status
+from kvpark.proto.v1 import kvpark_pb2 as pb
 
 from ..conftest import wait_until
 
@@ -82,3 +86,34 @@ def test_token_less_trickling_sockets_do_not_block_a_data_channel_transfer(daemo
         stop.set()
         for a in attackers:
             a.close()
+
+
+def test_a_connection_silent_until_its_header_outlives_a_trickler(daemon: Callable[..., Daemon],
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client connects, makes its Reserve call, then sends its header at once: the
+    silence before the header is the idle limit's, not the handshake deadline's."""
+    monkeypatch.setattr(datachannel, "HANDSHAKE_S", 0.5)  # read at start and by the acceptor
+    d = daemon()
+    dc = d.datachannel
+    assert dc is not None
+    stop = threading.Event()
+    family, addr = parse_address(dc.address)
+    with socket.socket(family, socket.SOCK_STREAM) as silent:
+        silent.settimeout(30)
+        silent.connect(addr)
+        trickler = Trickler(dc.address, stop)
+        try:
+            assert wait_until(trickler.closed.is_set, timeout=30)  # its header began, and ran out
+            data = torch.arange(1 << 20, dtype=torch.uint8)
+            with Client(d.address, transport="inline") as c:
+                r = c.rpc.call(c.rpc.reserve, pb.ReserveRequest(header=_header("late", [data]), tier="host",
+                                                                data_channel=True))
+                n = data.numel()
+                silent.sendall(REQUEST.pack(MAGIC, VERSION, PUT, r.token, n) + CHUNK.pack(n)
+                               + data.numpy().tobytes())
+                assert read_status(silent) is None
+                c.rpc.call(c.rpc.commit, pb.CommitRequest(lease_id=r.lease_id))
+                assert torch.equal(c.restore("late")[0], data)
+        finally:
+            stop.set()
+            trickler.close()
