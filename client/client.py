@@ -54,7 +54,7 @@ import torch
 
 from kvpark.proto import VERSION, convert
 from kvpark.proto import packed as packing
-from kvpark.proto.errors import InvalidArgument, LeaseExpired, TransportUnavailable
+from kvpark.proto.errors import InvalidArgument, LeaseExpired, TransportUnavailable, Unavailable
 from kvpark.proto.layout import TensorMeta, validate_seq_id
 from kvpark.proto.types import SeqInfo, Stat
 from kvpark.proto.v1 import kvpark_pb2 as pb
@@ -62,6 +62,7 @@ from kvpark.tiers import cuda
 
 from .payload import as_tensors, byte_view, check_into
 from .rpc import Rpc
+from .tlsprobe import speaks_tls
 from .transport import (SMALL_POOL_BYTES, TRANSPORTS, CudaIpc, InstanceChanged, Restoring, Shm, Target, Transport,
                         negotiate)
 
@@ -133,6 +134,12 @@ class Client:
             self.chunk_size = int(self.server.chunk_size) or (1 << 20)
             self._transport = negotiate(self.rpc, self.server, transport)
             self._packed = "packed" in self.server.features
+        except Unavailable:
+            self.rpc.close()
+            if not any(self.rpc.tls) and speaks_tls(self.address):
+                raise Unavailable(f"{self.address} requires TLS and this client connected in plaintext: pass "
+                                  f"tls_ca=... (or set KVPARK_TLS_CA)") from None
+            raise
         except BaseException:
             self.rpc.close()
             raise

@@ -5,15 +5,20 @@ Primitives:
   call except the gRPC health service must carry ``authorization: Bearer <token>``
   metadata whose sha256 matches a tenant's ``token_sha256``; otherwise it ends with
   UNAUTHENTICATED (client ``Unauthenticated``) before its handler runs (counted in
-  ``kvpark_errors_total{code="UNAUTHENTICATED"}``). The tenant is
+  ``kvpark_errors_total{code="UNAUTHENTICATED"}``). A refused call is refused before
+  any of its request is read: gRPC reads a unary request whole before a handler runs, so
+  a token-less call is answered by a request-streaming handler that never pulls its
+  message, and the daemon buffers no more of it than HTTP/2 flow control lets in. The tenant is
   bound for the handler's whole run, streams included, so every RPC, present or added
   later, is covered without doing anything.
 - ``current_tenant() -> TenantConfig | None``: the caller of the running handler (None on
   an open daemon).
 - ``AuthInterceptor.identify(metadata) -> TenantConfig | None``: the tenant a call's
   metadata proves, compared in constant time.
-- ``check_exposure(ServerConfig, tenants)``: ``StartupError`` for a listen address off
-  loopback without tenants or without TLS, unless ``server.insecure``.
+- ``check_exposure(ServerConfig, tenants, metrics=None)``: ``StartupError`` for a listen
+  address off loopback without tenants or without TLS, unless ``server.insecure``; and
+  with ``metrics`` (``MetricsConfig``), for ``metrics.listen`` off loopback without
+  ``metrics.token_sha256``, unless ``server.insecure``.
 - ``server_credentials(ServerConfig) -> grpc.ServerCredentials | None``: TLS (and mTLS
   with ``tls_client_ca``) from the configured PEM files; None without ``tls_cert``.
 
@@ -33,7 +38,7 @@ import grpc
 
 from kvpark.proto.errors import ERROR_KEY, StartupError, Unauthenticated
 
-from .config import ServerConfig, TenantConfig
+from .config import MetricsConfig, ServerConfig, TenantConfig
 from .metrics import Metrics
 
 _TENANT: contextvars.ContextVar[TenantConfig | None] = contextvars.ContextVar("kvpark_tenant", default=None)
@@ -62,13 +67,31 @@ def _deny(context: grpc.ServicerContext, metrics: Metrics | None) -> None:
                   "missing or invalid bearer token (pass token=... or set KVPARK_TOKEN)")
 
 
-def _bound(fn: Callable[..., Any], tenant: TenantConfig | None, streams: bool,
-           metrics: Metrics | None) -> Callable[..., Any]:
-    """``fn`` run with ``tenant`` as the caller (None: refused before it runs)."""
+def _refused(handler: grpc.RpcMethodHandler, metrics: Metrics | None) -> grpc.RpcMethodHandler:
+    """A handler that ends the call UNAUTHENTICATED without reading its request.
+
+    Request-streaming whatever the method is (the wire is the same): gRPC hands such a
+    handler an iterator and reads nothing until it is pulled, where for a unary request
+    it would first receive the whole message (up to the maximum size) into memory.
+    """
+    streams = handler.unary_stream is not None or handler.stream_stream is not None
+
+    def deny(requests: Iterator[Any], context: grpc.ServicerContext) -> Any:
+        _deny(context, metrics)
+
+    def deny_stream(requests: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+        _deny(context, metrics)
+        yield from ()
+
+    if streams:
+        return grpc.stream_stream_rpc_method_handler(deny_stream, response_serializer=handler.response_serializer)
+    return grpc.stream_unary_rpc_method_handler(deny, response_serializer=handler.response_serializer)
+
+
+def _bound(fn: Callable[..., Any], tenant: TenantConfig, streams: bool) -> Callable[..., Any]:
+    """``fn`` run with ``tenant`` as the caller."""
     if streams:
         def gen(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            if tenant is None:
-                _deny(context, metrics)
             # The handler's generator runs on gRPC's threads, one step at a time: the
             # tenant is set for each step, in this generator's own frame.
             token = _TENANT.set(tenant)
@@ -99,8 +122,6 @@ def _bound(fn: Callable[..., Any], tenant: TenantConfig | None, streams: bool,
         return gen
 
     def unary(request: Any, context: grpc.ServicerContext) -> Any:
-        if tenant is None:
-            _deny(context, metrics)
         token = _TENANT.set(tenant)
         try:
             return fn(request, context)
@@ -135,13 +156,15 @@ class AuthInterceptor(grpc.ServerInterceptor):
         if handler is None or not self.tenants or details.method.startswith(OPEN_SERVICES):
             return handler
         tenant = self.identify(details.invocation_metadata)
+        if tenant is None:
+            return _refused(handler, self.metrics)
         if handler.unary_unary is not None:
-            return handler._replace(unary_unary=_bound(handler.unary_unary, tenant, False, self.metrics))
+            return handler._replace(unary_unary=_bound(handler.unary_unary, tenant, False))
         if handler.unary_stream is not None:
-            return handler._replace(unary_stream=_bound(handler.unary_stream, tenant, True, self.metrics))
+            return handler._replace(unary_stream=_bound(handler.unary_stream, tenant, True))
         if handler.stream_unary is not None:
-            return handler._replace(stream_unary=_bound(handler.stream_unary, tenant, False, self.metrics))
-        return handler._replace(stream_stream=_bound(handler.stream_stream, tenant, True, self.metrics))
+            return handler._replace(stream_unary=_bound(handler.stream_unary, tenant, False))
+        return handler._replace(stream_stream=_bound(handler.stream_stream, tenant, True))
 
 
 def _loopback(listen: str) -> bool:
@@ -156,12 +179,20 @@ def _loopback(listen: str) -> bool:
         return False  # a host name: it may resolve to anything
 
 
-def check_exposure(server: ServerConfig, tenants: Mapping[str, TenantConfig]) -> None:
+def check_exposure(server: ServerConfig, tenants: Mapping[str, TenantConfig],
+                   metrics: MetricsConfig | None = None) -> None:
     # The data channel carries the same bytes: an address of its own is held to the same rule.
     dc = server.data_channel_listen if server.data_channel else ""
     for key, listen in (("server.listen", server.listen), ("server.data_channel_listen", dc)):
         if listen:
             _check_one(key, listen, server, tenants)
+    # /metrics shows the daemon's usage (and, with tenant_labels, every tenant's): off
+    # loopback only behind its own token, or when the operator says insecure.
+    if metrics is not None and metrics.listen and not _loopback(metrics.listen) and not server.insecure \
+            and not metrics.token_sha256:
+        raise StartupError(f"metrics.listen {metrics.listen} is not loopback and metrics.token_sha256 is not set: "
+                           "anyone who reaches the port could watch the daemon; set metrics.token_sha256, listen "
+                           "on 127.0.0.1, or set server.insecure = true")
 
 
 def _check_one(key: str, listen: str, server: ServerConfig, tenants: Mapping[str, TenantConfig]) -> None:

@@ -197,7 +197,12 @@ class LeaseConfig:
 @dataclass(frozen=True)
 class MetricsConfig:
     listen: str = _f("127.0.0.1:9851", 'Prometheus /metrics address, host:port (port 0 picks one); "" = off. '
-                     "A busy port stops the start-up with an error; nothing is ever sent, only scraped")
+                     "A busy port stops the start-up with an error; nothing is ever sent, only scraped. Off "
+                     "loopback it needs token_sha256 or server.insecure = true")
+    token_sha256: str = _f("", "hex sha256 of a bearer token every scrape must carry (Authorization: Bearer "
+                           '<token>; others get 401); "" = none')
+    tenant_labels: bool = _f(False, "export kvpark_tenant_* series, labelled with tenant names; off: no series "
+                             "names a tenant")
 
 
 TENANT_NAME = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -326,9 +331,14 @@ def _tenant(name: str, data: Any) -> TenantConfig:
     if path:
         try:
             with open(path, "rb") as fh:
+                mode = os.fstat(fh.fileno()).st_mode & 0o777
                 token = fh.read().strip()
         except OSError as e:
             raise ConfigError(f"{key}.token_file: cannot read {path}: {e.strerror or e}") from None
+        if mode & 0o077:
+            # A token others on the host can read is anyone's token.
+            raise ConfigError(f"{key}.token_file: {path} is mode {mode:04o}, open to group or others; "
+                              f"chmod 600 {path}")
         if not token:
             raise ConfigError(f"{key}.token_file: {path} is empty")
         digest = hashlib.sha256(token).hexdigest()
@@ -452,6 +462,8 @@ def _resolve(cfg: Config) -> Config:
         m_host, sep, m_port = cfg.metrics.listen.rpartition(":")
         if not sep or not m_host or not m_port.isdigit() or int(m_port) > 65535:
             raise ConfigError(f'metrics.listen: expected host:port or "", got {cfg.metrics.listen!r}')
+    if cfg.metrics.token_sha256 and not re.fullmatch(r"[0-9a-fA-F]{64}", cfg.metrics.token_sha256):
+        raise ConfigError("metrics.token_sha256: expected 64 hex digits (sha256 of the token)")
     if not (4 << 10) <= cfg.server.chunk_size <= (16 << 20):
         raise ConfigError(f"server.chunk_size: must be between 4KiB and 16MiB, got {cfg.server.chunk_size}")
     srv = cfg.server

@@ -25,6 +25,14 @@ a whole gets the idle limit, so a peer trickling bytes cannot hold the lock for 
   error mid-stream (a record failing its checksum, a lease released under the transfer)
   is sent typed after a zero-length chunk.
 
+A connection that has not yet sent its whole first request header is unauthenticated.
+Its TLS handshake, and its header once the first byte of it has arrived, each get
+``HANDSHAKE_S`` as a whole; silence before the header gets ``IDLE_S`` (a client connects,
+then makes its Reserve or Acquire call, then sends the header at once). The acceptor
+enforces these deadlines whatever the peer trickles, and at most ``MAX_UNAUTHENTICATED``
+connections may be unauthenticated at once: beyond that the oldest is closed for the
+newest. Token-less sockets therefore never hold the slots that transfers need.
+
 Bad input (an unknown, expired or reused token, a wrong op or size, a frame of 0 or more
 than ``MAX_FRAME`` bytes, frames past the declared size, a short read, an idle or
 vanished peer) gets a typed status frame where the peer can still read one, the
@@ -78,6 +86,11 @@ log = logging.getLogger("kvpark.datachannel")
 # closed. It also bounds how long a stalled PUT holds its lease's copy lock.
 IDLE_S = 10.0
 MAX_CONNECTIONS = 64
+# A connection's TLS handshake, and its first request header from its first byte, each
+# within this; and at most this many connections before their first header at once (the
+# oldest gives way to the newest).
+HANDSHAKE_S = 5.0
+MAX_UNAUTHENTICATED = 16
 GET_CHUNK = 4 << 20  # bytes per outgoing chunk (one sendmsg of slot views)
 
 
@@ -163,6 +176,8 @@ class DataChannelServer:
         self.address = ""
         self._sock: socket.socket | None = None
         self._conns: set[socket.socket] = set()
+        # Connections before their first whole header -> their deadline (oldest first).
+        self._unauth: dict[socket.socket, float] = {}
         self._threads: set[threading.Thread] = set()
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -200,6 +215,8 @@ class DataChannelServer:
                 host, port = sock.getsockname()[:2]
                 self.address = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
             sock.listen(MAX_CONNECTIONS)
+            # accept() wakes at least this often, to close handshakes past their deadline.
+            sock.settimeout(HANDSHAKE_S / 5)
         except OSError as e:
             sock.close()
             raise OSError(f"data channel cannot listen on {self.listen}: {e}") from None
@@ -236,17 +253,27 @@ class DataChannelServer:
     def _accept_loop(self) -> None:
         assert self._sock is not None
         while not self._stopping.is_set():
+            self._expire_handshakes(time.monotonic())
             try:
                 conn, _ = self._sock.accept()
+            except socket.timeout:
+                continue
             except OSError:
                 if self._stopping.is_set():
                     return
                 time.sleep(0.05)  # EMFILE and friends: back off, keep serving
                 continue
+            conn.settimeout(IDLE_S)  # not the listening socket's wake-up interval
             with self._lock:
+                # Room for the newcomer at the cost of the oldest unauthenticated one, never
+                # of a connection that has shown a request.
+                if self._unauth and (len(self._unauth) >= MAX_UNAUTHENTICATED
+                                     or len(self._conns) >= MAX_CONNECTIONS):
+                    self._drop_unauth(next(iter(self._unauth)))
                 full = len(self._conns) >= MAX_CONNECTIONS
                 if not full:
                     self._conns.add(conn)
+                    self._unauth[conn] = time.monotonic() + (HANDSHAKE_S if self.ssl_context else IDLE_S)
             if full:
                 _close(conn)  # the client sees the refusal and falls back to gRPC
                 continue
@@ -254,6 +281,25 @@ class DataChannelServer:
             with self._lock:
                 self._threads.add(t)
             t.start()
+
+    def _drop_unauth(self, conn: socket.socket) -> None:
+        # REQUIRES: self._lock. Its thread wakes from recv, sees the close and ends.
+        self._unauth.pop(conn)
+        self._conns.discard(conn)
+        _shut(conn)
+
+    def _expire_handshakes(self, now: float) -> None:
+        with self._lock:
+            for c in [c for c, deadline in self._unauth.items() if now > deadline]:
+                self._drop_unauth(c)
+
+    def _unauth_deadline(self, conn: socket.socket, seconds: float) -> bool:
+        """A new deadline for an unauthenticated connection; False if it was closed meanwhile."""
+        with self._lock:
+            if conn not in self._unauth:
+                return False
+            self._unauth[conn] = time.monotonic() + seconds
+            return True
 
     def _serve(self, conn: socket.socket) -> None:
         sock = conn
@@ -263,11 +309,25 @@ class DataChannelServer:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self.ssl_context is not None:
                 sock = self.ssl_context.wrap_socket(sock, server_side=True)
+                if not self._unauth_deadline(conn, IDLE_S):  # silence until the header, as in clear
+                    return
+            first = True
             while not self._stopping.is_set():
                 try:
-                    head = recv_exact(sock, REQUEST.size)
+                    if first:
+                        lead = recv_exact(sock, 1)
+                        if not self._unauth_deadline(conn, HANDSHAKE_S):  # the header has begun
+                            return
+                        head = lead + recv_exact(sock, REQUEST.size - 1)
+                    else:
+                        head = recv_exact(sock, REQUEST.size)
                 except Closed:
-                    return  # the client closed an idle connection: normal
+                    return  # the client closed an idle connection (or its handshake ran out): normal
+                if first:
+                    with self._lock:  # a whole request: its token decides from here
+                        if self._unauth.pop(conn, None) is None:
+                            return  # its handshake ran out, or a newer one took its place, meanwhile
+                    first = False
                 self._one(sock, head)
         except KVParkError as e:
             # Typed, for the client to raise; the connection's state is unknown now: close it.
@@ -284,6 +344,7 @@ class DataChannelServer:
             _close(sock)
             with self._lock:
                 self._conns.discard(conn)
+                self._unauth.pop(conn, None)
                 self._threads.discard(threading.current_thread())
 
     def _one(self, sock: socket.socket, head: bytes) -> None:
@@ -398,6 +459,14 @@ def _recv_into_by(sock: socket.socket, view: memoryview, deadline: float) -> Non
             pos += got
     finally:
         sock.settimeout(IDLE_S)
+
+
+def _shut(sock: socket.socket) -> None:
+    """Wake the thread reading ``sock`` (its recv returns, closed); that thread closes it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
 
 
 def _close(sock: socket.socket) -> None:

@@ -12,7 +12,8 @@ no ``on_disk`` and what was written for it is deleted, and a newer generation al
 on disk wins (``write_many`` skips the stale write).
 
 Primitives:
-- ``flush(mover) -> int``: write them all; returns how many were written.
+- ``flush(mover, prefix="") -> int``: write them all (with ``prefix``, those of one
+  tenant's namespace only); returns how many were written.
 - ``write_batch(mover, seqs) -> int``: one batch, one transaction.
 """
 
@@ -37,10 +38,12 @@ BATCH = 1024
 BATCH_BYTES = 64 << 20
 
 
-def flush(mover: "Mover") -> int:
-    """Write every memory-only sequence to disk (keeping its memory copies)."""
+def flush(mover: "Mover", prefix: str = "") -> int:
+    """Write every memory-only sequence (of namespace ``prefix``, if given) to disk,
+    keeping its memory copies."""
     with mover.catalog.lock:
-        todo = [s for s in mover.catalog.sequences() if s.res and not s.on_disk]
+        seqs = mover.catalog.in_namespace(prefix) if prefix else mover.catalog.sequences()
+        todo = [s for s in seqs if s.res and not s.on_disk]
     total = len(todo)
     done, last, i = 0, time.monotonic(), 0
     while i < total:

@@ -33,7 +33,11 @@ Primitives:
 - ``reap()``: end every expired lease. ``close()``: end them all (each after the chunk
   being copied through it).
 - ``transient()``: whether an open lease may still free room; ``count``; ``held()``;
-  ``open_writes()`` (REQUIRES: index lock); ``write_owner(lease_id)``.
+  ``open_writes()`` (REQUIRES: index lock); ``write_owner(lease_id)``;
+  ``count_owned(prefix)``: open leases on a tenant's sequences (REQUIRES: index lock).
+- ``gone(lease_id)``, ``write_gone(lease_id)``, ``write_idle(lease_id)``: the errors ``get``,
+  ``take_write`` and ``get_write`` raise for a lease that does not exist; a tenant asking
+  about another tenant's lease gets exactly these.
 """
 
 from __future__ import annotations
@@ -53,6 +57,18 @@ from .metrics import Metrics
 from .model import Lease, ParkSpec, Seq
 
 log = logging.getLogger("kvpark.leases")
+
+
+def gone(lease_id: str) -> LeaseExpired:
+    return LeaseExpired(f"lease {lease_id!r} is gone (expired, released or never issued)")
+
+
+def write_gone(lease_id: str) -> LeaseExpired:
+    return LeaseExpired(f"write lease {lease_id!r} is gone (expired, aborted or never issued)")
+
+
+def write_idle(lease_id: str) -> LeaseExpired:
+    return LeaseExpired(f"write lease {lease_id!r} expired (the stream was idle too long)")
 
 
 class LeaseTable:
@@ -84,21 +100,21 @@ class LeaseTable:
     def get(self, lease_id: str) -> Lease:
         lease = self._leases.get(lease_id)
         if lease is None:
-            raise LeaseExpired(f"lease {lease_id!r} is gone (expired, released or never issued)")
+            raise gone(lease_id)
         return lease
 
     def get_write(self, lease_id: str) -> Lease:
         """An open write lease (a dict read: no lock needed for one lookup per chunk)."""
         lease = self._leases.get(lease_id)
         if lease is None or lease.kind != "write":
-            raise LeaseExpired(f"write lease {lease_id!r} expired (the stream was idle too long)")
+            raise write_idle(lease_id)
         return lease
 
     def take_write(self, lease_id: str) -> Lease:
         # REQUIRES: index lock.
         lease = self._leases.get(lease_id)
         if lease is None or lease.kind != "write":
-            raise LeaseExpired(f"write lease {lease_id!r} is gone (expired, aborted or never issued)")
+            raise write_gone(lease_id)
         del self._leases[lease_id]
         return lease
 
@@ -255,6 +271,11 @@ class LeaseTable:
         if lease.kind == "write":
             return self.write_owner(lease_id)
         return lease.parts[0][0].seq_id if lease.parts else None
+
+    def count_owned(self, prefix: str) -> int:
+        """Open leases whose sequence (parked, or read first) is in namespace ``prefix``."""
+        # REQUIRES: index lock.
+        return sum(1 for lid in list(self._leases) if (self.owner(lid) or "").startswith(prefix))
 
     def open_writes(self) -> list[Lease]:
         """Write leases not yet committed or aborted (quota accounting counts them)."""

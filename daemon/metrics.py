@@ -8,23 +8,31 @@ Primitives:
 - Recording functions the servicer and the engine call: ``parked``, ``restored``, ``moved``,
   ``evicted``, ``checksum_failure``, ``lease_expired``, ``error``.
 - ``Metrics.render() -> bytes``: the text exposition format (what a scrape returns).
-- ``MetricsServer(metrics, listen)``: ``start()`` serves ``/metrics`` on ``listen``
-  ("host:port", port 0 picks one; "" serves nothing); ``address`` is then the bound
-  address; ``stop()``. A busy port is a ``StartupError`` naming the key to change.
+- ``MetricsServer(metrics, listen, token_sha256="")``: ``start()`` serves ``/metrics`` on
+  ``listen`` ("host:port", port 0 picks one; "" serves nothing); ``address`` is then the
+  bound address; ``stop()``. A busy port is a ``StartupError`` naming the key to change.
+  With ``token_sha256`` (``metrics.token_sha256``) a scrape must carry
+  ``Authorization: Bearer <token>`` whose sha256 matches (compared in constant time),
+  else 401 and no metrics. Where it may listen is ``auth.check_exposure``'s rule.
 - ``NAMES``: every metric name this module exports (docs/operations.md lists them).
 
 Nothing here sends data anywhere: the endpoint only answers scrapes on the address it
-is given, which is loopback by default.
+is given, which is loopback by default. The per-tenant series exist only when the
+daemon watches a ``Stat`` with tenants in it (``metrics.tenant_labels``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import socket
 import threading
-from typing import Callable, Iterator
-from wsgiref.simple_server import WSGIServer
+from typing import Any, Callable, Iterable, Iterator
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -161,10 +169,28 @@ def split_listen(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass  # a scrape every few seconds is not news
+
+
+def _bearer_only(app: Callable[..., Iterable[bytes]], digest: bytes) -> Callable[..., Iterable[bytes]]:
+    """``app`` for requests whose bearer token hashes to ``digest``; 401 for the rest."""
+    def guarded(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        header = environ.get("HTTP_AUTHORIZATION", "")
+        token = header[7:].strip() if header[:7].lower() == "bearer " else ""
+        if token and hmac.compare_digest(hashlib.sha256(token.encode("utf-8", "surrogateescape")).digest(), digest):
+            return app(environ, start_response)
+        start_response("401 Unauthorized", [("WWW-Authenticate", "Bearer"), ("Content-Type", "text/plain")])
+        return [b"a bearer token is required (metrics.token_sha256)\n"]
+    return guarded
+
+
 class MetricsServer:
-    def __init__(self, metrics: Metrics, listen: str) -> None:
+    def __init__(self, metrics: Metrics, listen: str, token_sha256: str = "") -> None:
         self.metrics = metrics
         self.listen = listen
+        self.token_sha256 = token_sha256
         self.address = ""
         self._server: WSGIServer | None = None
         self._thread: threading.Thread | None = None
@@ -176,13 +202,22 @@ class MetricsServer:
             host, port = split_listen(self.listen)
         except ValueError as e:
             raise StartupError(f"metrics.listen: {e}") from None
+        app = make_wsgi_app(self.metrics.registry)
+        if self.token_sha256:
+            app = _bearer_only(app, bytes.fromhex(self.token_sha256))
+
+        class Server(ThreadingWSGIServer):
+            address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=self.metrics.registry)
+            self._server = make_server(host, port, app, Server, handler_class=_Quiet)
         except OSError as e:
             raise StartupError(
                 f"cannot serve metrics on {self.listen}: {e.strerror or e}; set metrics.listen to a free "
                 'address, or "" to turn the endpoint off'
             ) from None
+        self._thread = threading.Thread(target=self._server.serve_forever, name="kvpark-metrics", daemon=True)
+        self._thread.start()
         bound_port = self._server.server_port
         self.address = f"[{host}]:{bound_port}" if ":" in host else f"{host}:{bound_port}"
         log.info("metrics on http://%s/metrics", self.address)

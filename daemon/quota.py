@@ -13,11 +13,21 @@ Primitives:
   sequences, by the eviction policy, until it fits; ``ResourceExhausted`` naming the
   tenant and the quota when its own data cannot make the room. Another tenant's data is
   never touched. The caller serialises admits of one tenant (``lock(name)``).
+- ``settle(tenant, prefix, tier)``: after bytes landed in memory tier ``tier`` other than
+  where they were admitted (an inline park's device->host fallback) or were promoted
+  there (a restore, a prefetch): demote the tenant's own coldest sequences until it is
+  within its ``tier`` quota again; ``ResourceExhausted`` when its own data cannot make
+  the room (all pinned, being read or written). The caller holds ``lock(name)``.
+- ``make_room(tenant, prefix, tier, need)``: before a promotion of ``need`` bytes into
+  ``tier``: the same demotion, so that the promotion fits the quota.
 - ``stat(tenant, prefix) -> TenantStat``.
 
-Quotas are checked when a park is admitted. A restore or prefetch that promotes a
-tenant's sequence back into memory is not refused for quota; the tenant's next park
-brings it back under.
+Quotas are charged on the tier where the bytes land, on every path: a park is admitted
+against the tier it is bound for, and settled on the tier it actually landed in; a
+windowed park (through a window of the daemon's slots to disk) against disk. A
+promotion never leaves a tenant over a memory quota for longer than the read it serves:
+a prefetch makes room within the quota first (or is refused), and a restore's promoted
+copy is settled as soon as the read ends (``TenantView.release``).
 """
 
 from __future__ import annotations
@@ -77,6 +87,17 @@ class Quotas:
                 raise ResourceExhausted(f"tenant {tenant.name!r}: a park of {spec.total} bytes is larger than its "
                                         f"whole {t} quota ({quota} bytes)")
             self._fit(tenant, prefix, t, spec.total, quota, replacing)
+
+    def settle(self, tenant: TenantConfig, prefix: str, tier: str) -> None:
+        self.make_room(tenant, prefix, tier, 0)
+
+    def make_room(self, tenant: TenantConfig, prefix: str, tier: str, need: int) -> None:
+        quota = tenant.quota.get(tier)
+        if quota is not None and tier != "disk":
+            if need > quota:
+                raise ResourceExhausted(f"tenant {tenant.name!r}: {need} bytes are more than its whole {tier} quota "
+                                        f"({quota} bytes)")
+            self._fit(tenant, prefix, tier, need, quota, "")
 
     def _fit(self, tenant: TenantConfig, prefix: str, tier: str, need: int, quota: int, replacing: str) -> None:
         eng = self.engine

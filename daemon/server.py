@@ -11,7 +11,12 @@ Primitives:
   ``Metrics``; ``metrics_address`` the bound ``/metrics`` address ("" when off).
   ``datachannel`` is its ``DataChannelServer`` (``None`` with ``server.data_channel = false``);
   ``datachannel.address`` is what Hello advertises.
-- ``grpc_options()``: the server's channel options (the shared ``kvpark.proto.GRPC_OPTIONS``).
+- ``grpc_options(chunk_size=None)``: the server's channel options (the shared
+  ``kvpark.proto.GRPC_OPTIONS``); with ``chunk_size``, a request may be no larger than
+  ``max_request_bytes(chunk_size)``.
+- ``max_request_bytes(chunk_size)``: the largest request a client sends (a chunk of
+  payload plus a header naming ``MAX_PARTS`` ids of the longest length); anything larger
+  is RESOURCE_EXHAUSTED before gRPC buffers it.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from grpc_reflection.v1alpha import reflection
 
 from kvpark.proto import GRPC_OPTIONS as CHANNEL_OPTIONS
 from kvpark.proto.errors import StartupError
+from kvpark.proto.layout import MAX_SEQ_ID_BYTES
 from kvpark.tiers.disk import DiskStore
 from kvpark.tiers.shm import boot_id, group_id
 
@@ -39,14 +45,28 @@ from .config import Config
 from .datachannel import DataChannelServer, listen_address, server_ssl_context
 from .engine import DiskFactory, Engine
 from .metrics import Metrics, MetricsServer
+from .model import MAX_PARTS
 from .servicer import SERVICE, handlers
 from .tenants import Tenants
 
 log = logging.getLogger("kvpark")
 
-def grpc_options() -> list[tuple[str, int]]:
+def max_request_bytes(chunk_size: int) -> int:
+    """A ParkSmall or a Park stream's chunk carries at most ``chunk_size`` payload bytes;
+    the largest header or id list names ``MAX_PARTS`` ids (a Lookup, a park's new blocks),
+    each at most ``MAX_SEQ_ID_BYTES`` with its metadata. Bulk bytes never need more: they
+    go in chunks or on the data channel."""
+    return chunk_size + MAX_PARTS * (MAX_SEQ_ID_BYTES + 128)
+
+
+def grpc_options(chunk_size: int | None = None) -> list[tuple[str, int]]:
     """The shared channel options (read at start, so a bench can vary them), no port reuse."""
-    return [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+    opts = [*CHANNEL_OPTIONS, ("grpc.so_reuseport", 0)]
+    if chunk_size is not None:
+        # What a caller, authenticated or not, can make the daemon buffer for one message.
+        opts = [o for o in opts if o[0] != "grpc.max_receive_message_length"]
+        opts.append(("grpc.max_receive_message_length", max_request_bytes(chunk_size)))
+    return opts
 
 
 def _restrict_socket(listen: str, group: str) -> None:
@@ -78,15 +98,15 @@ class Daemon:
 
     def start(self) -> "Daemon":
         self.metrics = Metrics()
-        metrics_server = MetricsServer(self.metrics, self.config.metrics.listen)
+        metrics_server = MetricsServer(self.metrics, self.config.metrics.listen, self.config.metrics.token_sha256)
         engine: Engine | None = None
         datachannel: DataChannelServer | None = None
-        check_exposure(self.config.server, self.config.tenants)
+        check_exposure(self.config.server, self.config.tenants, self.config.metrics)
         creds = server_credentials(self.config.server)
         auth = [AuthInterceptor(self.config.tenants, self.metrics)] if self.config.tenants else None
         server = grpc.server(
             ThreadPoolExecutor(max_workers=self.config.server.max_workers, thread_name_prefix="kvpark-rpc"),
-            options=grpc_options(),
+            options=grpc_options(self.config.server.chunk_size),
             interceptors=auth,
         )
         try:
@@ -116,8 +136,11 @@ class Daemon:
             t0 = time.perf_counter()
             engine = Engine(self.config, disk_factory=self._disk_factory, metrics=self.metrics)
             tenants = Tenants(engine, self.config.tenants)
-            # /metrics (loopback by default, the operator's) shows every tenant's row.
-            self.metrics.watch(lambda: dataclasses.replace(engine.stat(), tenants=tuple(tenants.all_stats())))
+            # /metrics (loopback by default, the operator's) shows every tenant's row, named,
+            # only when the operator asks for it (metrics.tenant_labels).
+            named = self.config.metrics.tenant_labels
+            self.metrics.watch(lambda: dataclasses.replace(
+                engine.stat(), tenants=tuple(tenants.all_stats()) if named else ()))
             if self.config.server.data_channel:
                 # TLS exactly when gRPC has it (the same certificate, and client
                 # certificates required when gRPC requires them).
@@ -193,4 +216,4 @@ class Daemon:
         self.stop()
 
 
-__all__ = ["Daemon", "grpc_options"]
+__all__ = ["Daemon", "grpc_options", "max_request_bytes"]

@@ -1,16 +1,23 @@
 """One tenant's view of the engine: its names namespaced, its quotas applied, its data paths.
 
 The servicer asks ``Tenants.view()`` for the engine of the running call. Without tenants
-configured that is the engine itself (names, replies and the on-disk format as they
-always were); with tenants it is a ``TenantView`` for the caller that ``auth`` bound.
+configured that is an ``OpenView``: the engine itself (names, replies and the on-disk
+format as they always were) behind the one id check every daemon applies; with
+tenants it is a ``TenantView`` for the caller that ``auth`` bound.
 
 Primitives:
 - ``SEP``: what joins a tenant's name to each id it uses ("alice" + SEP + "chat-1"). A
-  tenant name cannot contain it, so no id one tenant can send lands in another's space.
-- ``Tenants(engine, tenants)``: ``view() -> Engine | TenantView`` for the running call
+  tenant name cannot contain it, and no id a client sends may (``check_id``), so no id
+  one tenant can send lands in another's space.
+- ``check_id(seq_id)``: the one rule for an id a client sends, on every daemon:
+  ``InvalidArgument`` for an empty, overlong or control-character id, or one holding ``SEP``.
+- ``Tenants(engine, tenants)``: ``view() -> OpenView | TenantView`` for the running call
   (``Unauthenticated`` if tenants are configured and no tenant is bound: the last line of
   defence should the interceptor ever be bypassed); ``all_stats()`` (every tenant's row,
   for /metrics).
+- ``OpenView``: the engine as a daemon without tenants serves it, every id checked by
+  ``check_id`` on the way in (so a token-less client of an open daemon can name no
+  tenant's sequence, on its disk or in a Redis it shares); everything else is the engine's.
 - ``TenantView``: the engine calls the servicer makes (``hello``, ``reserve``,
   ``write_chunk``, ``commit``, ``release``, ``acquire``, ``grant``, ``iter_chunks``,
   ``prefetch``, ``present``, ``in_memory``, ``drop``, ``info``, ``list``, ``stat``, ``pin``, ``flush``),
@@ -29,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Iterator, Mapping
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 from kvpark.proto.errors import (
     InvalidArgument,
@@ -42,15 +49,80 @@ from kvpark.proto.errors import (
 from kvpark.proto.layout import MAX_SEQ_ID_BYTES, validate_seq_id
 from kvpark.proto.types import SeqInfo, Stat, TenantStat
 
+from . import flush as flushing
 from .auth import current_tenant
 from .config import TenantConfig
-from .model import NS_SEP, Capabilities, Grant, ParkSpec, ReadHandle, Reservation
+from .leases import gone, write_gone, write_idle
+from .model import MEM_TIERS, NS_SEP, Capabilities, Grant, ParkSpec, ReadHandle, Reservation
 from .quota import Quotas
 
 if TYPE_CHECKING:
     from .engine import Engine
 
 SEP = NS_SEP
+
+
+def check_id(seq_id: str) -> None:
+    """An id as a client may send it, whatever daemon it reaches."""
+    validate_seq_id(seq_id)
+    if SEP in seq_id:
+        raise InvalidArgument(f"seq_id must not contain {SEP!r} (U+241F, the tenant separator)")
+
+
+def _check_spec(spec: ParkSpec) -> None:
+    if spec.seq_id:  # "": a batch of blocks only
+        check_id(spec.seq_id)
+    for r in spec.refs:
+        check_id(r)
+    for b in spec.blocks:
+        _check_spec(b)
+
+
+class OpenView:
+    """The engine of a daemon without tenants, ids checked as a tenant's are."""
+
+    def __init__(self, engine: "Engine") -> None:
+        self.engine = engine
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.engine, name)  # calls that name no id: the engine's own
+
+    def reserve(self, spec: ParkSpec, inline: bool = False, tier: str | None = None) -> Reservation:
+        _check_spec(spec)
+        return self.engine.reserve(spec, inline=inline, tier=tier)
+
+    def acquire(self, seq_ids: str | list[str], need: str | None = None, stream: bool = False,
+                expect_layout: str = "", inline_max: int = 0) -> ReadHandle:
+        for s in [seq_ids] if isinstance(seq_ids, str) else seq_ids:
+            check_id(s)
+        return self.engine.acquire(seq_ids, need=need, stream=stream, expect_layout=expect_layout,
+                                   inline_max=inline_max)
+
+    def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None) -> str:
+        check_id(seq_id)
+        return self.engine.prefetch(seq_id, tier, wait=wait, timeout=timeout)
+
+    def present(self, seq_ids: list[str]) -> list[bool]:
+        for s in seq_ids:
+            check_id(s)
+        return self.engine.present(seq_ids)
+
+    def in_memory(self, seq_ids: list[str]) -> bool:
+        for s in seq_ids:
+            check_id(s)
+        return self.engine.in_memory(seq_ids)
+
+    def drop(self, seq_id: str) -> bool:
+        check_id(seq_id)
+        return self.engine.drop(seq_id)
+
+    def info(self, seq_id: str) -> SeqInfo:
+        check_id(seq_id)
+        return self.engine.info(seq_id)
+
+    def pin(self, seq_id: str, pinned: bool = True) -> SeqInfo:
+        check_id(seq_id)
+        return self.engine.pin(seq_id, pinned)
 
 
 @contextmanager
@@ -75,7 +147,7 @@ class TenantView:
     # ------------------------------------------------------------------ names
 
     def _ns(self, seq_id: str) -> str:
-        validate_seq_id(seq_id)
+        check_id(seq_id)
         if len(seq_id.encode("utf-8")) > self.max_seq_id_len:
             raise InvalidArgument(f"seq_id is {len(seq_id.encode('utf-8'))} bytes; the limit for tenant "
                                   f"{self.tenant.name!r} is {self.max_seq_id_len}")
@@ -127,22 +199,34 @@ class TenantView:
                         raise
                     # As the engine does for room: an inline park that cannot land on the
                     # device lands on host, under the host quota.
-                    landing = tier = "host"
+                    tier = "host"
+                    landing = "disk" if self.engine.windowed(spec, inline, tier) else tier
                     self.quotas.admit(self.tenant, self.prefix, spec, landing)
-                return self.engine.reserve(spec, inline=inline, tier=tier)
+                r = self.engine.reserve(spec, inline=inline, tier=tier)
+                landed = "disk" if r.window_size else r.tier
+                if landed != landing and landed != "disk":
+                    # The engine's own fallback (the device physically full): charged where
+                    # the bytes are, the open reservation counted there already.
+                    try:
+                        self.quotas.settle(self.tenant, self.prefix, landed)
+                    except BaseException:
+                        self.engine.release(r.lease_id)
+                        raise
+                return r
 
-    def _own(self, lease_id: str) -> None:
+    def _own(self, lease_id: str, missing: Callable[[str], LeaseExpired]) -> None:
         owner = self.engine.leases.owner(lease_id)
         if owner is not None and not owner.startswith(self.prefix):
-            # Answered as for a lease that never was: its holder learns nothing either way.
-            raise LeaseExpired(f"lease {lease_id!r} is gone (expired, aborted or never issued)")
+            # Answered exactly as the engine answers a lease that never was (``missing``
+            # is its error for this call): the caller learns nothing either way.
+            raise missing(lease_id)
 
     def write_chunk(self, lease_id: str, offset: int, data: memoryview) -> None:
-        self._own(lease_id)
+        self._own(lease_id, write_idle)
         self.engine.write_chunk(lease_id, offset, data)
 
     def commit(self, lease_id: str, expect_nbytes: int | None = None) -> SeqInfo:
-        self._own(lease_id)
+        self._own(lease_id, write_gone)
         with _scrubbed(self.prefix):
             return self._out(self.engine.commit(lease_id, expect_nbytes=expect_nbytes))
 
@@ -150,12 +234,24 @@ class TenantView:
         owner = self.engine.leases.owner(lease_id)
         if owner is not None and not owner.startswith(self.prefix):
             return False  # as for a lease that never was
-        return self.engine.release(lease_id)
+        done = self.engine.release(lease_id)
+        self._settle()  # a read that promoted has ended: its copies may leave now
+        return done
+
+    def _settle(self) -> None:
+        """Bring the tenant back within its memory quotas after a promotion."""
+        for tier in MEM_TIERS:
+            if tier in self.tenant.quota and tier in self.engine.tiers:
+                with self.quotas.lock(self.tenant.name):
+                    try:
+                        self.quotas.settle(self.tenant, self.prefix, tier)
+                    except ResourceExhausted:
+                        pass  # only copies still being read are left: the last of those reads settles
 
     def window(self, lease_id: str, index: int) -> tuple[tuple[int, int], ...]:
         # Windows are arena slots: the shm / cuda_ipc path of a sequence larger than its tier.
         self._trusted("the windowed shm / cuda_ipc path")
-        self._own(lease_id)
+        self._own(lease_id, gone)
         return self.engine.window(lease_id, index)
 
     # ------------------------------------------------------------------ restore
@@ -179,7 +275,18 @@ class TenantView:
 
     def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None) -> str:
         with _scrubbed(self.prefix):
-            return self.engine.prefetch(self._ns(seq_id), tier, wait=wait, timeout=timeout)
+            sid = self._ns(seq_id)
+            if tier in self.tenant.quota and tier in self.engine.tiers:
+                # Room within the quota first: a promotion never takes the tenant over it.
+                info = self.engine.info(sid)
+                with self.engine.catalog.lock:
+                    there = tier in self.engine.catalog.get(sid).res
+                with self.quotas.lock(self.tenant.name):
+                    self.quotas.make_room(self.tenant, self.prefix, tier, 0 if there else info.nbytes)
+            out = self.engine.prefetch(sid, tier, wait=wait, timeout=timeout)
+            if wait:
+                self._settle()  # a promotion through a faster tier leaves the tenant within each
+            return out
 
     # ------------------------------------------------------------------ queries
 
@@ -210,12 +317,30 @@ class TenantView:
             return self._out(self.engine.pin(self._ns(seq_id), pinned))
 
     def flush(self) -> int:
-        return self.engine.flush()
+        # This tenant's own sequences only: one tenant cannot make the daemon write (or
+        # time the writing of) another's.
+        return flushing.flush(self.engine.mover, self.prefix)
 
     def stat(self) -> Stat:
-        # The daemon's tiers as a whole, and this tenant's own row only: no tenant learns
-        # another's name or usage.
-        return dataclasses.replace(self.engine.stat(), tenants=(self.quotas.stat(self.tenant, self.prefix),))
+        # The tiers' totals (capacity, bytes and extents used: how full the daemon is),
+        # and every count this tenant's own: no tenant learns another's name, usage or
+        # activity (how many sequences or leases it holds).
+        st = self.engine.stat()
+        row = self.quotas.stat(self.tenant, self.prefix)
+        held = dict.fromkeys(st.tiers, 0)
+        cat = self.engine.catalog
+        with cat.lock:
+            own = cat.in_namespace(self.prefix)
+            for s in own:
+                for t in s.res:
+                    held[t] = held.get(t, 0) + 1
+                held["disk"] = held.get("disk", 0) + s.on_disk
+            on_remote = sum(1 for s in own if s.on_remote)
+            leases = self.engine.leases.count_owned(self.prefix)
+        tiers = {name: dataclasses.replace(t, sequences=held.get(name, 0)) for name, t in st.tiers.items()}
+        remote = None if st.remote is None else dataclasses.replace(st.remote, sequences=on_remote)
+        return dataclasses.replace(st, tiers=tiers, sequences=row.sequences, leases=leases, remote=remote,
+                                   tenants=(row,))
 
 
 class Tenants:
@@ -223,10 +348,11 @@ class Tenants:
         self.engine = engine
         self.quotas = Quotas(engine)
         self.views = {name: TenantView(engine, t, self.quotas) for name, t in tenants.items()}
+        self.open = OpenView(engine)
 
-    def view(self) -> "Engine | TenantView":
+    def view(self) -> "OpenView | TenantView":
         if not self.views:
-            return self.engine
+            return self.open
         t = current_tenant()
         if t is None or t.name not in self.views:
             raise Unauthenticated("no tenant bound to this call")
@@ -236,4 +362,4 @@ class Tenants:
         return [self.quotas.stat(v.tenant, v.prefix) for v in self.views.values()]
 
 
-__all__ = ["SEP", "TenantView", "Tenants"]
+__all__ = ["SEP", "OpenView", "TenantView", "Tenants", "check_id"]

@@ -124,6 +124,7 @@ def test_tenant_tables_resolve_validate_and_round_trip(tmp_path: Path) -> None:
 
     digest = hashlib.sha256(b"s3cret").hexdigest()
     (tmp_path / "bob.token").write_text("  other-token\n")
+    (tmp_path / "bob.token").chmod(0o600)  # the daemon refuses a token file others can read
     f = tmp_path / "t.toml"
     f.write_text(f'[tenants.alice]\ntoken_sha256 = "{digest.upper()}"\nquota = {{ host = "8MiB", disk = "1GiB" }}\n'
                  f'trusted_local = true\n\n[tenants.bob]\ntoken_file = "{tmp_path / "bob.token"}"\n')

@@ -180,7 +180,7 @@ def _tiers(c: Client) -> dict[str, str]:
 
 
 def test_host_quota_demotes_the_tenants_own_coldest_and_never_anothers(daemon: Callable[..., Daemon]) -> None:
-    d = daemon(**tenants(**{"alice.quota": {"host": "3MiB"}}))
+    d = daemon(**tenants(**{"alice.quota": {"host": "3MiB"}}), **{"metrics.tenant_labels": True})
     with Client(d.address, token=TOKENS["alice"]) as a, Client(d.address, token=TOKENS["bob"]) as b:
         for i in range(2):
             b.park(f"b{i}", [blob(MiB, 100 + i)])
@@ -199,7 +199,7 @@ def test_host_quota_demotes_the_tenants_own_coldest_and_never_anothers(daemon: C
         # Bob has no quota: his own row says so.
         (bs,) = b.stat().tenants
         assert bs.name == "bob" and bs.quota == {} and bs.used["host"] == 2 * MiB
-    # The operator's /metrics has every tenant's row.
+    # The operator's /metrics has every tenant's row (metrics.tenant_labels).
     text = d.metrics.render().decode()
     assert 'kvpark_tenant_quota_bytes{tenant="alice",tier="host"} 3.145728e+06' in text
     assert 'kvpark_tenant_used_bytes{tenant="bob",tier="host"} 2.097152e+06' in text
