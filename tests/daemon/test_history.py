@@ -1,0 +1,195 @@
+"""The history checker: unit tests on hand-written histories, and a bounded concurrent run.
+
+The pure tests build small histories by hand (times in seconds, as ``time.monotonic``
+gives them) and check that a correct one passes and that a wrong read, a lost write, a
+double create, a phantom and a cross-tenant read each fail, with the ops around them.
+
+The run (``tests/daemon/history.py``): client processes with two threads each over six
+shared ids per tenant, two tenants, every call kind, shm and inline transports, tiny tiers,
+seeded disk faults through the ``disk_factory`` seam and client processes killed mid-call;
+then a ``kvpark serve`` subprocess restarted with SIGTERM and SIGKILL under write_through.
+``KVPARK_HISTORY_SECONDS`` (default 8) and ``KVPARK_HISTORY_SEED`` (default 0) set them.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from .history import (INF, MID_RESTORE, Corrupt, Event, History, HistoryConfig, Op, block_payload, check, decode,
+                      payload, run_history)
+
+SECONDS = float(os.environ.get("KVPARK_HISTORY_SECONDS", "8"))
+SEED = int(os.environ.get("KVPARK_HISTORY_SEED", "0"))
+
+
+def w(tag: str, inv: float, comp: float, *, key: str = "/k0", kind: str = "park", status: str = "ok",
+      err: str = "", ttl: float = 0.0, refs: tuple[str, ...] = ()) -> Op:
+    return Op(f"w{tag}", tag.split(":")[0], kind, key, inv, comp, status, value=tag, err=err, ttl=ttl, refs=refs)
+
+
+def r(read: str, inv: float, comp: float, *, key: str = "/k0", tenant: str = "", read_key: str | None = None,
+      blocks: tuple[str, ...] = ()) -> Op:
+    return Op(f"r{read}{inv}", "9", "read", key, inv, comp, "ok", read=read, how="restore",
+              read_key=key if read_key is None else read_key, read_tenant=tenant, blocks=blocks)
+
+
+def drop(inv: float, comp: float, status: str = "ok", key: str = "/k0") -> Op:
+    return Op(f"d{inv}", "8", "drop", key, inv, comp, status, how="drop")
+
+
+def kinds(ops: list[Op], events: list[Event] | None = None, tolerate: tuple[str, ...] = ()) -> list[str]:
+    return [v.kind for v in check(History(ops, events or []), tolerate).violations]
+
+
+# ------------------------------------------------------------------ payloads
+
+
+def test_a_payload_names_its_write_and_a_torn_one_fails_its_crc() -> None:
+    a = payload(3, 7, 1, "k2", 5000)
+    b = payload(4, 9, 1, "k2", 5000)
+    (seg,) = decode(a)
+    assert (seg.tag, seg.tenant) == ("3:7", 1)
+    blk = block_payload(1, "b0")
+    assert [s.kind for s in decode(blk + a)] == [1, 0]
+    with pytest.raises(Corrupt):
+        decode([a[0], b[1], *a[2:]])  # a's header over b's bytes
+    with pytest.raises(Corrupt):
+        decode(a[1:])  # no header
+    torn = a[1].clone()
+    torn[4000:] = b[1][4000:]
+    with pytest.raises(Corrupt):
+        decode([a[0], torn, *a[2:]])
+
+
+# ------------------------------------------------------------------ reads
+
+
+def test_a_correct_history_passes() -> None:
+    ops = [
+        r("absent", 0.0, 0.1),
+        w("1:1", 0.2, 0.4),
+        r("1:1", 0.3, 0.5),  # concurrent with its write: either state
+        r("absent", 0.3, 0.35),
+        w("2:1", 0.6, 0.8, status="unknown"),
+        r("1:1", 0.9, 1.0),  # the unknown write may not have happened
+        r("2:1", 1.1, 1.2),  # ... or it may have
+        drop(1.3, 1.4),
+        r("absent", 1.5, 1.6),
+        w("1:2", 1.7, 1.8, kind="create"),
+        w("2:2", 1.9, 2.0, kind="create", status="fail", err="AlreadyExists"),
+        r("1:2", 2.1, 2.2),
+    ]
+    rep = check(History(ops, []))
+    assert rep.violations == [] and rep.reads_verified == 7
+
+
+def test_a_read_of_a_superseded_write_is_wrong_and_shows_its_history() -> None:
+    ops = [w("1:1", 0.0, 0.1), w("2:1", 0.2, 0.3), r("1:1", 0.4, 0.5)]
+    rep = check(History(ops, []))
+    assert [v.kind for v in rep.violations] == ["wrong"]
+    text = rep.violations[0].text()
+    assert "1:1" in text and "2:1" in text and "-> 1:1" in text  # the ops on that id around the bad read
+
+
+def test_a_read_of_a_write_not_yet_begun_is_wrong() -> None:
+    assert kinds([r("1:1", 0.0, 0.1), w("1:1", 0.2, 0.3)]) == ["wrong"]
+
+
+def test_a_read_after_a_completed_drop_of_the_dropped_value_is_wrong() -> None:
+    assert kinds([w("1:1", 0.0, 0.1), drop(0.2, 0.3), r("1:1", 0.4, 0.5)]) == ["wrong"]
+    # An unknown drop may not have happened: no violation.
+    assert kinds([w("1:1", 0.0, 0.1), drop(0.2, 0.3, "unknown"), r("1:1", 0.4, 0.5)]) == []
+
+
+def test_an_acknowledged_write_missing_is_lost_unless_something_removed_it() -> None:
+    assert kinds([w("1:1", 0.0, 0.1), r("absent", 0.2, 0.3)]) == ["lost"]
+    assert kinds([w("1:1", 0.0, 0.1), drop(0.15, 0.25, "unknown"), r("absent", 0.2, 0.3)]) == []
+    assert kinds([w("1:1", 0.0, 0.1, ttl=0.1), r("absent", 0.2, 0.3)]) == []  # expired
+    evict = Event("evict", 0.1, 0.15, key="/k0")
+    assert kinds([w("1:1", 0.0, 0.1), r("absent", 0.2, 0.3)], [evict]) == []
+    # A write after the eviction is not undone by it.
+    assert kinds([w("1:1", 0.0, 0.1), w("1:2", 0.2, 0.25), r("absent", 0.3, 0.4)], [evict]) == ["lost"]
+
+
+def test_a_lossy_restart_may_undo_acknowledged_writes_a_clean_one_may_not() -> None:
+    ops = [w("1:1", 0.0, 0.1), w("1:2", 0.2, 0.3), r("1:1", 1.0, 1.1), r("absent", 1.2, 1.3)]
+    assert kinds(ops, [Event("restart", 0.5, 0.8, lossy=True)]) == []
+    assert kinds(ops, [Event("restart", 0.5, 0.8, lossy=False)]) == ["wrong", "lost"]
+    # Bytes nobody wrote are never allowed, lossy or not.
+    assert kinds([r("7:7", 1.0, 1.1)], [Event("restart", 0.5, 0.8, lossy=True)]) == ["phantom"]
+
+
+def test_a_read_of_a_refused_write_is_phantom() -> None:
+    first = w("0:1", 0.0, 0.05)
+    assert kinds([first, w("1:1", 0.06, 0.1, kind="create", status="fail", err="AlreadyExists"),
+                  r("1:1", 0.2, 0.3)]) == ["phantom"]
+    assert kinds([first, w("1:1", 0.06, 0.1, status="fail", err="ResourceExhausted"), r("1:1", 0.2, 0.3)]) == ["phantom"]
+
+
+def test_a_read_of_another_tenants_bytes_is_cross_tenant() -> None:
+    ops = [w("1:1", 0.0, 0.1, key="bob/k0"), r("1:1", 0.2, 0.3, key="alice/k0", tenant="bob", read_key="bob/k0")]
+    assert kinds(ops) == ["cross_tenant"]
+
+
+def test_a_read_of_another_ids_value_or_other_blocks_is_wrong() -> None:
+    assert kinds([w("1:1", 0.0, 0.1, key="/k1"), r("1:1", 0.2, 0.3, read_key="/k1")]) == ["wrong"]
+    assert kinds([w("1:1", 0.0, 0.1, refs=("b0",)), r("1:1", 0.2, 0.3, blocks=("b1",))]) == ["wrong"]
+
+
+def test_corrupt_bytes_are_reported() -> None:
+    bad = r("1:1", 0.2, 0.3)
+    bad.corrupt = "segment 1:1: its bytes fail their crc (torn or mixed)"
+    assert kinds([w("1:1", 0.0, 0.1), bad]) == ["corrupt"]
+
+
+def test_a_known_bug_is_tolerated_only_by_name() -> None:
+    mid = r("absent", 0.2, 0.3)
+    mid.err = MID_RESTORE
+    ops = [w("1:1", 0.0, 0.1), mid]
+    assert kinds(ops) == ["lost"]
+    assert kinds(ops, tolerate=("mid_restore_notfound",)) == []
+    assert check(History(ops, []), ("mid_restore_notfound",)).tolerated == 1
+
+
+# ------------------------------------------------------------------ creates
+
+
+def test_two_creates_that_both_succeed_without_a_drop_between_fail() -> None:
+    c1 = w("1:1", 0.0, 0.1, kind="create")
+    c2 = w("2:1", 0.2, 0.3, kind="create")
+    assert kinds([c1, c2]) == ["create"]
+    assert kinds([c1, drop(0.12, 0.15), c2]) == []
+    assert kinds([c1, drop(0.12, 0.15, "unknown"), c2]) == []
+    assert kinds([w("1:1", 0.0, 0.25, kind="create"), c2]) == []  # overlapping: either may be first
+
+
+def test_a_create_refused_after_a_drop_with_nothing_written_since_fails() -> None:
+    c = w("2:1", 0.4, 0.5, kind="create", status="fail", err="AlreadyExists")
+    assert kinds([w("1:1", 0.0, 0.1), drop(0.2, 0.3), c]) == ["create"]
+    assert kinds([w("1:1", 0.0, 0.1), drop(0.2, 0.3), w("1:2", 0.25, INF, status="unknown"), c]) == []
+    assert kinds([c]) == ["create"]  # nothing was ever written
+
+
+# ------------------------------------------------------------------ the run
+
+
+def _print(rep: object) -> None:
+    print("\n" + rep.table())  # type: ignore[attr-defined]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_concurrent_history_with_disk_faults_and_client_kills(tmp_path: Path) -> None:
+    # KNOWN BUG tolerated here (and only here; bench/history.py reports it): a restore
+    # racing an overwrite of its id answers NotFound. See KNOWN_BUGS in history.py.
+    cfg = HistoryConfig(seconds=SECONDS, seed=SEED, clients=3, threads=2, tenants=True, write="write_back",
+                        daemon="inproc", faults=("disk", "client_kill"), host="4MiB", disk="24MiB",
+                        fault_every=(1.0, 3.0), tolerate=("mid_restore_notfound",))
+    rep = run_history(tmp_path, cfg)
+    _print(rep)
+    assert rep.clean, rep.explain()
+    assert rep.reads_verified > 100 and rep.faults > 0, rep.table()
