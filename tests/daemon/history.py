@@ -192,13 +192,14 @@ class Op:
     read_key: str = ""  # the key the value read says it was written to
     read_tenant: str = ""  # the tenant the value read says it belongs to
     corrupt: str = ""  # why the bytes a read returned are not a whole written value
+    msg: str = ""  # the error's message, for the printed history
 
     def line(self) -> str:
         end = "..." if self.comp == INF else f"{self.comp:.4f}"
         what = self.value or ""
         if self.kind == "read":
             what = f"-> {self.read}" if self.read else "-> ?"
-        err = f" {self.err}" if self.err else ""
+        err = f" {self.err}" + (f" ({self.msg[:90]})" if self.msg else "") if self.err else ""
         return f"[{self.inv:.4f} .. {end}] {self.client:>6} {self.how or self.kind:<13} {self.key:<14} " \
                f"{self.status:<7} {what}{err}"
 
@@ -464,7 +465,7 @@ class Recorder:
     def complete(self, op: Op) -> None:
         op.comp = time.monotonic()
         self._write({"i": op.id, "t1": op.comp, "st": op.status, "r": op.read, "err": op.err, "b": list(op.blocks),
-                     "rk": op.read_key, "rt": op.read_tenant, "x": op.corrupt})
+                     "rk": op.read_key, "rt": op.read_tenant, "x": op.corrupt, "m": op.msg})
 
     def close(self) -> None:
         self._f.close()
@@ -486,6 +487,7 @@ def load_ops(paths: Iterable[Path]) -> list[Op]:
                 o = ops[rec["i"]]
                 o.comp, o.status, o.read, o.err = rec["t1"], rec["st"], rec["r"], rec["err"]
                 o.blocks, o.read_key, o.read_tenant, o.corrupt = tuple(rec["b"]), rec["rk"], rec["rt"], rec["x"]
+                o.msg = rec.get("m", "")
     return list(ops.values())
 
 
@@ -667,6 +669,7 @@ def _thread(ctx: _Ctx, cid: int, stop: Callable[[], bool]) -> None:
         except Corrupt as e:
             op.status, op.corrupt = "ok", str(e)
         except NotFound as e:
+            op.msg = str(e)[:200]
             # A read of absence (a restore, a prefetch or a pin that found nothing), or a
             # composite park whose blocks ... cannot be missing: they come in the same commit.
             op.status, op.err = ("ok", "") if op.kind == "read" else ("fail", type(e).__name__)
@@ -678,7 +681,7 @@ def _thread(ctx: _Ctx, cid: int, stop: Callable[[], bool]) -> None:
                 op.read = None  # one of several ids: which one is not said
         except KVParkError as e:
             name = type(e).__name__
-            op.err = name
+            op.err, op.msg = name, str(e)[:200]
             refused = name in REFUSALS or (ctx.lossless_unavailable and isinstance(e, Unavailable)
                                            and "cannot be written" in str(e) and op.kind != "drop")
             if name == "DataLoss":
@@ -737,10 +740,11 @@ class FaultyDisk:
     """Builds ``DiskStore`` subclasses whose write transactions fail (EIO), hit a full map
     or stall, each with a seeded probability; ``count`` holds what was injected and when."""
 
-    def __init__(self, seed: int, p_eio: float = 0.03, p_full: float = 0.01, p_slow: float = 0.03) -> None:
+    def __init__(self, seed: int, kinds: Sequence[str] = ("eio", "map_full", "slow")) -> None:
         self.rng = random.Random(seed)
         self.lock = threading.Lock()
-        self.p = (p_eio, p_full, p_slow)
+        # Per write transaction: 3% EIO, 1% a full map, 3% a 50 ms stall.
+        self.p = tuple(p if k in kinds else 0.0 for k, p in (("eio", 0.03), ("map_full", 0.01), ("slow", 0.03)))
         self.armed = False
         self.events: list[Event] = []
 
@@ -845,6 +849,7 @@ class HistoryConfig:
     transports: tuple[str, ...] = ("shm", "inline")
     fault_every: tuple[float, float] = (0.5, 2.0)  # seconds between restarts / client kills
     tolerate: tuple[str, ...] = ()  # KNOWN_BUGS not to fail on
+    disk_faults: tuple[str, ...] = ("eio", "map_full", "slow")  # what FaultyDisk injects ("disk" in faults)
 
 
 def _daemon_settings(cfg: HistoryConfig, root: Path) -> dict[str, Any]:
@@ -871,7 +876,7 @@ class _Daemon:
         self.settings = _daemon_settings(cfg, root)
         self.inproc: Any = None
         self.popen: subprocess.Popen | None = None
-        self.disk = FaultyDisk(cfg.seed)
+        self.disk = FaultyDisk(cfg.seed, cfg.disk_faults)
         self.address = ""
 
     def start(self) -> None:
@@ -1059,6 +1064,7 @@ def run_history(root: Path, cfg: HistoryConfig) -> Report:
     rep = check(hist, cfg.tolerate)
     rep.problems += problems
     rep.seed = cfg.seed
+    (root / "report.txt").write_text(rep.table() + "\n" + rep.explain(limit=50) + "\n")
     return rep
 
 
