@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .history import (INF, MID_RESTORE, Corrupt, Event, History, HistoryConfig, Op, block_payload, check, decode,
+from .history import (INF, MID_RESTORE, RECORD_MISSING, Corrupt, Event, History, HistoryConfig, Op, block_payload, check, decode,
                       payload, run_history)
 
 SECONDS = float(os.environ.get("KVPARK_HISTORY_SECONDS", "8"))
@@ -149,10 +149,16 @@ def test_corrupt_bytes_are_reported() -> None:
 def test_a_known_bug_is_tolerated_only_by_name() -> None:
     mid = r("absent", 0.2, 0.3)
     mid.err = MID_RESTORE
-    ops = [w("1:1", 0.0, 0.1), mid]
+    ops = [w("1:1", 0.0, 0.1), mid, w("1:2", 0.25, 0.35)]
     assert kinds(ops) == ["lost"]
     assert kinds(ops, tolerate=("mid_restore_notfound",)) == []
     assert check(History(ops, []), ("mid_restore_notfound",)).tolerated == 1
+    # Only while a write or a drop of the id ran: alone, it is lost all the same.
+    assert kinds(ops[:2], tolerate=("mid_restore_notfound",)) == ["lost"]
+    gone = r("?", 0.2, 0.3)
+    gone.read, gone.err, gone.corrupt = None, RECORD_MISSING, "DataLoss: record missing from the disk tier"
+    assert kinds([w("1:1", 0.0, 0.1), gone, drop(0.25, 0.28)], tolerate=("mid_restore_dataloss",)) == []
+    assert kinds([w("1:1", 0.0, 0.1), gone], tolerate=("mid_restore_dataloss",)) == ["corrupt"]
 
 
 # ------------------------------------------------------------------ creates
