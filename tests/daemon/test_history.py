@@ -8,7 +8,7 @@ The run (``tests/daemon/history.py``): client processes with two threads each ov
 shared ids per tenant, two tenants, every call kind, shm and inline transports, tiny tiers,
 seeded disk faults through the ``disk_factory`` seam and client processes killed mid-call;
 then a ``kvpark serve`` subprocess restarted with SIGTERM and SIGKILL under write_through.
-``KVPARK_HISTORY_SECONDS`` (default 8) and ``KVPARK_HISTORY_SEED`` (default 0) set them.
+``KVPARK_HISTORY_SECONDS`` (default 6, each run) and ``KVPARK_HISTORY_SEED`` (default 0) set them.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 from .history import (INF, MID_RESTORE, RECORD_MISSING, Corrupt, Event, History, HistoryConfig, Op, block_payload, check, decode,
                       payload, run_history)
 
-SECONDS = float(os.environ.get("KVPARK_HISTORY_SECONDS", "8"))
+SECONDS = float(os.environ.get("KVPARK_HISTORY_SECONDS", "6"))
 SEED = int(os.environ.get("KVPARK_HISTORY_SEED", "0"))
 
 
@@ -191,15 +191,31 @@ def _print(rep: object) -> None:
 @pytest.mark.timeout(600)
 def test_concurrent_history_with_disk_faults_and_client_kills(tmp_path: Path) -> None:
     # KNOWN BUGS kept out of this run (bench/history.py runs with them and reports them):
-    # - a restore racing an overwrite of its id answers NotFound: tolerated by name
-    #   (KNOWN_BUGS["mid_restore_notfound"] in history.py);
+    # - a restore racing an overwrite or drop of its id answers NotFound, or a false
+    #   DataLoss ("record missing"): tolerated by name (KNOWN_BUGS in history.py);
     # - a park whose deletion of the version it replaced fails on the disk (EIO, map
     #   full) is answered UNAVAILABLE / RESOURCE_EXHAUSTED although it was published:
     #   the disk faults here are stalls only, no EIO, no map full.
     cfg = HistoryConfig(seconds=SECONDS, seed=SEED, clients=3, threads=2, tenants=True, write="write_back",
                         daemon="inproc", faults=("disk", "client_kill"), disk_faults=("slow",), host="4MiB",
-                        disk="12MiB", fault_every=(1.0, 3.0), tolerate=("mid_restore_notfound",))
+                        disk="12MiB", fault_every=(1.0, 3.0), tolerate=("mid_restore_notfound", "mid_restore_dataloss"))
     rep = run_history(tmp_path, cfg)
     _print(rep)
     assert rep.clean, rep.explain()
     assert rep.reads_verified > 100 and rep.faults > 0, rep.table()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_concurrent_history_across_sigterm_and_sigkill_restarts(tmp_path: Path) -> None:
+    # write_through: nothing acknowledged may be lost across either restart. The disk is
+    # large (no evictions: a subprocess's are not observed). KNOWN BUGS tolerated by name
+    # (see KNOWN_BUGS in history.py): NotFound and a false DataLoss ("record missing")
+    # for a restore that an overwrite or drop of its id overlapped.
+    cfg = HistoryConfig(seconds=SECONDS, seed=SEED, clients=3, threads=2, tenants=True, write="write_through",
+                        daemon="proc", faults=("sigterm", "sigkill", "client_kill"), host="4MiB", disk="256MiB",
+                        fault_every=(1.5, 3.0), tolerate=("mid_restore_notfound", "mid_restore_dataloss"))
+    rep = run_history(tmp_path, cfg)
+    _print(rep)
+    assert rep.clean, rep.explain()
+    assert rep.reads_verified > 100 and rep.restarts > 0, rep.table()
