@@ -86,8 +86,9 @@ INF = float("inf")
 MID_RESTORE = "NotFound(mid-restore)"
 RECORD_MISSING = "DataLoss(record missing)"
 KNOWN_BUGS = {
-    # A restore that races an overwrite of its id gets NotFound ("dropped or overwritten
-    # during the restore", daemon/reads.py lease_part): the id was never absent.
+    # A restore or a waited prefetch that races an overwrite of its id gets NotFound
+    # ("dropped or overwritten during the restore", daemon/reads.py lease_part; "no parked
+    # sequence" after the prefetch's wait, daemon/mover.py): the id was never absent.
     "mid_restore_notfound": MID_RESTORE,
     # A restore served from the disk copy that an overwrite or a drop deletes under it
     # gets DataLoss ("record missing from the disk tier"): nothing was damaged.
@@ -681,8 +682,10 @@ def _thread(ctx: _Ctx, cid: int, stop: Callable[[], bool]) -> None:
             # A read of absence (a restore, a prefetch or a pin that found nothing), or a
             # composite park whose blocks ... cannot be missing: they come in the same commit.
             op.status, op.err = ("ok", "") if op.kind == "read" else ("fail", type(e).__name__)
-            if op.kind == "read" and "during the restore" in str(e):
-                op.err = MID_RESTORE  # the daemon's own words: see KNOWN_BUGS
+            if op.kind == "read" and ("was dropped" in str(e) and "during" in str(e) or how == "prefetch"):
+                # The daemon's words ("... during the restore / a move"); a waited
+                # prefetch says "no parked sequence" alike (daemon/mover.py): see KNOWN_BUGS.
+                op.err = MID_RESTORE
             if op.kind == "read" and how != "restore_many":
                 op.read, op.read_tenant = "absent", ctx.tenant
             elif op.kind == "read":
@@ -690,8 +693,10 @@ def _thread(ctx: _Ctx, cid: int, stop: Callable[[], bool]) -> None:
         except KVParkError as e:
             name = type(e).__name__
             op.err, op.msg = name, str(e)[:200]
-            refused = name in REFUSALS or (ctx.lossless_unavailable and isinstance(e, Unavailable)
-                                           and "cannot be written" in str(e) and op.kind != "drop")
+            # A drop leaves the index before its disk records go, so a drop that fails on
+            # the disk may have happened: unknown, whatever the error.
+            refused = op.kind != "drop" and (name in REFUSALS or (ctx.lossless_unavailable and isinstance(
+                e, Unavailable) and "cannot be written" in str(e)))
             if name == "DataLoss":
                 op.status, op.corrupt = "ok", f"DataLoss: {e}"
                 if "record missing" in str(e):
