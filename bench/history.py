@@ -10,7 +10,9 @@ same thing (``tests/daemon/test_history.py``). Run from the repository root:
 
 ``--faults`` picks from ``disk`` (seeded EIO, map full and stalls in disk write
 transactions; in-process daemon), ``sigterm`` and ``sigkill`` (restarts of a ``kvpark
-serve`` subprocess) and ``client_kill``. Any of ``sigterm``/``sigkill`` runs the daemon as
+serve`` subprocess), ``client_kill``, and with ``--remote`` ``redis_kill`` (Redis killed and
+restarted empty) and ``redis_delete`` (one sequence's manifest deleted behind the daemon's
+back). Any of ``sigterm``/``sigkill`` runs the daemon as
 a subprocess, where ``disk`` cannot be injected. ``--tolerate`` names known bugs
 (``KNOWN_BUGS`` in the harness) not to fail on; by default none is tolerated.
 
@@ -29,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests packag
 
 from tests.daemon.history import KNOWN_BUGS, OPS, HistoryConfig, run_history  # noqa: E402
 
-FAULTS = ("disk", "sigterm", "sigkill", "client_kill")
+FAULTS = ("disk", "sigterm", "sigkill", "client_kill", "redis_kill", "redis_delete")
 
 
 def main() -> int:
@@ -45,6 +47,8 @@ def main() -> int:
     ap.add_argument("--disk-faults", default="eio,map_full,slow", help="what 'disk' injects")
     ap.add_argument("--write", choices=("write_back", "write_through"), default="write_back")
     ap.add_argument("--no-tenants", action="store_true", help="one namespace instead of two tenants")
+    ap.add_argument("--remote", action="store_true", help="a real redis-server as the remote tier (faults "
+                                                          "redis_kill, redis_delete)")
     ap.add_argument("--host", default="4MiB", help="host tier capacity")
     ap.add_argument("--disk", default="", help="disk tier capacity (default 12MiB in-process, 256MiB subprocess)")
     ap.add_argument("--without", default="", help=f"comma-separated calls to leave out, of {', '.join(OPS)}")
@@ -61,7 +65,7 @@ def main() -> int:
     failed = 0
     for seed in range(a.seed, a.seed + a.seeds):
         cfg = HistoryConfig(seconds=a.seconds, seed=seed, clients=a.clients, threads=a.threads, keys=a.keys,
-                            tenants=not a.no_tenants, write=a.write, daemon="proc" if proc else "inproc",
+                            tenants=not a.no_tenants, write=a.write, remote=a.remote, daemon="proc" if proc else "inproc",
                             faults=faults, disk_faults=tuple(a.disk_faults.split(",")), ops=ops, host=a.host,
                             disk=a.disk or ("256MiB" if proc else "12MiB"),
                             tolerate=tuple(t for t in a.tolerate.split(",") if t))

@@ -56,6 +56,7 @@ import json
 import logging
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -306,7 +307,8 @@ class _Key:
         # evictions, lossy restarts.
         self.removals: list[tuple[float, float]] = [(o.inv, o.comp) for o in ops
                                                     if o.kind == "drop" and o.status in ("ok", "unknown")]
-        self.removals += [(e.inv, e.comp) for e in events if e.kind == "evict"]
+        # What Redis lost: only copies that lived nowhere else, so never a definite change.
+        self.removals += [(e.inv, e.comp) for e in events if e.kind in ("evict", "remote_loss")]
         self.lossy = sorted(e.inv for e in restarts if e.lossy)
         self.removals += [(t, t) for t in self.lossy]
         self.events = events
@@ -358,7 +360,7 @@ def check(history: History, tolerate: Sequence[str] = ()) -> Report:
     skip = {KNOWN_BUGS[t] for t in tolerate}
     restarts = [e for e in history.events if e.kind == "restart"]
     rep.restarts = len(restarts)
-    rep.faults = sum(e.kind in ("fault", "client_kill") for e in history.events) + len(restarts)
+    rep.faults = sum(e.kind in ("fault", "client_kill", "remote_loss") for e in history.events) + len(restarts)
     rep.evictions = sum(e.kind == "evict" for e in history.events)
     by_key: dict[str, list[Op]] = {}
     by_tag: dict[str, Op] = {}
@@ -368,8 +370,8 @@ def check(history: History, tolerate: Sequence[str] = ()) -> Report:
             by_tag[o.value] = o
         rep.counts[f"{o.how or o.kind} {o.status}"] = rep.counts.get(f"{o.how or o.kind} {o.status}", 0) + 1
         rep.unknown += o.status == "unknown"
-    keys = {k: _Key(k, ops, [e for e in history.events if e.kind == "evict" and e.key == k]
-                    + [e for e in history.events if e.kind != "evict"], restarts)
+    keys = {k: _Key(k, ops, [e for e in history.events if e.kind in ("evict", "remote_loss") and e.key in (k, "")]
+                    + [e for e in history.events if e.kind not in ("evict", "remote_loss")], restarts)
             for k, ops in by_key.items()}
 
     def flag(kind: str, k: _Key, op: Op, msg: str, lo: float) -> None:
@@ -637,7 +639,12 @@ def _thread(ctx: _Ctx, cid: int, stop: Callable[[], bool]) -> None:
             op.how = "pin" if rng.random() < 0.5 else "unpin"
         elif how == "restore_many":
             many = [sid] + [f"k{n}" for n in rng.sample(range(ctx.keys), 2) if f"k{n}" != sid][:1]
-        c = ctx.conn.get()
+        try:
+            c = ctx.conn.get()
+        except Exception:  # noqa: BLE001 - told to stop while the daemon was down
+            if stop():
+                break
+            raise
         ctx.rec.invoke(op)
         try:
             if op.kind in ("park", "create"):
@@ -701,6 +708,9 @@ def _thread(ctx: _Ctx, cid: int, stop: Callable[[], bool]) -> None:
                 op.status, op.corrupt = "ok", f"DataLoss: {e}"
                 if "record missing" in str(e):
                     op.err = RECORD_MISSING  # see KNOWN_BUGS
+                    named = re.search(r"sequence '([^']+)'", str(e))
+                    if named and how == "restore_many":  # the id it names, of the several read
+                        op.key = f"{ctx.tenant}/{named.group(1)}"
             elif refused:
                 op.status = "fail"
             else:
@@ -844,6 +854,40 @@ class _Evictions(logging.Handler):
                 self.events.append(Event("evict", now - 1.0, now, key=f"{tenant}/{bare}"))
 
 
+class _Redis:
+    """The remote tier's real Redis (no persistence): killed and restarted (everything in
+    it lost), or one sequence's manifest deleted behind the daemon's back. Each is a
+    ``remote_loss`` event: a possible removal of every id (a restart) or of one."""
+
+    def __init__(self, root: Path) -> None:
+        from tests.redis_servers import RedisServer, have_redis
+        why = have_redis()
+        if why:
+            raise RuntimeError(why)
+        self.server = RedisServer(root / "redis").start()
+
+    def kill_and_restart(self, down_s: float) -> Event:
+        t0 = time.monotonic()
+        self.server.stop()
+        time.sleep(down_s)  # an outage the daemon's breaker must ride out
+        self.server.start()
+        return Event("remote_loss", t0, time.monotonic(), what="redis killed and restarted (empty)")
+
+    def delete_one(self, rng: random.Random) -> Event | None:
+        keys = sorted(k for k in self.server.cli("--scan", "--pattern", "hist:*m:*").split() if ":m:" in k)
+        if not keys:
+            return None
+        key = rng.choice(keys)
+        t0 = time.monotonic()
+        self.server.cli("del", key)
+        tenant = key.split(":t:", 1)[1].split(":", 1)[0] if ":t:" in key else ""
+        return Event("remote_loss", t0, time.monotonic(), key=f"{tenant}/{key.rsplit(':m:', 1)[1]}",
+                     what=f"deleted {key} behind the daemon")
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
 # ------------------------------------------------------------------ controller
 
 
@@ -857,7 +901,8 @@ class HistoryConfig:
     tenants: bool = True
     write: str = "write_back"
     daemon: str = "inproc"  # inproc: disk faults, evictions, invariants; proc: restarts
-    faults: tuple[str, ...] = ("disk", "client_kill")  # disk, sigterm, sigkill, client_kill
+    # disk, sigterm, sigkill, client_kill; with ``remote``: redis_kill, redis_delete
+    faults: tuple[str, ...] = ("disk", "client_kill")
     ops: dict[str, int] = field(default_factory=lambda: dict(OPS))
     host: str = "4MiB"
     disk: str = "32MiB"
@@ -865,6 +910,7 @@ class HistoryConfig:
     fault_every: tuple[float, float] = (0.5, 2.0)  # seconds between restarts / client kills
     tolerate: tuple[str, ...] = ()  # KNOWN_BUGS not to fail on
     disk_faults: tuple[str, ...] = ("eio", "map_full", "slow")  # what FaultyDisk injects ("disk" in faults)
+    remote: bool = False  # a real redis-server as the remote tier (what the disk evicts goes there)
 
 
 def _daemon_settings(cfg: HistoryConfig, root: Path) -> dict[str, Any]:
@@ -874,6 +920,8 @@ def _daemon_settings(cfg: HistoryConfig, root: Path) -> dict[str, Any]:
         "tiers.disk.path": str(root / "disk"), "tiers.disk.capacity": cfg.disk,
         "policy.write": cfg.write, "leases.ttl_s": 4.0,  # the reaper (TTLs) runs every second
     }
+    if cfg.remote:
+        out.update({"tiers.remote.namespace": "hist", "tiers.remote.timeout_s": 1.0})
     if cfg.tenants:
         import hashlib
         for name, tok in TOKENS.items():
@@ -1000,7 +1048,10 @@ def run_history(root: Path, cfg: HistoryConfig) -> Report:
     old_level = mover_log.level
     mover_log.addHandler(ev)
     mover_log.setLevel(logging.DEBUG)
+    redis = _Redis(root) if cfg.remote else None
     d = _Daemon(cfg, root)
+    if redis is not None:
+        d.settings["tiers.remote.url"] = redis.server.url
     events: list[Event] = []
     procs: dict[int, subprocess.Popen] = {}
     killed: list[subprocess.Popen] = []
@@ -1030,9 +1081,11 @@ def run_history(root: Path, cfg: HistoryConfig) -> Report:
         d.disk.armed = True
         (root / "go").write_text("")
         end = time.monotonic() + cfg.seconds
-        nemeses = [f for f in cfg.faults if f in ("sigterm", "sigkill", "client_kill")]
+        nemeses = [f for f in cfg.faults if f in ("sigterm", "sigkill", "client_kill", "redis_kill", "redis_delete")]
         if cfg.daemon != "proc":
-            nemeses = [f for f in nemeses if f == "client_kill"]
+            nemeses = [f for f in nemeses if f not in ("sigterm", "sigkill")]
+        if redis is None:
+            nemeses = [f for f in nemeses if not f.startswith("redis")]
         next_n = cfg.clients
         while True:
             left = end - time.monotonic()
@@ -1051,6 +1104,11 @@ def run_history(root: Path, cfg: HistoryConfig) -> Report:
                 events.append(Event("client_kill", t0, time.monotonic(), what=f"client process {victim}"))
                 spawn(next_n)  # a new process: new logical clients, new counters
                 next_n += 1
+            elif f == "redis_kill" and redis is not None:
+                events.append(redis.kill_and_restart(rng.uniform(0.2, 1.0)))
+            elif f == "redis_delete" and redis is not None:
+                e = redis.delete_one(rng)
+                events += [e] if e is not None else []
             else:
                 events.append(d.restart(signal.SIGTERM if f == "sigterm" else signal.SIGKILL))
         (root / "stop").write_text("")
@@ -1069,6 +1127,8 @@ def run_history(root: Path, cfg: HistoryConfig) -> Report:
                 p.kill()
                 p.wait()
         d.stop()
+        if redis is not None:
+            redis.stop()
         mover_log.removeHandler(ev)
         mover_log.setLevel(old_level)
     with ev.seen_lock:
