@@ -253,6 +253,7 @@ VIOLATION_KINDS = ("wrong", "lost", "phantom", "cross_tenant", "corrupt", "creat
 class Report:
     ops: int = 0
     reads_verified: int = 0
+    values_verified: int = 0  # of those, reads that returned a value (not NotFound)
     faults: int = 0
     restarts: int = 0
     evictions: int = 0
@@ -271,8 +272,8 @@ class Report:
         return not self.violations and not self.problems
 
     def table(self) -> str:
-        head = ("ops", "reads_verified", "unknown", "faults", "restarts", "evictions", *VIOLATION_KINDS)
-        vals = [self.ops, self.reads_verified, self.unknown, self.faults, self.restarts, self.evictions,
+        head = ("ops", "reads_verified", "values", "unknown", "faults", "restarts", "evictions", *VIOLATION_KINDS)
+        vals = [self.ops, self.reads_verified, self.values_verified, self.unknown, self.faults, self.restarts, self.evictions,
                 *(self.n(k) for k in VIOLATION_KINDS)]
         widths = [max(len(h), len(str(v))) for h, v in zip(head, vals)]
         lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths)),
@@ -425,6 +426,7 @@ def check(history: History, tolerate: Sequence[str] = ()) -> Report:
                                     f"replaced before the read began", w.inv - 0.05)
             else:
                 rep.reads_verified += 1
+                rep.values_verified += 1
         _check_creates(k, flag)
     return rep
 

@@ -86,7 +86,7 @@ def test_a_correct_history_passes() -> None:
         r("1:2", 2.1, 2.2),
     ]
     rep = check(History(ops, []))
-    assert rep.violations == [] and rep.reads_verified == 7
+    assert rep.violations == [] and rep.reads_verified == 7 and rep.values_verified == 4
 
 
 def test_a_read_of_a_superseded_write_is_wrong_and_shows_its_history() -> None:
@@ -214,7 +214,8 @@ def test_concurrent_history_with_disk_stalls_client_kills_and_redis_faults(tmp_p
     rep = run_history(tmp_path, cfg)
     _print(rep)
     assert rep.clean, rep.explain()
-    assert rep.reads_verified > 100 and rep.faults > 0, rep.table()
+    # The run did what it is for: values read back and checked, faults injected.
+    assert rep.values_verified > 100 and rep.faults > 0, rep.table()
 
 
 @pytest.mark.slow
@@ -231,8 +232,8 @@ def test_concurrent_history_across_sigterm_and_sigkill_restarts(tmp_path: Path) 
     ops = {k: v for k, v in OPS.items() if k != "create"}
     cfg = HistoryConfig(seconds=SECONDS, seed=SEED, clients=3, threads=2, tenants=True, write="write_through",
                         daemon="proc", faults=("sigterm", "sigkill", "client_kill"), host="4MiB", disk="256MiB",
-                        ops=ops, fault_every=(1.5, 3.0), tolerate=("mid_restore_notfound", "mid_restore_dataloss"))
+                        ops=ops, fault_every=(1.0, 2.0), tolerate=("mid_restore_notfound", "mid_restore_dataloss"))
     rep = run_history(tmp_path, cfg)
     _print(rep)
     assert rep.clean, rep.explain()
-    assert rep.reads_verified > 100 and rep.restarts > 0, rep.table()
+    assert rep.values_verified > 50 and rep.restarts > 0, rep.table()
