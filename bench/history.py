@@ -65,7 +65,8 @@ def main() -> int:
     failed = 0
     for seed in range(a.seed, a.seed + a.seeds):
         cfg = HistoryConfig(seconds=a.seconds, seed=seed, clients=a.clients, threads=a.threads, keys=a.keys,
-                            tenants=not a.no_tenants, write=a.write, remote=a.remote, daemon="proc" if proc else "inproc",
+                            tenants=not a.no_tenants, write=a.write, remote=a.remote,
+                            daemon="proc" if proc else "inproc",
                             faults=faults, disk_faults=tuple(a.disk_faults.split(",")), ops=ops, host=a.host,
                             disk=a.disk or ("256MiB" if proc else "12MiB"),
                             tolerate=tuple(t for t in a.tolerate.split(",") if t))
@@ -74,8 +75,8 @@ def main() -> int:
             t0 = time.monotonic()
             rep = run_history(root, cfg)
             print(rep.table())
-            print(f"({time.monotonic() - t0:.0f} s, {a.clients}x{a.threads} clients, faults {','.join(faults) or 'none'}, "
-                  f"{a.write}, seed {seed})")
+            print(f"({time.monotonic() - t0:.0f} s, {a.clients}x{a.threads} clients, "
+                  f"faults {','.join(faults) or 'none'}, {a.write}, seed {seed})")
             if not rep.clean:
                 failed += 1
                 print(rep.explain(limit=10))

@@ -273,7 +273,8 @@ class Report:
 
     def table(self) -> str:
         head = ("ops", "reads_verified", "values", "unknown", "faults", "restarts", "evictions", *VIOLATION_KINDS)
-        vals = [self.ops, self.reads_verified, self.values_verified, self.unknown, self.faults, self.restarts, self.evictions,
+        vals = [self.ops, self.reads_verified, self.values_verified, self.unknown, self.faults, self.restarts,
+                self.evictions,
                 *(self.n(k) for k in VIOLATION_KINDS)]
         widths = [max(len(h), len(str(v))) for h, v in zip(head, vals)]
         lines = ["  ".join(h.rjust(w) for h, w in zip(head, widths)),
