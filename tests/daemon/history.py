@@ -479,7 +479,7 @@ class Recorder:
 
     def complete(self, op: Op) -> None:
         op.comp = time.monotonic()
-        self._write({"i": op.id, "t1": op.comp, "st": op.status, "r": op.read, "err": op.err, "b": list(op.blocks),
+        self._write({"i": op.id, "k": op.key, "t1": op.comp, "st": op.status, "r": op.read, "err": op.err, "b": list(op.blocks),
                      "rk": op.read_key, "rt": op.read_tenant, "x": op.corrupt, "m": op.msg})
 
     def close(self) -> None:
@@ -501,6 +501,7 @@ def load_ops(paths: Iterable[Path]) -> list[Op]:
             elif rec["i"] in ops:
                 o = ops[rec["i"]]
                 o.comp, o.status, o.read, o.err = rec["t1"], rec["st"], rec["r"], rec["err"]
+                o.key = rec.get("k", o.key)  # a restore_many's DataLoss names the id it concerns
                 o.blocks, o.read_key, o.read_tenant, o.corrupt = tuple(rec["b"]), rec["rk"], rec["rt"], rec["x"]
                 o.msg = rec.get("m", "")
     return list(ops.values())
