@@ -8,7 +8,8 @@ The run (``tests/daemon/history.py``): client processes with two threads each ov
 shared ids per tenant, two tenants, every call kind, shm and inline transports, tiny tiers,
 seeded disk stalls through the ``disk_factory`` seam, client processes killed mid-call and
 (when redis-server is installed) the remote tier's Redis killed and keys deleted;
-then a ``kvpark serve`` subprocess restarted with SIGTERM and SIGKILL under write_through.
+then a ``kvpark serve`` subprocess restarted with SIGTERM and SIGKILL under write_through
+(its inline clients on gRPC streams: the data channel off).
 ``KVPARK_HISTORY_SECONDS`` (default 6, each run) and ``KVPARK_HISTORY_SEED`` (default 0) set them.
 """
 
@@ -232,6 +233,7 @@ def test_concurrent_history_across_sigterm_and_sigkill_restarts(tmp_path: Path) 
     ops = {k: v for k, v in OPS.items() if k != "create"}
     cfg = HistoryConfig(seconds=SECONDS, seed=SEED, clients=3, threads=2, tenants=True, write="write_through",
                         daemon="proc", faults=("sigterm", "sigkill", "client_kill"), host="4MiB", disk="256MiB",
+                        data_channel=False,  # inline bytes on gRPC streams here, on the data channel above
                         ops=ops, fault_every=(1.0, 2.0), tolerate=("mid_restore_notfound", "mid_restore_dataloss"))
     rep = run_history(tmp_path, cfg)
     _print(rep)
