@@ -206,7 +206,7 @@ class Op:
         what = self.value or ""
         if self.kind == "read":
             what = f"-> {self.read}" if self.read else "-> ?"
-        err = f" {self.err}" + (f" ({self.msg[:90]})" if self.msg else "") if self.err else ""
+        err = (f" {self.err}" if self.err else "") + (f" ({self.msg[:90]})" if self.msg else "")
         return f"[{self.inv:.4f} .. {end}] {self.client:>6} {self.how or self.kind:<13} {self.key:<14} " \
                f"{self.status:<7} {what}{err}"
 
