@@ -25,7 +25,8 @@ How it works:
 - **Faults** (seeded): disk write transactions that fail (EIO), fill the map, or stall
   (``FaultyDisk``, through the ``disk_factory`` seam, in-process daemon); SIGTERM and
   SIGKILL restarts of a ``kvpark serve`` subprocess on a unix socket; client processes
-  SIGKILLed mid-call and replaced.
+  SIGKILLed mid-call and replaced; with the remote tier on, its real Redis killed and
+  restarted empty, or one sequence's manifest deleted behind the daemon's back.
 - **Checker** (``check``, pure): per (tenant, id) a register with unique values.
   A read of write ``W`` is *wrong* when ``W`` began after the read ended, or another write
   or a drop to that id completed entirely between ``W``'s completion and the read's
@@ -44,9 +45,10 @@ How it works:
   ``list`` (subprocess).
 
 Primitives: ``payload``, ``block_payload``, ``decode``; ``Op``, ``Event``, ``History``,
-``check(history) -> Report`` (``Report.table()``, ``Report.violations`` each with its
-minimal history); ``HistoryConfig``, ``run_history(root, config) -> Report``; the client
-process entry point ``main``.
+``check(history, tolerate=()) -> Report`` (``Report.table()``, ``Report.violations`` each
+with its minimal history); ``KNOWN_BUGS`` (names a run may tolerate); ``Recorder``,
+``load_ops``; ``FaultyDisk``; ``HistoryConfig``, ``run_history(root, config) -> Report``;
+the client process entry point ``main``.
 """
 
 from __future__ import annotations
