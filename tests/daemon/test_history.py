@@ -341,8 +341,7 @@ class _FailsDelete(DiskStore):
         super().delete(m, sync)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: the commit is published before the old disk copy's delete fails")
-def test_an_overwrite_refused_by_the_disk_is_not_published(daemon: Callable[..., Daemon]) -> None:
+def test_an_overwrite_whose_old_copy_fails_to_delete_answers_what_restores_show(daemon: Callable[..., Daemon]) -> None:
     d = daemon(disk_factory=_FailsDelete)  # write_back
     with Client(d.address) as c:
         c.park("x", [full(KiB, 1)])
@@ -378,7 +377,6 @@ class _CreateWritesFirst(DiskStore):
         return done
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: a create that loses at commit deletes the winner's disk record")
 def test_a_create_that_loses_at_commit_leaves_the_acknowledged_park_on_disk(
         daemon: Callable[..., Daemon]) -> None:
     for e in (_CreateWritesFirst.park_waiting, _CreateWritesFirst.create_written, _CreateWritesFirst.park_acked):
