@@ -1,7 +1,7 @@
 """End-to-end verification (``Client(verify=True)`` / ``KVPARK_VERIFY=1``).
 
 Round trips on every data path; the digests kept on every tier (host, disk after a
-restart) and through composites; and a corruption the daemon cannot see (bytes changed
+restart, remote through another daemon) and through composites; and a corruption the daemon cannot see (bytes changed
 in the host arena behind its back) is ``DataLoss`` under verify, while a plain client
 gets the changed bytes back (the gap verify closes).
 """
@@ -21,6 +21,9 @@ from kvpark.daemon.server import Daemon
 from kvpark.proto import digests
 from kvpark.proto.errors import DataLoss, InvalidArgument
 from kvpark.tiers.disk import HEADER, Manifest, block_key, checksum
+
+from ..conftest import wait_until
+from ..daemon.test_remote_tier import _new_ns, _own_dirs, _remote, _synced
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -225,3 +228,17 @@ def test_verify_is_read_from_the_environment(daemon: Callable[..., Daemon], monk
         assert c.info("s").xxh3
     with Client(d.address, transport="shm", verify=False) as c:
         assert not c.verify
+
+
+def test_digests_travel_with_the_remote_copy(tmp_path: Path, daemon: Callable[..., Daemon],
+                                             redis_server: Any) -> None:
+    ns = _new_ns()
+    a = daemon(**_own_dirs(tmp_path, "a"), **_remote(redis_server.url, ns))
+    b = daemon(**_own_dirs(tmp_path, "b"), **_remote(redis_server.url, ns))
+    ts = tensors(SIZES["large"])
+    with Client(a.address, transport="shm", verify=True) as ca, Client(b.address, transport="shm", verify=True) as cb:
+        ca.park("s", ts)
+        assert wait_until(lambda: _synced(ca), timeout=30)
+        info = cb.info("s")  # b has never seen it: its manifest comes from Redis
+        assert info.tier == "remote" and info.xxh3 == tuple(digest(t) for t in ts)
+        assert all(torch.equal(x, y) for x, y in zip(cb.restore("s"), ts))
