@@ -7,14 +7,16 @@ Primitives:
 - ``Generations``: the one source of generations: ``next()`` (REQUIRES: the index lock)
   is ``counter << INSTANCE_BITS | instance``; ``seen(gen)`` keeps the counter above
   generations loaded from disk or adopted from the remote tier.
-- ``ParkSpec``: a park request (tensors, priority, pin, TTL, refs, new blocks, attrs);
-  ``ParkSpec.validate()`` checks everything that needs no index; ``ParkSpec.manifest()``
-  is the disk record it commits as.
+- ``ParkSpec``: a park request (tensors, priority, pin, TTL, refs, new blocks, attrs,
+  per-tensor digests for end-to-end verification); ``ParkSpec.validate()`` checks
+  everything that needs no index; ``ParkSpec.manifest()`` is the disk record it commits
+  as (the digests under the reserved attrs key of ``kvpark.proto.digests``).
 - ``Seq``: a parked sequence in memory: its typed disk record (``Manifest``), ready
   memory copies per tier (``res``), disk presence, readers, and the flags the
   invariants rest on. Slotted, since the index holds one per parked block: the read
   counts (``readers``, changed only through ``add_reader`` / ``drop_reader``) and the
-  ``move_lock`` are made on first use.
+  ``move_lock`` are made on first use. ``Seq.attrs`` is the user's attrs (no digests);
+  ``Seq.xxh3`` the digests. ``verified(comps)``: a payload's digests, part by part.
 - ``TierMap``: a mapping from memory tier name to value in two slots (``Seq.res``),
   fastest tier first; ``ReadCounts``: the same with ``disk`` too (read leases per tier).
 - ``Lease``: a write reservation or a read lease (possibly over several sequences);

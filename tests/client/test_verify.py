@@ -18,8 +18,10 @@ import torch
 from kvpark.client import Client
 from kvpark.client.verify import ENV, digest
 from kvpark.daemon.server import Daemon
-from kvpark.proto import digests
+from kvpark.proto import convert, digests
 from kvpark.proto.errors import DataLoss, InvalidArgument
+from kvpark.proto.layout import TensorMeta
+from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.tiers.disk import HEADER, Manifest, block_key, checksum
 
 from ..conftest import wait_until
@@ -242,3 +244,15 @@ def test_digests_travel_with_the_remote_copy(tmp_path: Path, daemon: Callable[..
         info = cb.info("s")  # b has never seen it: its manifest comes from Redis
         assert info.tier == "remote" and info.xxh3 == tuple(digest(t) for t in ts)
         assert all(torch.equal(x, y) for x, y in zip(cb.restore("s"), ts))
+
+
+def test_a_park_with_digests_not_one_per_tensor_is_invalid(daemon: Callable[..., Daemon]) -> None:
+    d = daemon()
+    ts = tensors(4 * KiB, 2)
+    with Client(d.address, transport="shm") as c:
+        header = pb.ParkHeader(seq_id="s", tensors=[convert.meta_to_pb(TensorMeta.of(t)) for t in ts],
+                               nbytes=sum(t.numel() for t in ts), xxh3=[digest(ts[0])])
+        data = b"".join(t.numpy().tobytes() for t in ts)
+        with pytest.raises(InvalidArgument, match="digests"):
+            c.rpc.call(c.rpc.park_small, pb.ParkSmallRequest(header=header, data=data))
+        assert c.present(["s"]) == [False]
