@@ -8,6 +8,9 @@ Primitives:
   ``KVPARK_TLS_CERT``, ``KVPARK_TLS_KEY``): file paths or PEM bytes; any of them makes the
   channel TLS (``tls_cert``/``tls_key``: mTLS). The environment reaches clients that
   libraries build for you (the vLLM connector, ``kvpark health``).
+  ``verify`` (default ``KVPARK_VERIFY``): end-to-end verification (``kvpark.client.verify``):
+  each tensor's xxh3-64 is sent with the park and checked after every restore
+  (``DataLoss`` on a mismatch).
   ``timeout`` is every call's deadline: ``None`` means ``KVPARK_TIMEOUT`` or 30 s,
   ``float("inf")`` means none; a transfer also gets its size at 50 MB/s on top. Every
   public call takes ``timeout=`` for itself alone.
@@ -62,6 +65,7 @@ from kvpark.tiers import cuda
 
 from .payload import as_tensors, byte_view, check_into
 from .rpc import Rpc
+from . import verify as verifying
 from .tlsprobe import speaks_tls
 from .transport import (SMALL_POOL_BYTES, TRANSPORTS, CudaIpc, InstanceChanged, Restoring, Shm, Target, Transport,
                         negotiate)
@@ -118,11 +122,12 @@ def _header(seq_id: str, tensors: Sequence[torch.Tensor], packed: bool = False) 
 class Client:
     def __init__(self, address: str | None = None, *, token: str | None = None, timeout: float | None = None,
                  transport: str = "auto", tls_ca: str | bytes | None = None, tls_cert: str | bytes | None = None,
-                 tls_key: str | bytes | None = None) -> None:
+                 tls_key: str | bytes | None = None, verify: bool | None = None) -> None:
         if transport not in TRANSPORT_NAMES:
             raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORT_NAMES)}, got {transport!r}")
         self.address = address or os.environ.get("KVPARK_ADDRESS") or DEFAULT_ADDRESS
         token = token if token is not None else os.environ.get(TOKEN_ENV) or None
+        self.verify = verifying.from_env(verify)
         self.rpc = Rpc(self.address, timeout, token=token, **tls_from_env(tls_ca, tls_cert, tls_key))
         self._auto = transport == "auto"
         self._want = transport
@@ -247,9 +252,13 @@ class Client:
             bts = as_tensors(bts, f"new_blocks[{bid!r}]")
             bh = _header(bid, bts, self._packed)
             bh.shared = True
+            if self.verify:
+                bh.xxh3.extend(verifying.digests(bts))
             header.blocks.append(bh)
             flats.extend(byte_view(t) for t in bts)
         flats.extend(byte_view(t) for t in tensors)
+        if self.verify:
+            header.xxh3.extend(verifying.digests(tensors))
         with self.rpc.deadline(timeout):
             return self._park(header, flats)
 
@@ -267,6 +276,8 @@ class Client:
             ts = as_tensors(ts, f"items[{sid!r}]")
             bh = _header(sid, ts, self._packed)
             bh.attrs.update(attrs or {})
+            if self.verify:
+                bh.xxh3.extend(verifying.digests(ts))
             header.blocks.append(bh)
             flats.extend(byte_view(t) for t in ts)
         with self.rpc.deadline(timeout):
@@ -297,7 +308,7 @@ class Client:
         check_into(into)
         target = Target(device, into)
         with self.rpc.deadline(timeout):
-            r = self._fresh(lambda: self._for(target.devices()).restore([seq_id], target))
+            r = self._checked(self._fresh(lambda: self._for(target.devices()).restore([seq_id], target)))
         if layerwise:
             return r  # closes itself once exhausted; close() ends the lease early
         try:
@@ -326,7 +337,8 @@ class Client:
             raise InvalidArgument(f"into_flat must be a tensor, got {type(into_flat).__name__}")
         target = Target(device, into, into_flat, expect_layout)
         with self.rpc.deadline(timeout):
-            r = self._fresh(lambda: self._for(target.devices()).restore(list(seq_ids), target))
+            r = self._checked(self._fresh(lambda: self._for(target.devices()).restore(list(seq_ids), target)),
+                              into_flat)
         try:
             return r.info, [t for _, t in r]
         finally:
@@ -387,11 +399,16 @@ class Client:
                     r = t._restore_leased(reply, target, release=release)
         else:
             raise TransportUnavailable(f"a leased grant needs the shm transport, this client uses {self.transport}")
+        r = self._checked(r, into_flat)
         try:
             for _ in r:
                 pass
         finally:
             r.close()
+
+    def _checked(self, r: Restoring, into_flat: torch.Tensor | None = None) -> Restoring:
+        """``r`` with every tensor checked against its park digests (under ``verify``)."""
+        return verifying.checked(r, into_flat) if self.verify else r
 
     def _grant_mapping(self, grant: Grant, instance: str) -> Shm:
         """The arena mapping of the daemon instance that leased ``grant``: this client's,

@@ -56,7 +56,7 @@ from kvpark.tiers.disk import Manifest
 from kvpark.tiers.memory import MemTier
 
 from .evict_order import DISK, EvictionOrder, meta
-from .model import MEM_TIERS, NS_SEP, Generations, Lease, ParkSpec, Seq
+from .model import MEM_TIERS, NS_SEP, Generations, Lease, ParkSpec, Seq, verified
 
 _RANK = {"device": 0, "host": 1, "disk": 2, "remote": 3}
 
@@ -232,7 +232,7 @@ class Catalog:
                 self.free(tier, a)  # same content is already stored: content-addressed dedup
                 continue
             m = ParkSpec(b.seq_id, b.tensors, b.nbytes, priority=spec.priority, shared=b.shared, attrs=b.attrs,
-                         pinned=spec.pinned, ttl_s=spec.ttl_s).manifest(self.next_gen(), block_size)
+                         pinned=spec.pinned, ttl_s=spec.ttl_s, xxh3=b.xxh3).manifest(self.next_gen(), block_size)
             fresh.append(Seq(manifest=m, res={tier: a}))
         lease.block_allocs = []  # owned by the fresh block sequences (or freed) now
         return fresh, old
@@ -444,6 +444,7 @@ class Catalog:
             refcount=self._refcount.get(top.seq_id, 0),
             pinned=top.pinned,
             expires_at=top.expires_at or 0.0,
+            xxh3=verified(comps),
         )
 
     def infos(self) -> list[SeqInfo]:

@@ -7,14 +7,16 @@ Primitives:
 - ``Generations``: the one source of generations: ``next()`` (REQUIRES: the index lock)
   is ``counter << INSTANCE_BITS | instance``; ``seen(gen)`` keeps the counter above
   generations loaded from disk or adopted from the remote tier.
-- ``ParkSpec``: a park request (tensors, priority, pin, TTL, refs, new blocks, attrs);
-  ``ParkSpec.validate()`` checks everything that needs no index; ``ParkSpec.manifest()``
-  is the disk record it commits as.
+- ``ParkSpec``: a park request (tensors, priority, pin, TTL, refs, new blocks, attrs,
+  per-tensor digests for end-to-end verification); ``ParkSpec.validate()`` checks
+  everything that needs no index; ``ParkSpec.manifest()`` is the disk record it commits
+  as (the digests under the reserved attrs key of ``kvpark.proto.digests``).
 - ``Seq``: a parked sequence in memory: its typed disk record (``Manifest``), ready
   memory copies per tier (``res``), disk presence, readers, and the flags the
   invariants rest on. Slotted, since the index holds one per parked block: the read
   counts (``readers``, changed only through ``add_reader`` / ``drop_reader``) and the
-  ``move_lock`` are made on first use.
+  ``move_lock`` are made on first use. ``Seq.attrs`` is the user's attrs (no digests);
+  ``Seq.xxh3`` the digests. ``verified(comps)``: a payload's digests, part by part.
 - ``TierMap``: a mapping from memory tier name to value in two slots (``Seq.res``),
   fastest tier first; ``ReadCounts``: the same with ``disk`` too (read leases per tier).
 - ``Lease``: a write reservation or a read lease (possibly over several sequences);
@@ -37,6 +39,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal, TypeVar
 
+from kvpark.proto import digests
 from kvpark.proto.errors import InvalidArgument
 from kvpark.proto.layout import TensorMeta, validate_seq_id, validate_tensors
 from kvpark.proto.types import SeqInfo
@@ -97,6 +100,7 @@ class ParkSpec:
     shared: bool = False
     attrs: dict[str, str] = field(default_factory=dict)
     blocks: tuple["ParkSpec", ...] = ()  # shared blocks created by this park; their bytes come first
+    xxh3: tuple[int, ...] = ()  # end-to-end verification: one digest per tensor, or none
 
     @property
     def is_batch(self) -> bool:
@@ -116,11 +120,16 @@ class ParkSpec:
         """
         now = time.time()
         tensors, fp = interning.layout(self.tensors)
+        attrs = interning.attrs(self.attrs)
+        if self.xxh3:
+            # Digests ride in the manifest, so every tier keeps them with the data. Each
+            # set is unique: not interned.
+            attrs = {**attrs, digests.HASH_ATTR: digests.encode(self.xxh3)}
         return Manifest(
             seq_id=self.seq_id, gen=gen, tensors=tensors, nbytes=interning.number(self.nbytes),
             block_size=block_size, fingerprint=fp, priority=self.priority, created_at=now, last_access=now,
             pinned=self.pinned, expires_at=now + self.ttl_s if self.ttl_s > 0 else None, refs=tuple(self.refs),
-            shared=self.shared, attrs=interning.attrs(self.attrs),
+            shared=self.shared, attrs=attrs,
         )
 
     def validate(self) -> None:
@@ -139,6 +148,11 @@ class ParkSpec:
             raise InvalidArgument("a shared block cannot itself reference other blocks")
         if len(self.attrs) > 64 or any(len(k) + len(v) > 4096 for k, v in self.attrs.items()):
             raise InvalidArgument("attrs: at most 64 entries of at most 4096 bytes each")
+        for s in (self, *self.blocks):
+            if digests.HASH_ATTR in s.attrs:
+                raise InvalidArgument(f"attrs key {digests.HASH_ATTR!r} is reserved (verify=True sets the digests)")
+            if s.xxh3 and len(s.xxh3) != len(s.tensors):
+                raise InvalidArgument(f"{len(s.xxh3)} digests for {len(s.tensors)} tensors of {s.seq_id!r}")
         if len(self.blocks) > MAX_PARTS:
             raise InvalidArgument(f"{len(self.blocks)} new blocks; at most {MAX_PARTS} per park")
         refs = set(self.refs)
@@ -319,7 +333,23 @@ class Seq:
 
     @property
     def attrs(self) -> dict[str, str]:
-        return dict(self.manifest.attrs)
+        """The user's attrs (the reserved digest key is not theirs)."""
+        return digests.split(self.manifest.attrs)[0]
+
+    @property
+    def xxh3(self) -> tuple[int, ...]:
+        """One digest per tensor when parked with verify, else ``()``."""
+        found = digests.decode(self.manifest.attrs.get(digests.HASH_ATTR, ""))
+        return found if len(found) == len(self.manifest.tensors) else ()
+
+
+def verified(comps: list["Seq"]) -> tuple[int, ...]:
+    """The digests of a payload made of ``comps``, per tensor (0 where a part was parked
+    without); ``()`` when no part has any."""
+    parts = [c.xxh3 for c in comps]
+    if not any(parts):
+        return ()
+    return tuple(d for c, p in zip(comps, parts) for d in (p or (0,) * len(c.manifest.tensors)))
 
 
 @dataclass(eq=False)

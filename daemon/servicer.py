@@ -110,6 +110,7 @@ def _spec(h: pb.ParkHeader) -> ParkSpec:
         refs=tuple(h.refs),
         shared=h.shared,
         attrs=dict(h.attrs),
+        xxh3=tuple(h.xxh3),
         blocks=tuple(_spec(b) for b in h.blocks),
     )
 

@@ -38,6 +38,7 @@ def info_to_pb(i: SeqInfo, packed: bool = False) -> pb.SeqInfo:
         refcount=i.refcount,
         pinned=i.pinned,
         expires_at=i.expires_at,
+        xxh3=list(i.xxh3),
     )
 
 
@@ -59,6 +60,7 @@ def info_from_pb(p: pb.SeqInfo) -> SeqInfo:
         refcount=p.refcount,
         pinned=p.pinned,
         expires_at=p.expires_at,
+        xxh3=tuple(p.xxh3),
     )
 
 

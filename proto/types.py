@@ -27,6 +27,9 @@ class SeqInfo:
     refcount: int = 0
     pinned: bool = False
     expires_at: float = 0.0  # unix seconds; 0 = no TTL
+    # End-to-end verification: the xxh3-64 of each tensor's bytes as parked, one per
+    # tensor (0: that tensor was parked without); empty when none was.
+    xxh3: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

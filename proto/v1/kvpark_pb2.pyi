@@ -83,7 +83,7 @@ class DataChannelInfo(_message.Message):
     def __init__(self, address: _Optional[str] = ..., tls: _Optional[bool] = ..., max_frame: _Optional[int] = ...) -> None: ...
 
 class ParkHeader(_message.Message):
-    __slots__ = ("seq_id", "tensors", "nbytes", "priority", "overwrite", "pinned", "ttl_s", "refs", "shared", "attrs", "blocks", "packed_tensors")
+    __slots__ = ("seq_id", "tensors", "nbytes", "priority", "overwrite", "pinned", "ttl_s", "refs", "shared", "attrs", "blocks", "packed_tensors", "xxh3")
     class AttrsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -103,6 +103,7 @@ class ParkHeader(_message.Message):
     ATTRS_FIELD_NUMBER: _ClassVar[int]
     BLOCKS_FIELD_NUMBER: _ClassVar[int]
     PACKED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     tensors: _containers.RepeatedCompositeFieldContainer[TensorMeta]
     nbytes: int
@@ -115,7 +116,8 @@ class ParkHeader(_message.Message):
     attrs: _containers.ScalarMap[str, str]
     blocks: _containers.RepeatedCompositeFieldContainer[ParkHeader]
     packed_tensors: bytes
-    def __init__(self, seq_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., nbytes: _Optional[int] = ..., priority: _Optional[int] = ..., overwrite: _Optional[bool] = ..., pinned: _Optional[bool] = ..., ttl_s: _Optional[float] = ..., refs: _Optional[_Iterable[str]] = ..., shared: _Optional[bool] = ..., attrs: _Optional[_Mapping[str, str]] = ..., blocks: _Optional[_Iterable[_Union[ParkHeader, _Mapping]]] = ..., packed_tensors: _Optional[bytes] = ...) -> None: ...
+    xxh3: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., nbytes: _Optional[int] = ..., priority: _Optional[int] = ..., overwrite: _Optional[bool] = ..., pinned: _Optional[bool] = ..., ttl_s: _Optional[float] = ..., refs: _Optional[_Iterable[str]] = ..., shared: _Optional[bool] = ..., attrs: _Optional[_Mapping[str, str]] = ..., blocks: _Optional[_Iterable[_Union[ParkHeader, _Mapping]]] = ..., packed_tensors: _Optional[bytes] = ..., xxh3: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class DataChunk(_message.Message):
     __slots__ = ("offset", "data")
@@ -378,7 +380,7 @@ class InfoRequest(_message.Message):
     def __init__(self, seq_id: _Optional[str] = ...) -> None: ...
 
 class SeqInfo(_message.Message):
-    __slots__ = ("seq_id", "nbytes", "tier", "tensors", "priority", "created_at", "last_access", "num_blocks", "attrs", "refs", "shared", "refcount", "pinned", "expires_at", "packed_tensors")
+    __slots__ = ("seq_id", "nbytes", "tier", "tensors", "priority", "created_at", "last_access", "num_blocks", "attrs", "refs", "shared", "refcount", "pinned", "expires_at", "packed_tensors", "xxh3")
     class AttrsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -401,6 +403,7 @@ class SeqInfo(_message.Message):
     PINNED_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     PACKED_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    XXH3_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     nbytes: int
     tier: str
@@ -416,7 +419,8 @@ class SeqInfo(_message.Message):
     pinned: bool
     expires_at: float
     packed_tensors: bytes
-    def __init__(self, seq_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., tier: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., priority: _Optional[int] = ..., created_at: _Optional[float] = ..., last_access: _Optional[float] = ..., num_blocks: _Optional[int] = ..., attrs: _Optional[_Mapping[str, str]] = ..., refs: _Optional[_Iterable[str]] = ..., shared: _Optional[bool] = ..., refcount: _Optional[int] = ..., pinned: _Optional[bool] = ..., expires_at: _Optional[float] = ..., packed_tensors: _Optional[bytes] = ...) -> None: ...
+    xxh3: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[str] = ..., nbytes: _Optional[int] = ..., tier: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[TensorMeta, _Mapping]]] = ..., priority: _Optional[int] = ..., created_at: _Optional[float] = ..., last_access: _Optional[float] = ..., num_blocks: _Optional[int] = ..., attrs: _Optional[_Mapping[str, str]] = ..., refs: _Optional[_Iterable[str]] = ..., shared: _Optional[bool] = ..., refcount: _Optional[int] = ..., pinned: _Optional[bool] = ..., expires_at: _Optional[float] = ..., packed_tensors: _Optional[bytes] = ..., xxh3: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PinRequest(_message.Message):
     __slots__ = ("seq_id", "pinned")
