@@ -10,7 +10,8 @@ Primitives:
   libraries build for you (the vLLM connector, ``kvpark health``).
   ``timeout`` is every call's deadline: ``None`` means ``KVPARK_TIMEOUT`` or 30 s,
   ``float("inf")`` means none; a transfer also gets its size at 50 MB/s on top. Every
-  public call takes ``timeout=`` for itself alone.
+  public call takes ``timeout=`` for itself alone: a bound on the whole call, transfer
+  included, and never past an enclosing ``deadline()``.
 - ``park(seq_id, tensors, ...) -> SeqInfo``; ``park_batch(items) -> int``.
 - ``restore(seq_id, *, device=None, into=None, layerwise=False)``; ``restore_many(seq_ids, ...)``.
 - ``present``, ``lookup``, ``prefetch``, ``drop``, ``info``, ``list``, ``stat``.
@@ -19,7 +20,9 @@ Primitives:
   ``restore_grant(grant, into_flat=..., release=True)`` copies it out (no further round
   trip when it came inline); ``release_grant(grant)`` ends its lease.
 - ``pin(seq_id, pinned=True) -> SeqInfo``; ``flush() -> int`` (sequences written to disk).
-- ``deadline(seconds)``: bound every call the calling thread makes inside the block.
+- ``deadline(seconds)``: every call the calling thread makes inside the block ends
+  within ``seconds`` from now, all together, transfers included; a call's ``timeout=``
+  and nested blocks narrow it, never widen it.
 - ``transport``: the path negotiated at connect: "cuda_ipc" (only when forced), "shm"
   (same host, arena file mapped once) or "inline".
 
@@ -135,7 +138,7 @@ class Client:
         return self.rpc.default_timeout
 
     def deadline(self, seconds: float | None) -> AbstractContextManager[None]:
-        """Bound every call the calling thread makes inside the block by ``seconds``."""
+        """Bound every call the calling thread makes inside the block, together, by ``seconds`` from now."""
         return self.rpc.deadline(seconds)
 
     def _for(self, devices: set[torch.device]) -> Transport:
@@ -247,12 +250,12 @@ class Client:
         target = Target(device, into)
         with self.rpc.deadline(timeout):
             r = self._for(target.devices()).restore([seq_id], target)
-        if layerwise:
-            return r  # closes itself once exhausted; close() ends the lease early
-        try:
-            return [t for _, t in r]
-        finally:
-            r.close()
+            if layerwise:
+                return r  # closes itself once exhausted; close() ends the lease early
+            try:  # inside the deadline: the transfer and the lease's end are part of the call
+                return [t for _, t in r]
+            finally:
+                r.close()
 
     def restore_many(self, seq_ids: Sequence[str], *, device: torch.device | str | None = None,
                      into: Sequence[torch.Tensor] | None = None, into_flat: torch.Tensor | None = None,
@@ -276,10 +279,10 @@ class Client:
         target = Target(device, into, into_flat, expect_layout)
         with self.rpc.deadline(timeout):
             r = self._for(target.devices()).restore(list(seq_ids), target)
-        try:
-            return r.info, [t for _, t in r]
-        finally:
-            r.close()
+            try:
+                return r.info, [t for _, t in r]
+            finally:
+                r.close()
 
     def present(self, seq_ids: Sequence[str], *, timeout: float | None = None) -> list[bool]:
         """For each id, whether it is parked."""
@@ -334,11 +337,12 @@ class Client:
                     r = self._transport._restore_leased(reply, target, release=release)
         else:
             raise TransportUnavailable(f"a leased grant needs the shm transport, this client uses {self.transport}")
-        try:
-            for _ in r:
-                pass
-        finally:
-            r.close()
+        with self.rpc.deadline(timeout):  # the windows asked for while copying are part of the call
+            try:
+                for _ in r:
+                    pass
+            finally:
+                r.close()
 
     def release_grant(self, grant: Grant) -> None:
         """End a grant's lease (nothing to do for an inline one); never raises."""
