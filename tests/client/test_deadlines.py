@@ -15,7 +15,7 @@ import torch
 from kvpark.client import Client
 from kvpark.client.rpc import DEFAULT_TIMEOUT_S, FLOOR_RATE, resolve_timeout
 from kvpark.proto.errors import DeadlineExceeded, InvalidArgument, Unavailable
-from ..conftest import Proc
+from ..conftest import Proc, wait_until
 
 
 def test_timeout_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,7 +57,7 @@ def test_frozen_daemon_raises_then_recovers(proc, monkeypatch: pytest.MonkeyPatc
         c.park("a", big)
         c.park("s", small)
         # 2. Freeze it: every kind of call raises a typed error instead of hanging.
-        p.popen.send_signal(signal.SIGSTOP)
+        freeze(p)
         try:
             calls = {
                 "park": lambda: c.park("b", big),
@@ -101,6 +101,18 @@ LONG_S = 30.0
 SHORT_S = 1.0
 
 
+def freeze(p: Proc) -> None:
+    """SIGSTOP the daemon and wait until it has stopped: the signal lands a moment later,
+    and a call sent in that moment would still be answered."""
+    p.popen.send_signal(signal.SIGSTOP)
+
+    def stopped() -> bool:
+        with open(f"/proc/{p.popen.pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+
+    assert wait_until(stopped, timeout=30), "the daemon did not stop"
+
+
 def frozen_call(fn: Callable[[], object]) -> tuple[BaseException | None, float]:
     """Run ``fn`` on a thread; what it raised (None: it returned) and how long it took."""
     box: list[tuple[BaseException | None, float]] = []
@@ -138,7 +150,7 @@ def frozen(proc) -> Iterator[Callable[[str], tuple[Client, Proc]]]:
         c = Client(p.address, transport=transport, timeout=LONG_S)
         c.park("a", BIG)
         c.park("s", SMALL)
-        p.popen.send_signal(signal.SIGSTOP)
+        freeze(p)
         opened.append((c, p))
         return c, p
 

@@ -20,7 +20,7 @@ from kvpark.client import Client
 from kvpark.daemon.server import Daemon
 from kvpark.tiers.disk import DiskStore, Manifest
 from ..conftest import Proc
-from .test_deadlines import LONG_S, SHORT_S, assert_cut_by_deadline
+from .test_deadlines import LONG_S, SHORT_S, assert_cut_by_deadline, freeze
 
 MIB = 1 << 20
 SMALL = [torch.arange(64, dtype=torch.float32)]
@@ -74,7 +74,7 @@ def test_every_restore_and_park_path_on_a_frozen_daemon_ends_by_its_deadline(
     with Client(p.address, transport=transport, timeout=LONG_S) as c:
         assert c.transport == transport
         assert (getattr(c._transport, "channel", None) is not None) == (transport == "inline" and data_channel)
-        p.popen.send_signal(signal.SIGSTOP)
+        freeze(p)
         for name, fn in {**{f"restore_{k}": v for k, v in RESTORES.items()},
                          **{f"park_{k}": v for k, v in PARKS.items()}}.items():
             assert_cut_by_deadline(name, lambda fn=fn: fn(c))
@@ -108,7 +108,7 @@ def test_a_daemon_frozen_mid_restore_ends_it_by_the_deadline(proc: Callable[...,
                     r = c.restore(seq, layerwise=True)
                     i, first = next(r)  # type: ignore[call-overload]
                     assert i == 0 and torch.equal(first, ts[0])
-                    p.popen.send_signal(signal.SIGSTOP)
+                    freeze(p)
                     for _ in r:  # type: ignore[union-attr]
                         pass
 
