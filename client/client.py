@@ -45,7 +45,7 @@ import os
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -251,11 +251,34 @@ class Client:
         with self.rpc.deadline(timeout):
             r = self._for(target.devices()).restore([seq_id], target)
             if layerwise:
-                return r  # closes itself once exhausted; close() ends the lease early
+                # Closes itself once exhausted; close() ends the lease early. Its later
+                # steps (windows, the release) still end by this call's deadline.
+                return self._bounded(r)
             try:  # inside the deadline: the transfer and the lease's end are part of the call
                 return [t for _, t in r]
             finally:
                 r.close()
+
+    def _bounded(self, r: Restoring) -> Restoring:
+        """``r``, whose every step runs under the deadline in force now (none: as is)."""
+        until, rpc = self.rpc.until, self.rpc
+        if until is None:
+            return r
+
+        def tensors() -> Iterator[tuple[int, torch.Tensor]]:
+            while True:
+                with rpc.deadline_at(until):
+                    try:
+                        item = next(r)
+                    except StopIteration:
+                        return
+                yield item
+
+        def cleanup() -> None:
+            with rpc.deadline_at(until):
+                r.close()
+
+        return Restoring(r.info, tensors(), cleanup)
 
     def restore_many(self, seq_ids: Sequence[str], *, device: torch.device | str | None = None,
                      into: Sequence[torch.Tensor] | None = None, into_flat: torch.Tensor | None = None,

@@ -16,6 +16,7 @@ Primitives:
   ``seconds`` from now, together (an absolute deadline: a sequence of calls shares what
   is left). Nested blocks narrow it, never widen it; ``None`` sets no bound of its own.
   Per thread only, so one thread's tight lookup bound never shortens another's save.
+  ``until``: the deadline in force, as an instant; ``deadline_at(until)`` re-enters it.
 - ``timeout``: the seconds the calling thread's next control call gets: what is left of
   its ``deadline()`` (``DeadlineExceeded`` once that has passed), else the connection's
   default.
@@ -183,8 +184,13 @@ class Rpc:
         self.restore = ch.unary_stream(_SVC + "Restore", request_serializer=_ser, response_deserializer=_identity)
 
     def _until(self) -> float | None:
-        """This thread's deadline (``time.monotonic()``; ``inf``: none), or None outside ``deadline()``."""
         return getattr(self._local, "until", None)
+
+    @property
+    def until(self) -> float | None:
+        """This thread's deadline as a ``time.monotonic()`` instant (``inf``: none), or
+        None outside ``deadline()``."""
+        return self._until()
 
     @property
     def timeout(self) -> float | None:
@@ -218,10 +224,20 @@ class Rpc:
         all of them together (``None``: no bound of its own, the enclosing block's or else
         the connection's default per call; ``inf``: none of its own). An enclosing
         block's deadline is never widened."""
-        saved = self._until()
-        if seconds is not None:
+        if seconds is None:
+            until = None
+        else:
             resolved = resolve_timeout(seconds)
             until = math.inf if resolved is None else time.monotonic() + resolved
+        with self.deadline_at(until):
+            yield
+
+    @contextmanager
+    def deadline_at(self, until: float | None) -> Iterator[None]:
+        """``deadline()`` to an instant (``time.monotonic()``; ``inf``: none of its own;
+        ``None``: no bound of its own), e.g. one a call captured to finish later."""
+        saved = self._until()
+        if until is not None:
             self._local.until = until if saved is None else min(saved, until)
         try:
             yield

@@ -91,8 +91,9 @@ MANY = [torch.full((MIB // 4,), float(i)) for i in range(64)]
     ("inline", False, "w"),  # a gRPC Restore stream read from disk
     ("shm", True, "w"),  # arena windows, each asked for with Window
 ], ids=["data_channel_get", "grpc_stream", "grpc_stream_from_disk", "shm_windows"])
+@pytest.mark.parametrize("bound", ["deadline", "timeout"])
 def test_a_daemon_frozen_mid_restore_ends_it_by_the_deadline(proc: Callable[..., Proc], transport: str,
-                                                              data_channel: bool, seq: str) -> None:
+                                                              data_channel: bool, seq: str, bound: str) -> None:
     # 1. A daemon process; big enough a host tier for the 64 MiB one to stay in memory.
     host = "256MiB" if seq == "many" else "16MiB"
     p = proc("--set", f"tiers.host.capacity={host}", "--set", f"server.data_channel={str(data_channel).lower()}")
@@ -102,13 +103,16 @@ def test_a_daemon_frozen_mid_restore_ends_it_by_the_deadline(proc: Callable[...,
             c.park(seq, ts)
 
             def restore() -> None:
-                # 2. Inside a deadline, a layer-wise restore hands over its first tensor;
-                #    then the daemon freezes with the transfer under way.
-                with c.deadline(5.0):
-                    r = c.restore(seq, layerwise=True)
-                    i, first = next(r)  # type: ignore[call-overload]
-                    assert i == 0 and torch.equal(first, ts[0])
-                    freeze(p)
+                # 2. Under a deadline (an enclosing block, or the call's own timeout, which
+                #    also bounds the steps taken after the call returned), a layer-wise
+                #    restore hands over its first tensor; then the daemon freezes with
+                #    the transfer under way.
+                with c.deadline(5.0 if bound == "deadline" else None):
+                    r = c.restore(seq, layerwise=True, timeout=5.0 if bound == "timeout" else None)
+                i, first = next(r)  # type: ignore[call-overload]
+                assert i == 0 and torch.equal(first, ts[0])
+                freeze(p)
+                with c.deadline(5.0 if bound == "deadline" else None):
                     for _ in r:  # type: ignore[union-attr]
                         pass
 
