@@ -113,7 +113,7 @@ def freeze(p: Proc) -> None:
     assert wait_until(stopped, timeout=30), "the daemon did not stop"
 
 
-def frozen_call(fn: Callable[[], object]) -> tuple[BaseException | None, float]:
+def frozen_call(fn: Callable[[], object], name: str = "the call") -> tuple[BaseException | None, float]:
     """Run ``fn`` on a thread; what it raised (None: it returned) and how long it took."""
     box: list[tuple[BaseException | None, float]] = []
 
@@ -128,12 +128,12 @@ def frozen_call(fn: Callable[[], object]) -> tuple[BaseException | None, float]:
     t = threading.Thread(target=run, daemon=True)
     t.start()
     t.join(3 * LONG_S)
-    assert box, "the call hung on a frozen daemon"
+    assert box, f"{name} hung on a frozen daemon"
     return box[0]
 
 
 def assert_cut_by_deadline(name: str, fn: Callable[[], object]) -> None:
-    err, took = frozen_call(fn)
+    err, took = frozen_call(fn, name)
     assert isinstance(err, (DeadlineExceeded, Unavailable)), f"{name}: {err!r}"
     # Far below the connection's default: the tighter deadline ended it.
     assert took < LONG_S / 2, f"{name} took {took:.1f}s: the call ran under the connection's default"
