@@ -13,7 +13,8 @@ Primitives:
   (``DataLoss`` on a mismatch).
   ``timeout`` is every call's deadline: ``None`` means ``KVPARK_TIMEOUT`` or 30 s,
   ``float("inf")`` means none; a transfer also gets its size at 50 MB/s on top. Every
-  public call takes ``timeout=`` for itself alone.
+  public call takes ``timeout=`` for itself alone: a bound on the whole call, transfer
+  included, and never past an enclosing ``deadline()``.
 - ``park(seq_id, tensors, ...) -> SeqInfo``; ``park_batch(items) -> int``.
 - ``restore(seq_id, *, device=None, into=None, layerwise=False)``; ``restore_many(seq_ids, ...)``.
 - ``present``, ``lookup``, ``prefetch``, ``drop``, ``info``, ``list``, ``stat``.
@@ -22,7 +23,9 @@ Primitives:
   ``restore_grant(grant, into_flat=..., release=True)`` copies it out (no further round
   trip when it came inline); ``release_grant(grant)`` ends its lease.
 - ``pin(seq_id, pinned=True) -> SeqInfo``; ``flush() -> int`` (sequences written to disk).
-- ``deadline(seconds)``: bound every call the calling thread makes inside the block.
+- ``deadline(seconds)``: every call the calling thread makes inside the block ends
+  within ``seconds`` from now, all together, transfers included; a call's ``timeout=``
+  and nested blocks narrow it, never widen it.
 - Daemon restarts: every mapping names the daemon instance it came from (Hello's
   ``instance``). A call whose reply names another instance (the daemon restarted under
   a live client) drops the mappings, re-Hellos and is retried once, before any byte is
@@ -51,7 +54,7 @@ import threading
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
 
@@ -159,7 +162,7 @@ class Client:
         return self.rpc.default_timeout
 
     def deadline(self, seconds: float | None) -> AbstractContextManager[None]:
-        """Bound every call the calling thread makes inside the block by ``seconds``."""
+        """Bound every call the calling thread makes inside the block, together, by ``seconds`` from now."""
         return self.rpc.deadline(seconds)
 
     def _for(self, devices: set[torch.device]) -> Transport:
@@ -309,12 +312,35 @@ class Client:
         target = Target(device, into)
         with self.rpc.deadline(timeout):
             r = self._checked(self._fresh(lambda: self._for(target.devices()).restore([seq_id], target)))
-        if layerwise:
-            return r  # closes itself once exhausted; close() ends the lease early
-        try:
-            return [t for _, t in r]
-        finally:
-            r.close()
+            if layerwise:
+                # Closes itself once exhausted; close() ends the lease early. Its later
+                # steps (windows, the release) still end by this call's deadline.
+                return self._bounded(r)
+            try:  # inside the deadline: the transfer and the lease's end are part of the call
+                return [t for _, t in r]
+            finally:
+                r.close()
+
+    def _bounded(self, r: Restoring) -> Restoring:
+        """``r``, whose every step runs under the deadline in force now (none: as is)."""
+        until, rpc = self.rpc.until, self.rpc
+        if until is None:
+            return r
+
+        def tensors() -> Iterator[tuple[int, torch.Tensor]]:
+            while True:
+                with rpc.deadline_at(until):
+                    try:
+                        item = next(r)
+                    except StopIteration:
+                        return
+                yield item
+
+        def cleanup() -> None:
+            with rpc.deadline_at(until):
+                r.close()
+
+        return Restoring(r.info, tensors(), cleanup)
 
     def restore_many(self, seq_ids: Sequence[str], *, device: torch.device | str | None = None,
                      into: Sequence[torch.Tensor] | None = None, into_flat: torch.Tensor | None = None,
@@ -339,10 +365,10 @@ class Client:
         with self.rpc.deadline(timeout):
             r = self._checked(self._fresh(lambda: self._for(target.devices()).restore(list(seq_ids), target)),
                               into_flat)
-        try:
-            return r.info, [t for _, t in r]
-        finally:
-            r.close()
+            try:
+                return r.info, [t for _, t in r]
+            finally:
+                r.close()
 
     def present(self, seq_ids: Sequence[str], *, timeout: float | None = None) -> list[bool]:
         """For each id, whether it is parked."""
@@ -400,11 +426,12 @@ class Client:
         else:
             raise TransportUnavailable(f"a leased grant needs the shm transport, this client uses {self.transport}")
         r = self._checked(r, into_flat)
-        try:
-            for _ in r:
-                pass
-        finally:
-            r.close()
+        with self.rpc.deadline(timeout):  # the windows asked for while copying are part of the call
+            try:
+                for _ in r:
+                    pass
+            finally:
+                r.close()
 
     def _checked(self, r: Restoring, into_flat: torch.Tensor | None = None) -> Restoring:
         """``r`` with every tensor checked against its park digests (under ``verify``)."""

@@ -23,7 +23,10 @@ Primitives:
 - ``DataChannel(info, grpc_address, ssl_context=None)``: ``usable``; ``connect() ->
   socket``; ``put(sock, token, views, nbytes, timeout)``; ``get(sock, token, nbytes,
   dsts, timeout) -> Iterator[int]`` (indices of ``dsts`` as each fills); ``done(sock)``
-  puts a healthy connection back; ``discard(sock)``; ``close()``.
+  puts a healthy connection back; ``discard(sock)``; ``close()``. ``timeout`` bounds the
+  whole transfer (re-armed on the socket before each read and frame), and a connection
+  that ends before the last byte and the closing status is ``Unavailable``: the bytes
+  that came are never handed over as the whole.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import time
 from typing import Iterator, Sequence
 
 from kvpark.proto.dataframe import (CHUNK, GET, MAGIC, MAX_FRAME, PUT, REQUEST, VERSION, Closed, parse_address,
-                                    read_status, recv_exact, recv_into_exact, send_views)
+                                    read_status, send_views)
 from kvpark.proto.errors import DataLoss, DeadlineExceeded, TransportUnavailable, Unavailable
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import regroup
@@ -163,33 +166,41 @@ class DataChannel:
 
     def put(self, sock: socket.socket, token: bytes, views: Sequence[memoryview], nbytes: int,
             timeout: float | None) -> None:
-        """Send a reservation's bytes; returns once the daemon has them all in its slots."""
-        sock.settimeout(timeout)
+        """Send a reservation's bytes; returns once the daemon has them all in its slots.
+        The whole transfer ends within ``timeout`` (``DeadlineExceeded``)."""
+        budget = _Budget(sock, timeout)
         try:
+            budget.arm()
             send_views(sock, [REQUEST.pack(MAGIC, VERSION, PUT, token, nbytes)])
             for _, vs in regroup(iter(views), self.max_frame):
+                budget.arm()
                 send_views(sock, [CHUNK.pack(sum(len(v) for v in vs)), *vs])
         except socket.timeout:
-            raise DeadlineExceeded(f"data channel PUT stalled for {timeout}s") from None
+            raise DeadlineExceeded(f"data channel PUT stalled past its {timeout}s deadline") from None
         except OSError as e:
             # The daemon may have answered an error and closed: that answer says why.
             err = _status_after_reset(sock)
             raise (err or Unavailable(f"data channel PUT failed: {e}")) from None
-        err = self._status(sock, timeout)
+        err = self._status(budget)
         if err is not None:
             raise err
 
     def get(self, sock: socket.socket, token: bytes, nbytes: int, dsts: Sequence[memoryview],
             timeout: float | None) -> Iterator[int]:
         """Receive a lease's bytes straight into ``dsts`` (in order, adding up to
-        ``nbytes``), yielding each index as it fills. Every length is checked: a short or
-        overlong transfer is ``DataLoss``, never quietly wrong bytes."""
-        sock.settimeout(timeout)
+        ``nbytes``), yielding each index as it fills, the whole transfer within
+        ``timeout``. Every length is checked: a chunk past ``nbytes`` is ``DataLoss``; a
+        connection that ends before every byte and the closing status is ``Unavailable``
+        (the daemon died or dropped it), never quietly partial bytes."""
+        budget = _Budget(sock, timeout)
         try:
+            budget.arm()
             send_views(sock, [REQUEST.pack(MAGIC, VERSION, GET, token, nbytes)])
+        except socket.timeout:
+            raise DeadlineExceeded(f"data channel GET stalled past its {timeout}s deadline") from None
         except OSError as e:
             raise Unavailable(f"data channel GET failed: {e}") from None
-        err = self._status(sock, timeout)
+        err = self._status(budget)
         if err is not None:
             raise err
         lens = [len(d) for d in dsts]
@@ -200,7 +211,9 @@ class DataChannel:
         pos = 0
         try:
             while pos < nbytes:
-                (n,) = CHUNK.unpack(recv_exact(sock, CHUNK.size))
+                head = bytearray(CHUNK.size)
+                budget.recv_into(memoryview(head))
+                (n,) = CHUNK.unpack(head)
                 if n == 0:  # the daemon failed mid-stream and says why
                     err = read_status(sock)
                     raise err if err is not None else DataLoss("data channel: an empty chunk")
@@ -209,29 +222,65 @@ class DataChannel:
                 left = n
                 while left:
                     take = min(lens[di] - within, left)
-                    recv_into_exact(sock, dsts[di][within : within + take])
+                    budget.recv_into(dsts[di][within : within + take])
                     within += take
                     left -= take
                     while di < len(lens) and within == lens[di]:
                         yield di
                         di, within = di + 1, 0
                 pos += n
+            budget.arm()
             err = read_status(sock)  # the closing status: the daemon has ended the lease
             if err is not None:
                 raise err
         except socket.timeout:
-            raise DeadlineExceeded(f"data channel GET stalled for {timeout}s after {pos} of {nbytes} bytes") from None
+            raise DeadlineExceeded(f"data channel GET stalled past its {timeout}s deadline after {pos} of "
+                                   f"{nbytes} bytes") from None
         except (Closed, OSError) as e:
-            raise DataLoss(f"data channel GET ended after {pos} of {nbytes} bytes: {e}") from None
+            # The bytes that came are right but not all of them: a dead or unreachable
+            # daemon (retry later), not damaged data.
+            raise Unavailable(f"data channel GET cut off after {pos} of {nbytes} bytes: {e}") from None
 
     @staticmethod
-    def _status(sock: socket.socket, timeout: float | None) -> Exception | None:
+    def _status(budget: "_Budget") -> Exception | None:
         try:
-            return read_status(sock)
+            budget.arm()
+            return read_status(budget.sock)
         except socket.timeout:
-            return DeadlineExceeded(f"no answer on the data channel within {timeout}s")
+            return DeadlineExceeded(f"no answer on the data channel within {budget.timeout}s")
         except OSError as e:
             return Unavailable(f"data channel dropped: {e}")
+
+
+class _Budget:
+    """One transfer's deadline on its socket. A socket timeout bounds each blocking
+    call, not the transfer: ``arm()`` sets what is left before each one, and raises
+    ``socket.timeout`` once nothing is."""
+
+    def __init__(self, sock: socket.socket, timeout: float | None) -> None:
+        self.sock = sock
+        self.timeout = timeout
+        self.end = None if timeout is None else time.monotonic() + timeout
+
+    def arm(self) -> None:
+        if self.end is None:
+            self.sock.settimeout(None)
+            return
+        left = self.end - time.monotonic()
+        if left <= 0:
+            raise socket.timeout("the transfer's deadline has passed")
+        self.sock.settimeout(left)
+
+    def recv_into(self, view: memoryview) -> None:
+        """Fill ``view``, re-armed before every read: a daemon that trickles bytes still
+        ends by the deadline."""
+        pos, n = 0, len(view)
+        while pos < n:
+            self.arm()
+            got = self.sock.recv_into(view[pos:], n - pos)
+            if got == 0:
+                raise Closed(f"connection closed after {pos} of {n} bytes")
+            pos += got
 
 
 def _alive(sock: socket.socket) -> bool:

@@ -8,15 +8,21 @@ Primitives:
   ``rpc.acquire``, ...; ``rpc.park`` is the client-streamed Park, ``rpc.restore`` the
   server-streamed Restore).
 - ``call(stub, request, timeout=None)``: one unary call; a ``grpc.RpcError`` becomes
-  its ``KVParkError``.
+  its ``KVParkError``. ``narrow(seconds)``: ``seconds`` cut to the thread's deadline.
 - ``resolve_timeout(seconds) -> float | None``: ``None`` means the default
   (``KVPARK_TIMEOUT``, else ``DEFAULT_TIMEOUT_S``); ``float("inf")`` means no deadline
   (returned as ``None``, what gRPC takes for "none").
-- ``timeout``: the deadline every control call of the calling thread gets: the
-  connection's default, or what ``deadline(seconds)`` set for this thread only (so one
-  thread's tight lookup bound never shortens another thread's save).
-- ``data_timeout(nbytes)``: the deadline of a transfer: ``timeout`` plus its size at
-  ``FLOOR_RATE`` (a transfer slower than that is treated as a hung daemon).
+- ``deadline(seconds)``: a block of this thread's calls that must all end within
+  ``seconds`` from now, together (an absolute deadline: a sequence of calls shares what
+  is left). Nested blocks narrow it, never widen it; ``None`` sets no bound of its own.
+  Per thread only, so one thread's tight lookup bound never shortens another's save.
+  ``until``: the deadline in force, as an instant; ``deadline_at(until)`` re-enters it.
+- ``timeout``: the seconds the calling thread's next control call gets: what is left of
+  its ``deadline()`` (``DeadlineExceeded`` once that has passed), else the connection's
+  default.
+- ``data_timeout(nbytes)``: the deadline of a transfer: inside ``deadline()``, what is
+  left of it; else the default plus the transfer's size at ``FLOOR_RATE`` (a transfer
+  slower than that is treated as a hung daemon).
 - ``release_quietly(lease_id)``; ``translate(error)``; ``close()``.
 """
 
@@ -26,13 +32,14 @@ import collections
 import math
 import os
 import threading
+import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
 import grpc
 
 from kvpark.proto import GRPC_OPTIONS
-from kvpark.proto.errors import ERROR_KEY, InvalidArgument, KVParkError, from_code
+from kvpark.proto.errors import ERROR_KEY, DeadlineExceeded, InvalidArgument, KVParkError, from_code
 from kvpark.proto.v1 import kvpark_pb2 as pb
 
 _SVC = "/kvpark.v1.KVPark/"
@@ -176,29 +183,72 @@ class Rpc:
                                     response_deserializer=pb.SeqInfo.FromString)
         self.restore = ch.unary_stream(_SVC + "Restore", request_serializer=_ser, response_deserializer=_identity)
 
+    def _until(self) -> float | None:
+        return getattr(self._local, "until", None)
+
+    @property
+    def until(self) -> float | None:
+        """This thread's deadline as a ``time.monotonic()`` instant (``inf``: none), or
+        None outside ``deadline()``."""
+        return self._until()
+
     @property
     def timeout(self) -> float | None:
-        return getattr(self._local, "timeout", self.default_timeout)
+        until = self._until()
+        if until is None:
+            return self.default_timeout
+        if math.isinf(until):
+            return None
+        left = until - time.monotonic()
+        if left <= 0:
+            # Sending it anyway would only wait on a daemon the caller no longer waits for.
+            raise DeadlineExceeded("the caller's deadline passed before the call was sent")
+        return left
+
+    def narrow(self, seconds: float | None) -> float | None:
+        """``seconds`` (``None``: none), cut to what is left of this thread's deadline."""
+        if self._until() is None:
+            return seconds
+        left = self.timeout
+        return left if seconds is None else seconds if left is None else min(seconds, left)
 
     def data_timeout(self, nbytes: int) -> float | None:
-        t = self.timeout
+        if self._until() is not None:
+            return self.timeout  # the caller's deadline bounds the whole call, its transfer too
+        t = self.default_timeout
         return None if t is None else t + max(0, nbytes) / FLOOR_RATE
 
     @contextmanager
     def deadline(self, seconds: float | None) -> Iterator[None]:
-        """Bound every call this thread makes inside the block by ``seconds`` (``None``:
-        the connection's default; ``inf``: no deadline)."""
-        resolved = self.default_timeout if seconds is None else resolve_timeout(seconds)
-        saved = self.timeout
-        self._local.timeout = resolved
+        """Every call this thread makes inside the block ends within ``seconds`` from now,
+        all of them together (``None``: no bound of its own, the enclosing block's or else
+        the connection's default per call; ``inf``: none of its own). An enclosing
+        block's deadline is never widened."""
+        if seconds is None:
+            until = None
+        else:
+            resolved = resolve_timeout(seconds)
+            until = math.inf if resolved is None else time.monotonic() + resolved
+        with self.deadline_at(until):
+            yield
+
+    @contextmanager
+    def deadline_at(self, until: float | None) -> Iterator[None]:
+        """``deadline()`` to an instant (``time.monotonic()``; ``inf``: none of its own;
+        ``None``: no bound of its own), e.g. one a call captured to finish later."""
+        saved = self._until()
+        if until is not None:
+            self._local.until = until if saved is None else min(saved, until)
         try:
             yield
         finally:
-            self._local.timeout = saved
+            self._local.until = saved
 
     def call(self, stub: Callable[..., Any], req: Any, timeout: float | None = None) -> Any:
+        """One unary call under ``timeout`` (``None``: ``self.timeout``), never past this thread's deadline."""
+        t = self.timeout if timeout is None else self.narrow(timeout)
         try:
-            return stub(req, timeout=timeout if timeout is not None else self.timeout)
+            return stub(req, timeout=t)
         except grpc.RpcError as e:
             raise translate(e) from None
 

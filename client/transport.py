@@ -47,8 +47,8 @@ import numpy as np
 import torch
 
 from kvpark.proto import convert
-from kvpark.proto.errors import (DataLoss, KVParkError, LeaseExpired, ResourceExhausted, TransportUnavailable,
-                                 Unavailable)
+from kvpark.proto.errors import (DataLoss, DeadlineExceeded, KVParkError, LeaseExpired, ResourceExhausted,
+                                 TransportUnavailable, Unavailable)
 from kvpark.proto.types import SeqInfo
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import decode_chunk, encode_chunk, regroup
@@ -367,8 +367,16 @@ class Inline(Transport):
                 yield encode_chunk(off, *vs)
             yield pb.ParkRequest(commit=pb.ParkCommit(nbytes=total)).SerializeToString()
 
+        timeout = self.rpc.data_timeout(total)
+        call = self.rpc.park.future(stream(), timeout=timeout)
         try:
-            return convert.info_from_pb(self.rpc.park(stream(), timeout=self.rpc.data_timeout(total)))
+            # Waited on with a bound of our own: the blocking form can outlive its
+            # deadline when the daemon stops reading mid-stream (it waits on every queued send).
+            return convert.info_from_pb(call.result(timeout=None if timeout is None else timeout + 1.0))
+        except grpc.FutureTimeoutError:
+            call.cancel()
+            raise DeadlineExceeded(f"park of {header.seq_id!r}: the stream stalled past its "
+                                   f"{timeout:.1f}s deadline") from None
         except grpc.RpcError as e:
             raise translate(e) from None
 

@@ -255,8 +255,7 @@ class KVParkConnector(KVConnectorBase_V1):
         self._drop_grant(rid)  # asked again (not scheduled last time): a fresh answer
         skip = num_computed_tokens // self.block_size
         try:
-            client = self._conn.get()
-            with client.deadline(self._lookup_timeout):
+            with self._conn.bounded(self._lookup_timeout) as client:
                 if self._grant_max > 0:
                     # One round trip: the lookup also acquires the hit (inline when small).
                     hit, grant = client.lookup_acquire(keys, skip=skip, max_ids=self._grant_max)
@@ -388,8 +387,7 @@ class KVParkConnector(KVConnectorBase_V1):
             t0 = time.perf_counter()
             done = 0
             try:
-                client = self._conn.get()
-                with client.deadline(self._load_timeout):
+                with self._conn.bounded(self._load_timeout) as client:
                     if grant is not None:
                         done = self._load_grant(client, ids[: grant.count], grant)
                     done += load_blocks(client, self._layers, self._block_dim, ids[done:], keys[done:],

@@ -15,7 +15,8 @@ Primitives:
   ``save_blocks(client, layers, block_dim, ids, keys, attrs, stage_bytes)``: synchronous
   restore/park in bounded chunks.
 - ``Conn(address, transport, connect_timeout_s=5)``: a lazily (re)connected ``Client``
-  that fails fast (for a two-second back-off) while the daemon is down.
+  that fails fast (for a two-second back-off) while the daemon is down. ``get(timeout)``;
+  ``bounded(seconds)``: a block whose calls, the connect included, end within ``seconds``.
 - ``BackgroundSaver(conn, timeout_s, max_pending_bytes)``: ``submit(keys, packed, attrs)``
   queues a snapshot and returns at once; one thread parks the snapshots in order. Each
   save has a deadline of ``timeout_s`` from its submission: it is committed by then, or
@@ -35,8 +36,9 @@ import threading
 import time
 import weakref
 from collections import Counter, deque
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 
@@ -166,18 +168,37 @@ class Conn:
         self._retry_at = 0.0
         self._lock = threading.Lock()
 
-    def get(self) -> Client:
+    def get(self, timeout: float | None = None) -> Client:
+        """The client; connecting, when there is none, within ``timeout`` (at most
+        ``connect_timeout_s``)."""
         with self._lock:
             if self._client is not None:
                 return self._client
             if time.monotonic() < self._retry_at:
                 raise ConnectionError(f"kvpark daemon at {self.address} was unreachable; retrying later")
+            budget = self.connect_timeout_s if timeout is None else min(self.connect_timeout_s, timeout)
             try:
-                self._client = Client(self.address, timeout=self.connect_timeout_s, transport=self.transport)
+                client = Client(self.address, timeout=budget, transport=self.transport)
             except Exception:
                 self._retry_at = time.monotonic() + 2.0
                 raise
-            return self._client
+            # The Hello had the caller's budget; calls outside a deadline (lease
+            # releases) get the connection's own.
+            client.rpc.default_timeout = self.connect_timeout_s
+            self._client = client
+            return client
+
+    @contextmanager
+    def bounded(self, seconds: float) -> Iterator[Client]:
+        """The client, and every call inside the block, the connect included, ends within
+        ``seconds``: a step's lookup or load never waits longer than its own timeout."""
+        end = time.monotonic() + seconds
+        client = self.get(seconds)
+        left = end - time.monotonic()
+        if left <= 0:
+            raise DeadlineExceeded(f"connecting to {self.address} took all of {seconds:.2f}s")
+        with client.deadline(left):
+            yield client
 
     def reset(self) -> None:
         with self._lock:
@@ -322,8 +343,7 @@ class BackgroundSaver:
         try:
             if left <= 0:
                 raise DeadlineExceeded(f"{len(save.keys)} blocks waited {self.timeout_s:.1f}s to be saved")
-            client = self.conn.get()
-            with client.deadline(left):
+            with self.conn.bounded(left) as client:  # the connect counts against the save's deadline too
                 client.park_batch({key: [save.packed[j]] for j, key in enumerate(save.keys)}, attrs=save.attrs)
         except Exception as e:  # noqa: BLE001 - a failed save only costs a future miss
             self.conn.failed("save", e)
