@@ -55,13 +55,13 @@ _CHILD = textwrap.dedent(
     tr.TRANSPORTS["shm"], tr.TRANSPORTS["inline"] = PausedShm, PausedInline
     payload = torch.arange(4 << 20, dtype=torch.int64).to(torch.uint8)
     c = Client(address, transport="inline" if path != "shm" else "shm")
-    if op == "restore":
+    if op != "park":
         c.park("x", [payload])
     got = []
 
     def call():
         try:
-            if op == "restore":
+            if op != "park":
                 got.append(bool(torch.equal(c.restore("x")[0], payload)))
             else:
                 c.park("y", [payload])
@@ -72,6 +72,17 @@ _CHILD = textwrap.dedent(
     t = threading.Thread(target=call, name="caller")
     t.start()
     assert entered.wait(60)
+    if op == "remap":
+        # What a daemon restart makes another thread do: drop this client's mappings and
+        # open fresh ones (here of the same daemon), while the call still copies through the old.
+        c._remap(c.server.instance)
+        closed.set()
+        t.join(60)
+        assert got == [True], got
+        assert torch.equal(c.restore("x")[0], payload)
+        c.close()
+        print("ok", got[0], flush=True)
+        sys.exit(0)
     c.close()
     closed.set()
     t.join(60)
@@ -87,10 +98,11 @@ _CHILD = textwrap.dedent(
 )
 
 
-@pytest.mark.parametrize("op", ["restore", "park"])
-@pytest.mark.parametrize("path", ["shm", "channel", "grpc"])
+@pytest.mark.parametrize("path,op", [(p, o) for p in ("shm", "channel", "grpc") for o in ("restore", "park")]
+                         + [("shm", "remap")])
 def test_closing_a_client_under_a_running_call_never_crashes_and_later_calls_raise_typed_errors(
         daemon: Callable[..., Daemon], path: str, op: str) -> None:
+    # remap: the client drops its mappings (as after a daemon restart) under the running restore.
     d = daemon()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK")}
     r = subprocess.run([sys.executable, "-c", _CHILD, d.address, path, op], env=env, timeout=180,
