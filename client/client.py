@@ -20,6 +20,8 @@ Primitives:
   trip when it came inline); ``release_grant(grant)`` ends its lease.
 - ``pin(seq_id, pinned=True) -> SeqInfo``; ``flush() -> int`` (sequences written to disk).
 - ``deadline(seconds)``: bound every call the calling thread makes inside the block.
+- ``close()``: calls begun after it raise ``Unavailable``; calls running on other threads
+  finish first (the mappings and the channel are let go when the last one ends).
 - Daemon restarts: every mapping names the daemon instance it came from (Hello's
   ``instance``). A call whose reply names another instance (the daemon restarted under
   a live client) drops the mappings, re-Hellos and is retried once, before any byte is

@@ -21,10 +21,16 @@ Primitives:
   layout it must carry.
 - ``Restoring``: a restore under way: ``info`` at once, then ``(index, tensor)`` pairs as
   each tensor lands; ``close()`` ends it (and its lease) early; it closes itself once
-  exhausted.
+  exhausted. ``then(fn)`` runs ``fn`` after it ended.
 - ``Transport``: ``name``; ``open(rpc, hello)`` (raises ``TransportUnavailable`` with the
   reason); ``park(header, flats) -> SeqInfo``; ``restore(ids, target) -> Restoring``;
-  ``small_limit`` (payloads up to it take one round trip); ``close()``.
+  ``small_limit`` (payloads up to it take one round trip); ``holding(start)`` (a restore
+  that holds a use of the mappings until it ends); ``close(error=None)``: unmaps once
+  the last call copying through the mappings has ended (never under a copy), and a call
+  begun after it raises ``error()`` (default ``Unavailable("client closed")``).
+  A shm/cuda_ipc restore's Release must answer ``released``: a read lease that ended
+  first (reaped past ``leases.ttl_s``) may have had its slots reused under the copy, so
+  the restore raises ``LeaseExpired`` instead of returning those bytes.
 - ``InstanceChanged`` (an ``Unavailable``): the daemon restarted since this transport
   was opened. Every reply that hands out memory names the daemon instance that issued it
   (``instance``, as Hello does); a transport checks it *before* it copies a byte and
