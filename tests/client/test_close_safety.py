@@ -128,11 +128,11 @@ class _ExpiresBeforeItsCopy(tr.Shm):
 
 def test_a_shm_restore_whose_lease_expired_under_its_copy_never_returns_wrong_bytes(
         daemon: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch) -> None:
-    # A host tier of exactly one payload: the park after the drop lands in the slots the
-    # expired lease held.
-    d = daemon(**{"leases.ttl_s": 0.3, "tiers.host.capacity": "4MiB"})
-    old = torch.full((4 * MiB,), 1, dtype=torch.uint8)
-    new = torch.full((4 * MiB,), 2, dtype=torch.uint8)
+    # An empty host tier, below its watermarks throughout (nothing is demoted meanwhile):
+    # the park after the drop lands in the slots the expired lease held.
+    d = daemon(**{"leases.ttl_s": 0.3, "tiers.host.capacity": "8MiB"})
+    old = torch.full((3 * MiB,), 1, dtype=torch.uint8)
+    new = torch.full((3 * MiB,), 2, dtype=torch.uint8)
     with Client(d.address, transport="inline") as other:
         other.park("a", [old])
         other.flush()
@@ -140,6 +140,8 @@ def test_a_shm_restore_whose_lease_expired_under_its_copy_never_returns_wrong_by
         def reuse() -> None:
             assert wait_until(lambda: other.stat().leases == 0, timeout=30)  # reaped
             other.drop("a")
+            # The slots are free once the reaper's end of the lease has run all through.
+            assert wait_until(lambda: other.stat().tiers["host"].used_bytes == 0, timeout=30)
             other.park("b", [new])
             assert other.info("b").tier == "host"
 
