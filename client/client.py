@@ -440,8 +440,13 @@ class Client:
 
     def release_grant(self, grant: Grant) -> None:
         """End a grant's lease (nothing to do for an inline one); never raises."""
-        if grant.lease_id and not self._uses.closed:
-            self.rpc.release_quietly(grant.lease_id)
+        if not grant.lease_id:
+            return
+        try:
+            with self._uses.held():
+                self.rpc.release_quietly(grant.lease_id)
+        except Unavailable:
+            pass  # this client is closed: the lease's TTL frees it
 
     def _call(self, stub: Any, req: Any, timeout: float | None) -> Any:
         """One control call under ``timeout`` (``None``: the connection's default)."""

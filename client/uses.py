@@ -10,7 +10,7 @@ when the last use ends; a use begun after close raises the error close was given
 Primitives:
 - ``Uses``: ``enter()`` (raises once closing), ``exit()``, ``held()`` (a context manager
   of one use), ``close(teardown, error)`` (``error``: makes what a late use raises) (``teardown`` runs now when idle, else when the
-  last use ends; exactly once), ``closed``.
+  last use ends; exactly once).
 """
 
 from __future__ import annotations
@@ -26,10 +26,6 @@ class Uses:
         self._n = 0
         self._error: Callable[[], Exception] | None = None  # set once closing: what a new use raises
         self._teardown: Callable[[], None] | None = None
-
-    @property
-    def closed(self) -> bool:
-        return self._error is not None
 
     def enter(self) -> None:
         with self._lock:
