@@ -26,6 +26,8 @@ Primitives:
 - ``deadline(seconds)``: every call the calling thread makes inside the block ends
   within ``seconds`` from now, all together, transfers included; a call's ``timeout=``
   and nested blocks narrow it, never widen it.
+- ``close()``: calls begun after it raise ``Unavailable``; calls running on other threads
+  finish first (the mappings and the channel are let go when the last one ends).
 - Daemon restarts: every mapping names the daemon instance it came from (Hello's
   ``instance``). A call whose reply names another instance (the daemon restarted under
   a live client) drops the mappings, re-Hellos and is retried once, before any byte is
@@ -54,6 +56,7 @@ import threading
 import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterator, Mapping, Sequence, TypeVar
 
 import torch
@@ -70,6 +73,7 @@ from .payload import as_tensors, byte_view, check_into
 from .rpc import Rpc
 from . import verify as verifying
 from .tlsprobe import speaks_tls
+from .uses import Uses
 from .transport import (SMALL_POOL_BYTES, TRANSPORTS, CudaIpc, InstanceChanged, Restoring, Shm, Target, Transport,
                         negotiate)
 
@@ -137,6 +141,7 @@ class Client:
         self._ipc: Transport | None = None  # auto: the device pool, opened on first use
         self._ipc_tried = False
         self._remap_lock = threading.Lock()
+        self._uses = Uses()  # calls under way: close tears down after the last of them
         try:
             self.server = self.rpc.call(self.rpc.hello, pb.HelloRequest(client_version=VERSION))
             self.chunk_size = int(self.server.chunk_size) or (1 << 20)
@@ -184,10 +189,18 @@ class Client:
         return self._ipc if self._ipc.pool.device == cuda.indexed(dev) else self._transport
 
     def close(self) -> None:
-        if self._ipc is not None:
-            self._ipc.close()
-        self._transport.close()
-        self.rpc.close()
+        """End this client; calls begun after it raise ``Unavailable``. Calls running on
+        other threads are not cut off: the mappings and the channel they use are let go
+        when the last of them ends (an arena unmapped under a copy would kill the process)."""
+        self._uses.close(self._teardown, lambda: Unavailable("client closed"))
+
+    def _teardown(self) -> None:
+        try:
+            if self._ipc is not None:
+                self._ipc.close()
+            self._transport.close()
+        finally:
+            self.rpc.close()
 
     # ------------------------------------------------------------------ daemon instances
 
@@ -204,19 +217,31 @@ class Client:
             self.server, self._transport, self._ipc, self._ipc_tried = hello, fresh, None, False
             self.chunk_size = int(hello.chunk_size) or (1 << 20)
             self._packed = "packed" in hello.features
+        # Other threads may still be copying through the old mappings: each transport
+        # unmaps after its last copy; a call that picks one up after this is retried on
+        # the fresh one (``InstanceChanged``).
         for t in (ipc, old):
             if t is not None:
-                t.close()
+                t.close(partial(t._changed, "a call on the old mappings"))
 
     def _fresh(self, call: Callable[[], T]) -> T:
         """Run ``call``; when it finds this client's mappings of a daemon instance that is
         gone (refused before any byte moved), remap and run it once more. A second
         restart in between is ``Unavailable``."""
+        self._uses.enter()
         try:
-            return call()
-        except InstanceChanged as e:
-            self._remap(e.stale)
-        return call()
+            try:
+                r = call()
+            except InstanceChanged as e:
+                self._remap(e.stale)
+                r = call()
+        except BaseException:
+            self._uses.exit()
+            raise
+        if isinstance(r, Restoring):
+            return r.then(self._uses.exit)  # a restore holds the client open until it ends
+        self._uses.exit()
+        return r
 
     def __enter__(self) -> "Client":
         return self
@@ -416,13 +441,7 @@ class Client:
             raise LeaseExpired(f"grant {grant.lease_id} is too old to read safely; restore the ids instead")
         elif isinstance(self._transport, Shm):
             with self.rpc.deadline(timeout):
-                t = self._grant_mapping(grant, reply.instance)
-                if reply.window_size:
-                    # Larger than the host tier: served window by window, each asked for,
-                    # and the lease ends with the last one.
-                    r = t._restore_windows(reply, target)
-                else:
-                    r = t._restore_leased(reply, target, release=release)
+                r = self._fresh(lambda: self._grant_restoring(grant, reply, target, release))
         else:
             raise TransportUnavailable(f"a leased grant needs the shm transport, this client uses {self.transport}")
         r = self._checked(r, into_flat)
@@ -436,6 +455,15 @@ class Client:
     def _checked(self, r: Restoring, into_flat: torch.Tensor | None = None) -> Restoring:
         """``r`` with every tensor checked against its park digests (under ``verify``)."""
         return verifying.checked(r, into_flat) if self.verify else r
+
+    def _grant_restoring(self, grant: Grant, reply: pb.AcquireResponse, target: Target,
+                         release: bool) -> Restoring:
+        t = self._grant_mapping(grant, reply.instance)
+        if reply.window_size:
+            # Larger than the host tier: served window by window, each asked for, and the
+            # lease ends with the last one.
+            return t.holding(lambda: t._restore_windows(reply, target))
+        return t.holding(lambda: t._restore_leased(reply, target, release=release))
 
     def _grant_mapping(self, grant: Grant, instance: str) -> Shm:
         """The arena mapping of the daemon instance that leased ``grant``: this client's,
@@ -456,12 +484,17 @@ class Client:
 
     def release_grant(self, grant: Grant) -> None:
         """End a grant's lease (nothing to do for an inline one); never raises."""
-        if grant.lease_id:
-            self.rpc.release_quietly(grant.lease_id)
+        if not grant.lease_id:
+            return
+        try:
+            with self._uses.held():
+                self.rpc.release_quietly(grant.lease_id)
+        except Unavailable:
+            pass  # this client is closed: the lease's TTL frees it
 
     def _call(self, stub: Any, req: Any, timeout: float | None) -> Any:
         """One control call under ``timeout`` (``None``: the connection's default)."""
-        with self.rpc.deadline(timeout):
+        with self._uses.held(), self.rpc.deadline(timeout):
             return self.rpc.call(stub, req)
 
     # ------------------------------------------------------------------ control

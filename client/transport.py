@@ -21,10 +21,16 @@ Primitives:
   layout it must carry.
 - ``Restoring``: a restore under way: ``info`` at once, then ``(index, tensor)`` pairs as
   each tensor lands; ``close()`` ends it (and its lease) early; it closes itself once
-  exhausted.
+  exhausted. ``then(fn)`` runs ``fn`` after it ended.
 - ``Transport``: ``name``; ``open(rpc, hello)`` (raises ``TransportUnavailable`` with the
   reason); ``park(header, flats) -> SeqInfo``; ``restore(ids, target) -> Restoring``;
-  ``small_limit`` (payloads up to it take one round trip); ``close()``.
+  ``small_limit`` (payloads up to it take one round trip); ``holding(start)`` (a restore
+  that holds a use of the mappings until it ends); ``close(error=None)``: unmaps once
+  the last call copying through the mappings has ended (never under a copy), and a call
+  begun after it raises ``error()`` (default ``Unavailable("client closed")``).
+  A shm/cuda_ipc restore's Release must answer ``released``: a read lease that ended
+  first (reaped past ``leases.ttl_s``) may have had its slots reused under the copy, so
+  the restore raises ``LeaseExpired`` instead of returning those bytes.
 - ``InstanceChanged`` (an ``Unavailable``): the daemon restarted since this transport
   was opened. Every reply that hands out memory names the daemon instance that issued it
   (``instance``, as Hello does); a transport checks it *before* it copies a byte and
@@ -58,6 +64,7 @@ from kvpark.tiers.shm import SharedArena, boot_id
 from .datachannel import DataChannel, DataChannelRefused, client_ssl_context
 from .payload import Outputs, pieces
 from .rpc import Rpc, translate
+from .uses import Uses
 
 # Payloads up to this size travel inside one unary RPC even on shm/cuda_ipc: one round
 # trip beats two (reserve+commit, acquire+release) when the bytes are few
@@ -102,6 +109,20 @@ class Restoring:
         except BaseException:  # exhausted or failed: the lease ends now either way
             self.close()
             raise
+
+    def then(self, after: Callable[[], None]) -> "Restoring":
+        """Run ``after`` once this restore has ended, after its own cleanup."""
+        first = self._cleanup
+
+        def both() -> None:
+            try:
+                if first is not None:
+                    first()
+            finally:
+                after()
+
+        self._cleanup = both
+        return self
 
     def close(self) -> None:
         cleanup, self._cleanup = self._cleanup, None
@@ -173,19 +194,42 @@ class Transport(ABC):
         self.chunk_size = int(hello.chunk_size) or (1 << 20)
         self.packed = "packed" in hello.features  # compact tensor lists in replies
         self.instance = hello.instance  # the start of the daemon whose memory this maps
+        self._uses = Uses()  # calls copying through the mappings: close unmaps after the last
 
     @classmethod
     def open(cls, rpc: Rpc, hello: pb.HelloResponse) -> "Transport":
         return cls(rpc, hello)
 
-    def close(self) -> None:
-        pass
+    def close(self, error: Callable[[], Exception] | None = None) -> None:
+        """Unmap once no call is copying through the mappings (now, when none is); a call
+        begun after this raises ``error()`` (default ``Unavailable("client closed")``)."""
+        self._uses.close(self._unmap, error or (lambda: Unavailable("client closed")))
+
+    def _unmap(self) -> None:
+        """Let go of what this transport mapped; runs once, with no call using it."""
+
+    def park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
+        with self._uses.held():
+            return self._park(header, flats)
+
+    def restore(self, ids: list[str], target: Target) -> Restoring:
+        return self.holding(lambda: self._restore(ids, target))
+
+    def holding(self, start: Callable[[], Restoring]) -> Restoring:
+        """``start()``, holding a use of the mappings until the restore it returns ends."""
+        self._uses.enter()
+        try:
+            r = start()
+        except BaseException:
+            self._uses.exit()
+            raise
+        return r.then(self._uses.exit)
 
     @abstractmethod
-    def park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo: ...
+    def _park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo: ...
 
     @abstractmethod
-    def restore(self, ids: list[str], target: Target) -> Restoring: ...
+    def _restore(self, ids: list[str], target: Target) -> Restoring: ...
 
     # ---------------------------------------------------------------- daemon instance
 
@@ -217,6 +261,16 @@ class Transport(ABC):
             if self.restarted():
                 raise self._changed("commit") from None
             raise
+
+    def _release_read(self, lease_id: str, what: str) -> None:
+        """End a read lease whose slots were just copied out, learning whether it was
+        still alive. The daemon cannot see a copy out of a mapping: a lease that expired
+        (and was reaped) before its Release may have had its slots freed and reused under
+        the copy, so those bytes are refused (``LeaseExpired``), never handed over as right."""
+        if not self.rpc.call(self.rpc.release, pb.ReleaseRequest(lease_id=lease_id)).released:
+            raise LeaseExpired(f"restore of {what!r}: its read lease ended before the copy out of the "
+                               "mapping was released (past leases.ttl_s); the bytes copied are discarded, "
+                               "restore it again")
 
     def _window(self, lease_id: str, index: int, nbytes: int) -> list[tuple[int, int]]:
         try:
@@ -332,7 +386,7 @@ class Inline(Transport):
     def small_limit(self) -> int:
         return self.chunk_size
 
-    def close(self) -> None:
+    def _unmap(self) -> None:
         if self.channel is not None:
             self.channel.close()
 
@@ -348,7 +402,7 @@ class Inline(Transport):
                 raise self._changed("data channel") from None
             return None
 
-    def park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
+    def _park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
         if sum(f.numel() for f in flats) <= self.small_limit:
             return self._park_small(header, flats)
         # One D2H per device tensor; CPU tensors are framed straight from their memory.
@@ -453,7 +507,7 @@ class Inline(Transport):
 
         return Restoring(info, tensors())
 
-    def restore(self, ids: list[str], target: Target) -> Restoring:
+    def _restore(self, ids: list[str], target: Target) -> Restoring:
         sock = self._socket()
         if sock is not None:
             return self._restore_channel(sock, ids, target)
@@ -476,7 +530,7 @@ class _Pool(Transport):
 
     small_limit = SMALL_POOL_BYTES
 
-    def park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
+    def _park(self, header: pb.ParkHeader, flats: list[torch.Tensor]) -> SeqInfo:
         if sum(f.numel() for f in flats) <= self.small_limit:
             return self._park_small(header, flats)
         pool, rpc = self.pool, self.rpc
@@ -524,7 +578,7 @@ class _Pool(Transport):
     def prepare(self, devices: set[torch.device]) -> None:
         """Called with the devices of a call's tensors before its copies."""
 
-    def restore(self, ids: list[str], target: Target) -> Restoring:
+    def _restore(self, ids: list[str], target: Target) -> Restoring:
         self.prepare(target.devices())
         req = pb.AcquireRequest(tier=self.tier, expect_layout=target.expect_layout, inline_max=SMALL_POOL_BYTES,
                                 packed=self.packed)
@@ -569,26 +623,45 @@ class _Pool(Transport):
                     break
                 k += 1
                 segs = self._window(r.lease_id, k, size)
+            released[0] = True  # whatever the answer: a lease is released once
+            self._release_read(r.lease_id, info.seq_id)
             out.finish_flat()
 
-        return Restoring(info, tensors(), lambda: rpc.release_quietly(r.lease_id))
+        def end() -> None:
+            if not released[0]:
+                rpc.release_quietly(r.lease_id)
+
+        released = [False]
+        return Restoring(info, tensors(), end)
 
     def _restore_leased(self, r: pb.AcquireResponse, target: Target, release: bool = True) -> Restoring:
         """Copy straight out of the leased slots, one readiness mark per tensor. With
         ``release=False`` the lease outlives the copies; the caller ends it."""
         pool = self.pool
         copies: cuda.LayerCopier | None = None
+        released = not release  # the lease ends here (once), or the caller ends it
 
         def end() -> None:
             # Every queued copy has read its slots before the lease ends, also when a
             # layer-wise consumer stops early. They all run on the copier's stream, so
             # one event there covers them (no device-wide synchronize).
+            nonlocal released
             try:
                 if copies is not None:
                     copies.synchronize()
             finally:
-                if release:
+                if not released:
+                    released = True
                     self.rpc.release_quietly(r.lease_id)
+
+        def verify() -> None:
+            """Every copy has landed: release the lease, refusing the bytes if it had ended."""
+            nonlocal released
+            if not released:
+                assert copies is not None
+                copies.synchronize()
+                released = True
+                self._release_read(r.lease_id, info.seq_id)
 
         try:
             info = convert.info_from_pb(r.info)
@@ -611,11 +684,15 @@ class _Pool(Transport):
             assert copies is not None
             if out.flat is not None:
                 copies.wait(marks[0])
+                verify()
                 out.finish_flat()
                 return
             for i, mark in enumerate(marks):
                 copies.wait(mark)
                 yield i, out.finish_one(i)
+            # A caller that takes the whole list gets it only past this check; a layer-wise
+            # consumer learns here that what it was handed may be wrong.
+            verify()
 
         return Restoring(info, tensors(), end)
 
@@ -653,7 +730,7 @@ class Shm(_Pool):
             raise TransportUnavailable(f"cannot map arena {a.path}: {e}") from None
         return cls(rpc, hello, arena)
 
-    def close(self) -> None:
+    def _unmap(self) -> None:
         if self.pinned:
             cuda.unpin_host(self.arena.tensor)
             self.pinned = False

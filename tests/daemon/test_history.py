@@ -437,7 +437,6 @@ for _ in range(3):  # a close that falls between two restores shows nothing: thr
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="known bug: closing a shm client unmaps the arena under a running restore")
 def test_closing_a_shared_shm_client_under_a_running_restore_does_not_crash_the_process(
         daemon: Callable[..., Daemon]) -> None:
     # Found by the history checker, whose threads share one Client and replaced it after a
