@@ -34,6 +34,10 @@ from kvpark.tiers.disk import Manifest
 
 from .model import MAX_PARTS, Lease, Part, ReadHandle, Seq
 
+# Tries of a restore whose version an overwrite replaced under it (each overwrite that
+# lands mid-read costs one); past them the last error stands.
+REPLACED_RETRIES = 8
+
 if TYPE_CHECKING:
     from .engine import Engine
 
@@ -61,8 +65,32 @@ def acquire(engine: "Engine", seq_ids: str | list[str], need: str | None = None,
     if need is not None:
         engine._tier_arg(need)
     adopt(engine, ids)
+    # An overwrite that lands while this restore promotes the old version from disk
+    # retires (and deletes) it under us. The id was never absent, so the answer is the
+    # old or the new version: lease the current one again. Only a drop is NOT_FOUND.
+    for attempt in range(REPLACED_RETRIES):
+        tops: list[Seq] = []
+        try:
+            return _acquire_once(engine, ids, need, stream, expect_layout, inline_max, tops)
+        except (NotFound, DataLoss):
+            if attempt == REPLACED_RETRIES - 1 or not replaced(engine, tops):
+                raise
+    raise AssertionError("unreachable")
+
+
+def replaced(engine: "Engine", tops: list[Seq]) -> bool:
+    """Whether one of ``tops`` was overwritten (its id indexed as another version) and
+    none was dropped: a read that failed on them may lease the current versions."""
     with engine.catalog.lock:
-        tops = [engine.catalog.get(sid) for sid in ids]
+        now = [engine.catalog.find(t.seq_id) for t in tops]
+    return bool(tops) and all(n is not None for n in now) and any(n is not t for n, t in zip(now, tops))
+
+
+def _acquire_once(engine: "Engine", ids: list[str], need: str | None, stream: bool, expect_layout: str,
+                  inline_max: int, tops: list[Seq]) -> ReadHandle:
+    """One try of ``acquire``; fills ``tops`` with the versions it found."""
+    with engine.catalog.lock:
+        tops.extend(engine.catalog.get(sid) for sid in ids)
         for t in tops:
             have = t.attrs.get("layout", "")
             if expect_layout and have != expect_layout:

@@ -256,8 +256,8 @@ def test_concurrent_history_across_sigterm_and_sigkill_restarts(tmp_path: Path) 
 # ------------------------------------------------------------------ what the checker found
 #
 # Each race below was found by the history checker and is pinned here deterministically
-# through the disk seam. They are not fixed on this branch: each is marked xfail(strict),
-# so the fix turns it into a failure ("XPASS") that says to drop the mark.
+# through the disk seam. One still open is marked xfail(strict), so its fix turns it into
+# a failure ("XPASS") that says to drop the mark.
 
 KiB, MiB = 1 << 10, 1 << 20
 WT = {"policy.write": "write_through"}
@@ -296,28 +296,53 @@ class _Held(DiskStore):
             _Held.go.wait(30)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: a promotion from disk reads a record an overwrite deleted")
+@pytest.mark.parametrize("call", ["restore", "prefetch"])
 @pytest.mark.parametrize("transport", ["shm", "inline"])
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_a_restore_racing_an_overwrite_returns_the_old_or_the_new_version(
-        daemon: Callable[..., Daemon], transport: str, where: str) -> None:
+        daemon: Callable[..., Daemon], transport: str, where: str, call: str) -> None:
+    got = _race_a_promotion_from_disk(daemon, transport, where, call,
+                                      lambda c: c.park("x", [full(MiB, 2)], overwrite=True))
+    # Before the fix: NotFound ("dropped or overwritten during the restore" / "no parked
+    # sequence"), though the id was never absent.
+    assert got in ([1], [2]), got
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_restore_racing_a_drop_returns_the_old_version_or_not_found(
+        daemon: Callable[..., Daemon], where: str) -> None:
+    got = _race_a_promotion_from_disk(daemon, "shm", where, "restore", lambda c: c.drop("x"))
+    assert got == [1] or got[0].startswith("NotFound"), got
+
+
+def _race_a_promotion_from_disk(daemon: Callable[..., Daemon], transport: str, where: str, call: str,
+                                step: Callable[[Client], object]) -> list[Any]:
     _Held.held.clear()
     _Held.go.clear()
     d = daemon(disk_factory=_Held, **WT, **{"tiers.host.capacity": "4MiB"})
     with Client(d.address, transport=transport) as c, Client(d.address, transport=transport) as reader:
         _disk_only(c, "x", 1)
         got: list[Any] = []
+
+        def read() -> None:
+            if call == "prefetch":
+                try:
+                    reader.prefetch("x", tier="host", wait=True, timeout=60)
+                except (DataLoss, NotFound) as e:
+                    got.append(f"{type(e).__name__}: {e}")
+                    return
+            got.append(_restore_or_error(reader, "x"))
+
         _Held.where = where
-        t = threading.Thread(target=lambda: got.append(_restore_or_error(reader, "x")))
+        t = threading.Thread(target=read)
         t.start()
         assert _Held.held.wait(30)
-        # Step: the overwrite commits (and deletes version 1's record) while the restore
-        # is promoting version 1 from disk ("before" its read, or "after" it).
-        c.park("x", [full(MiB, 2)], overwrite=True)
+        # Step: the overwrite (or drop) commits and deletes version 1's record while the
+        # restore is promoting version 1 from disk ("before" its read, or "after" it).
+        step(c)
         _Held.go.set()
         t.join(60)
-        # Before the fix: DataLoss ("record missing", "before") or NotFound ("after").
-        assert got in ([1], [2]), got
+        return got
 
 
 def _restore_or_error(c: Client, seq_id: str) -> int | str:
