@@ -6,7 +6,8 @@ double create, a phantom and a cross-tenant read each fail, with the ops around 
 
 The run (``tests/daemon/history.py``): client processes with two threads each over six
 shared ids per tenant, two tenants, every call kind, shm and inline transports, tiny tiers,
-seeded disk stalls through the ``disk_factory`` seam, client processes killed mid-call and
+seeded disk faults (EIO, a full map, stalls) through the ``disk_factory`` seam, client
+processes killed mid-call and
 (when redis-server is installed) the remote tier's Redis killed and keys deleted;
 then a ``kvpark serve`` subprocess restarted with SIGTERM and SIGKILL under write_through
 (its inline clients on gRPC streams: the data channel off).
