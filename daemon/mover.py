@@ -43,8 +43,9 @@ Primitives:
   (``policy.disk_full = "evict"``, the default; "refuse" keeps a full disk full).
 - The disk-eviction paths live in ``disk_evict.py``, the reads from and copies to Redis
   in ``remote_moves.py``; ``Mover`` keeps the entry points above.
-- ``prefetch(seq, tier, wait, timeout) -> str``; ``quiet()`` (no demotion starts, moves
-  in flight land: for invariant checks); ``close()``.
+- ``prefetch(seq, tier, wait, timeout) -> str`` (waited: a version an overwrite replaced
+  meanwhile is prefetched as the new one; only a drop is ``NotFound``); ``quiet()`` (no
+  demotion starts, moves in flight land: for invariant checks); ``close()``.
 """
 
 from __future__ import annotations

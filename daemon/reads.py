@@ -11,7 +11,11 @@ Locks as in ``engine.py``: ``Lease.lock`` -> ``Seq.move_lock`` -> ``Catalog.lock
 disk or Redis I/O under the index lock.
 
 Primitives:
-- ``acquire(engine, seq_ids, need, stream, expect_layout, inline_max) -> ReadHandle``.
+- ``acquire(engine, seq_ids, need, stream, expect_layout, inline_max) -> ReadHandle``: a
+  try that fails because an overwrite replaced a version under it (``NotFound`` or
+  ``DataLoss`` while its id is indexed as a newer version) leases the new version instead,
+  at most ``REPLACED_RETRIES`` times; a drop stays ``NotFound``.
+- ``replaced(engine, tops) -> bool``: whether one of ``tops`` was overwritten, none dropped.
 - ``acquire_part(engine, seq, need, want, lease) -> Part``: one part, promoting first
   when the restore wants a memory tier.
 - ``lease_part(seq, need, want, lease, final) -> Part | None`` (REQUIRES: index lock).
