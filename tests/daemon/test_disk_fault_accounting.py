@@ -7,7 +7,7 @@ EIO and map-full faults); each case fails ONE call through the ``disk_factory`` 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import lmdb
 import pytest

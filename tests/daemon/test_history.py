@@ -34,7 +34,7 @@ from kvpark.tiers.disk import DiskStore
 
 from ..conftest import run_threads, wait_until
 from ..redis_servers import have_redis
-from .history import (INF, MID_RESTORE, OPS, RECORD_MISSING, Corrupt, Event, History, HistoryConfig, Op,
+from .history import (INF, MID_RESTORE, RECORD_MISSING, Corrupt, Event, History, HistoryConfig, Op,
                       block_payload, check, decode, payload, run_history)
 
 SECONDS = float(os.environ.get("KVPARK_HISTORY_SECONDS", "6"))

@@ -8,7 +8,7 @@ import grpc
 import pytest
 import torch
 
-from kvpark.client import Client, FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from kvpark.client import Client, FailedPrecondition, InvalidArgument, ResourceExhausted
 from kvpark.daemon.model import ParkSpec
 from kvpark.daemon.server import Daemon
 from kvpark.proto import GRPC_OPTIONS
