@@ -15,6 +15,8 @@ Primitives:
   lease still reads is deleted after the lease (``retry``), so the read gets the
   version it leased, never a record missing under it.
 - ``delete_all(seqs) -> KVParkError | None``: every one tried; the first failure returned.
+- ``delete_written(m)``: the record of a write that lost to a drop or an overwrite
+  while it ran; a failure is retried.
 - ``retry() -> int``: delete again what failed, and what no read lease reads any more
   (the maintenance pass); how many went.
 - ``pending``: records waiting for a retry; ``held()``: which (REQUIRES: index lock).
@@ -67,6 +69,17 @@ class Deletes:
                     self._undeleted.append((s.manifest, None))
                 first = first or e
         return first
+
+    def delete_written(self, m: Manifest) -> None:
+        """Delete a record just written for a version retired meanwhile (a demotion, a
+        flush or a fetch that lost to a drop or an overwrite). Nobody reads it: it was
+        never on disk for the index. A delete that fails is retried, never left behind."""
+        try:
+            self.disk.delete(m)
+        except KVParkError as e:
+            log.warning("delete of %r from disk failed (retried later): %s", m.seq_id, e)
+            with self.catalog.lock:
+                self._undeleted.append((m, None))
 
     def retry(self) -> int:
         with self.catalog.lock:

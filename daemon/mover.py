@@ -555,7 +555,7 @@ class Mover:
                 if written and self.catalog.over_high():
                     self.catalog.wake.notify_all()  # the disk, say, past its high mark
         if written and stale:
-            self.disk.delete(seq.manifest)  # remove what we wrote
+            self.deletes.delete_written(seq.manifest)  # remove what we wrote
         return written and not stale
 
     def delete_from_disk(self, seq: Seq) -> None:

@@ -7,7 +7,8 @@ EIO and map-full faults); each case fails ONE call through the ``disk_factory`` 
 
 from __future__ import annotations
 
-from typing import Callable
+import threading
+from typing import Callable, Sequence
 
 import lmdb
 import pytest
@@ -15,7 +16,9 @@ import torch
 
 from kvpark.client import Client, ResourceExhausted, Unavailable
 from kvpark.daemon.server import Daemon
-from kvpark.tiers.disk import DiskStore, Manifest
+from kvpark.tiers.disk import DiskStore, Manifest, Write
+
+from ..conftest import wait_until
 
 MiB = 1 << 20
 
@@ -65,3 +68,63 @@ def test_a_windowed_park_whose_stage_commit_fails_leaves_nothing_charged(
         c.park("w", [full(5 * MiB + 1, 3)], overwrite=True)
         assert int(c.restore("w")[0][0]) == 3
         _accounted(d)
+
+
+class _WriteRacesADrop(DiskStore):
+    """The first write transaction naming ``x`` waits until the test dropped ``x``
+    (``go``); the next delete of ``x`` then fails as LMDB does on an I/O error."""
+
+    held = threading.Event()
+    go = threading.Event()
+    fail_delete = False
+
+    def write_many(self, writes: Sequence[Write], sync: bool = False) -> list[bool]:
+        if any(w.manifest.seq_id == "x" for w in writes) and not _WriteRacesADrop.held.is_set():
+            _WriteRacesADrop.held.set()
+            _WriteRacesADrop.go.wait(30)
+        return super().write_many(writes, sync=sync)
+
+    def delete(self, m: Manifest, sync: bool = False) -> None:
+        if m.seq_id == "x" and _WriteRacesADrop.fail_delete:
+            _WriteRacesADrop.fail_delete = False
+            with self._acct:
+                self._forget((m.seq_id, m.gen))  # as the real one does, failed or not
+            raise self._write_error(_error("eio"))
+        super().delete(m, sync)
+
+
+@pytest.mark.parametrize("how", ["demote", "flush"])
+def test_a_disk_write_that_loses_to_a_drop_and_fails_to_delete_leaves_no_stray_record(
+        daemon: Callable[..., Daemon], how: str) -> None:
+    _WriteRacesADrop.held.clear()
+    _WriteRacesADrop.go.clear()
+    _WriteRacesADrop.fail_delete = True
+    d = daemon(disk_factory=_WriteRacesADrop)  # write_back: parks stay in memory
+    e = d.engine
+    assert e is not None
+    with Client(d.address) as c:
+        c.park("x", [full(MiB, 1)])
+        seq = e.catalog.find("x")
+        assert seq is not None and not seq.on_disk
+        write = (lambda: e.mover.write_to_disk(seq)) if how == "demote" else (lambda: e.mover.flush())
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as err:  # checked below
+                errors.append(err)
+
+        t = threading.Thread(target=run)
+        t.start()
+        assert _WriteRacesADrop.held.wait(30)
+        # Step: the drop retires x while its disk write runs; the write then lands, finds
+        # it stale, and its delete of what it wrote fails once.
+        assert c.drop("x")
+        _WriteRacesADrop.go.set()
+        t.join(60)
+    assert errors == []  # the write's caller is not answered with the delete's failure
+    e.check_invariants()  # the record is queued for a retry, not left behind
+    assert wait_until(lambda: e.deletes.pending == 0)
+    e.check_invariants()
+    assert e.disk.scan().records == {}
