@@ -41,6 +41,8 @@ from .model import MAX_PARTS, Lease, Part, ReadHandle, Seq
 # Tries of a restore whose version an overwrite replaced under it (each overwrite that
 # lands mid-read costs one); past them the last error stands.
 REPLACED_RETRIES = 8
+# How long adopting a version waits for a local delete of the same generation under way.
+ADOPT_WAIT_S = 10.0
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -251,4 +253,7 @@ def adopt(engine: "Engine", seq_ids: list[str]) -> None:
         found += [m for m in engine.remote.manifests(list(dict.fromkeys(refs))) if m is not None]
     if found:
         with engine.catalog.lock:
+            # A delete under way of a retired version with a generation adopted here (the
+            # same record keys) finishes first; later ones see the adopted twin (``deletes.py``).
+            engine.deletes.adoptable(found, time.monotonic() + ADOPT_WAIT_S)
             engine.catalog.adopt(found)
