@@ -8,7 +8,7 @@ EIO and map-full faults); each case fails ONE call through the ``disk_factory`` 
 from __future__ import annotations
 
 import threading
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import lmdb
 import pytest
@@ -128,3 +128,46 @@ def test_a_disk_write_that_loses_to_a_drop_and_fails_to_delete_leaves_no_stray_r
     assert wait_until(lambda: e.deletes.pending == 0)
     e.check_invariants()
     assert e.disk.scan().records == {}
+
+
+class _DeletesOfXFail(DiskStore):
+    """Every delete of ``x`` fails as LMDB does on an I/O error while ``armed``."""
+
+    armed = False
+
+    def delete(self, m: Manifest, sync: bool = False) -> None:
+        if m.seq_id == "x" and _DeletesOfXFail.armed:
+            with self._acct:
+                self._forget((m.seq_id, m.gen))  # as the real one does, failed or not
+            raise self._write_error(_error("eio"))
+        super().delete(m, sync)
+
+
+def test_a_retried_delete_never_removes_the_same_version_adopted_again_from_the_remote_tier(
+        daemon: Callable[..., Daemon], redis_server: Any) -> None:
+    _DeletesOfXFail.armed = False
+    d = daemon(disk_factory=_DeletesOfXFail, **{
+        "policy.write": "write_through", "policy.promote_on_restore": "false",
+        "tiers.remote.url": redis_server.url, "tiers.remote.namespace": "twin", "tiers.remote.write": "write_through",
+        "tiers.remote.timeout_s": 1.0})
+    e = d.engine
+    assert e is not None
+    with Client(d.address, transport="inline") as c:  # inline: served from disk, no promotion
+        c.park("x", [full(MiB, 1)])
+        assert wait_until(lambda: (r := c.stat().remote) is not None and r.pending_writes == 0)
+        # Step 1: x is dropped here only (its copy in Redis stays), and its disk delete
+        # fails: the record waits for a retry.
+        _DeletesOfXFail.armed = True
+        with pytest.raises(Unavailable):
+            e.drop("x", everywhere=False)
+        # Step 2: a restore adopts x from Redis: the same version, the same generation,
+        # and fetches it onto the disk under the same record keys.
+        assert int(c.restore("x")[0][0]) == 1
+        seq = e.catalog.find("x")
+        assert seq is not None and seq.on_disk
+        # Step 3: the retry runs; it must not delete the adopted version's records.
+        _DeletesOfXFail.armed = False
+        e.mover.retry_deletes()
+        assert wait_until(lambda: e.deletes.pending == 0)
+        assert int(c.restore("x")[0][0]) == 1  # before the fix: DataLoss, record missing
+    e.check_invariants()
