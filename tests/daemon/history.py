@@ -1098,6 +1098,9 @@ def run_history(root: Path, cfg: HistoryConfig) -> Report:
             nemeses = [f for f in nemeses if f not in ("sigterm", "sigkill")]
         if redis is None:
             nemeses = [f for f in nemeses if not f.startswith("redis")]
+        # Each kind once first (restarts first: they are what a short run is for), in a
+        # seeded order, then at random: a bounded run never misses a kind it was given.
+        first = sorted(rng.sample(nemeses, len(nemeses)), key=lambda f: f not in ("sigterm", "sigkill"))
         next_n = cfg.clients
         while True:
             left = end - time.monotonic()
@@ -1106,7 +1109,7 @@ def run_history(root: Path, cfg: HistoryConfig) -> Report:
             time.sleep(min(left, rng.uniform(*cfg.fault_every)))
             if time.monotonic() >= end or not nemeses:
                 continue
-            f = rng.choice(nemeses)
+            f = first.pop(0) if first else rng.choice(nemeses)
             if f == "client_kill":
                 victim = rng.choice(sorted(procs))
                 t0 = time.monotonic()
