@@ -13,8 +13,8 @@ transactions; in-process daemon), ``sigterm`` and ``sigkill`` (restarts of a ``k
 serve`` subprocess), ``client_kill``, and with ``--remote`` ``redis_kill`` (Redis killed and
 restarted empty) and ``redis_delete`` (one sequence's manifest deleted behind the daemon's
 back). Any of ``sigterm``/``sigkill`` runs the daemon as
-a subprocess, where ``disk`` cannot be injected. ``--tolerate`` names known bugs
-(``KNOWN_BUGS`` in the harness) not to fail on; by default none is tolerated.
+a subprocess, where ``disk`` cannot be injected. ``--tolerate`` names violations
+(``KNOWN_BUGS`` in the harness, fixed since) not to fail on; by default none is tolerated.
 
 Exit status 1 when any run found a violation (its minimal history and seed are printed).
 """

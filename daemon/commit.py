@@ -97,7 +97,7 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
         try:
             engine._check_open()
             pending.wait(catalog, creates(spec), time.monotonic() + PENDING_WAIT_S)
-            blocks, old = catalog.plan_commit(lease, expect_nbytes, engine.slot_size)
+            blocks, _old = catalog.plan_commit(lease, expect_nbytes, engine.slot_size)
         except BaseException:
             for a in lease.write_allocs():
                 catalog.free(tier, a)
@@ -110,7 +110,10 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
             seq = Seq(manifest=spec.manifest(catalog.next_gen(), engine.slot_size), res={tier: alloc})
         held = [b.seq_id for b in blocks] + ([spec.seq_id] if seq is not None else [])
         pending.add(held)
-        replace = old.manifest if old is not None and old.on_disk and seq is not None else None
+        # The version this replaces keeps its disk records through our write: it is deleted
+        # after we publish (``Deletes``), once no read lease reads it. Deleting it in our
+        # write transaction would pull it from under a restore that leased it meanwhile.
+        replace = None
     mine = blocks + ([seq] if seq is not None else [])
     try:
         if engine._write_through:

@@ -11,15 +11,25 @@ when its delete fails); the record itself waits here until a retry deletes it.
 Primitives:
 - ``Deletes(catalog, disk)``.
 - ``delete(seq)``: delete ``seq``'s disk copy if it has one (``on_disk`` cleared under
-  the index lock first, so nothing else deletes or reads it as present).
+  the index lock first, so nothing else deletes or reads it as present). A copy a read
+  lease still reads is deleted after the lease (``retry``), so the read gets the
+  version it leased, never a record missing under it.
 - ``delete_all(seqs) -> KVParkError | None``: every one tried; the first failure returned.
-- ``retry() -> int``: delete again what failed (the maintenance pass); how many went.
+- ``delete_written(m)``: the record of a write that lost to a drop or an overwrite
+  while it ran; a failure is retried.
+- ``retry() -> int``: delete again what failed, and what no read lease reads any more
+  (the maintenance pass); how many went.
 - ``pending``: records waiting for a retry; ``held()``: which (REQUIRES: index lock).
+- ``adoptable(manifests, deadline)``: adopting remote versions waits for the deletes
+  under way of their generations (REQUIRES: index lock). A version adopted again under a
+  retired one's generation (the same record keys) keeps its records: no delete of the
+  retired one touches them.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
 from kvpark.proto.errors import KVParkError
 from kvpark.tiers.disk import DiskStore, Manifest
@@ -34,14 +44,31 @@ class Deletes:
     def __init__(self, catalog: Catalog, disk: DiskStore) -> None:
         self.catalog = catalog
         self.disk = disk
-        self._undeleted: list[Manifest] = []  # REQUIRES: index lock
+        # (id, generation) of the deletes under way. Adopting a version from the remote
+        # tier waits for its own (``adoptable``): a version adopted again under a retired
+        # one's generation (its twin: the same record keys) is then never deleted by the
+        # retired one's delete, which checks for a twin first. REQUIRES: index lock.
+        self._busy: set[tuple[str, int]] = set()
+        # Records still to delete: failed deletes (no Seq), and retired copies a read lease
+        # still reads (their Seq: deleted once its disk readers are gone). REQUIRES: index lock.
+        self._undeleted: list[tuple[Manifest, Seq | None]] = []
 
     def delete(self, seq: Seq) -> None:
         with self.catalog.lock:
             if not seq.on_disk:
                 return
             seq.on_disk = False
-        self.disk.delete(seq.manifest)
+            if seq.readers.get("disk") or self._twin(seq.manifest) is not None:
+                # A read lease reads this copy (a restore served from disk that an
+                # overwrite or drop retired after it leased): it reads the version it
+                # leased, and the record goes once the lease is over (``retry``).
+                self._later(seq.manifest, seq)
+                return
+            self._busy.add((seq.seq_id, seq.gen))
+        try:
+            self.disk.delete(seq.manifest)
+        finally:
+            self._done([seq.manifest])
 
     def delete_all(self, seqs: list[Seq]) -> KVParkError | None:
         first: KVParkError | None = None
@@ -51,27 +78,83 @@ class Deletes:
             except KVParkError as e:
                 log.warning("delete of %r from disk failed (retried later): %s", s.seq_id, e)
                 with self.catalog.lock:
-                    self._undeleted.append(s.manifest)
+                    self._undeleted.append((s.manifest, None))
                 first = first or e
         return first
 
+    def delete_written(self, m: Manifest) -> None:
+        """Delete a record just written for a version retired meanwhile (a demotion, a
+        flush or a fetch that lost to a drop or an overwrite). Nobody reads it: it was
+        never on disk for the index. A delete that fails is retried, never left behind."""
+        with self.catalog.lock:
+            if self._twin(m) is not None:
+                self._later(m, None)
+                return
+            self._busy.add((m.seq_id, m.gen))
+        try:
+            self.disk.delete(m)
+        except KVParkError as e:
+            log.warning("delete of %r from disk failed (retried later): %s", m.seq_id, e)
+            with self.catalog.lock:
+                self._undeleted.append((m, None))
+        finally:
+            self._done([m])
+
     def retry(self) -> int:
         with self.catalog.lock:
-            todo, self._undeleted = self._undeleted, []
-        for i, m in enumerate(todo):
-            try:
-                self.disk.delete(m)  # generation-exact: never touches a newer version of the id
-            except KVParkError as e:
-                log.warning("delete of %r from disk failed again: %s", m.seq_id, e)
-                with self.catalog.lock:
-                    self._undeleted.extend(todo[i:])
-                return i
-        return len(todo)
+            todo, keep = [], []
+            for m, s in self._undeleted:
+                twin = self._twin(m)
+                if twin is not None and twin.on_disk:
+                    continue  # the records are the twin's now
+                (keep if twin is not None or s is not None and s.readers.get("disk") else todo).append((m, s))
+            self._undeleted = keep
+            self._busy.update((m.seq_id, m.gen) for m, _ in todo)
+        try:
+            for i, (m, _) in enumerate(todo):
+                try:
+                    self.disk.delete(m)  # generation-exact: never touches a newer version of the id
+                except KVParkError as e:
+                    log.warning("delete of %r from disk failed again: %s", m.seq_id, e)
+                    with self.catalog.lock:
+                        self._undeleted.extend((m, None) for m, _ in todo[i:])
+                    return i
+            return len(todo)
+        finally:
+            self._done([m for m, _ in todo])
+
+    def adoptable(self, manifests: list[Manifest], deadline: float) -> None:
+        """Wait (until ``deadline``, ``time.monotonic``) for the deletes under way of the
+        generations about to be adopted. REQUIRES: index lock (released while waiting)."""
+        while any((m.seq_id, m.gen) in self._busy for m in manifests):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self.catalog.changed.wait(left)
+
+    def _done(self, ms: list[Manifest]) -> None:
+        with self.catalog.lock:
+            self._busy.difference_update((m.seq_id, m.gen) for m in ms)
+            self.catalog.changed.notify_all()
+
+    def _twin(self, m: Manifest) -> Seq | None:
+        """The indexed version of ``m``'s id if it has ``m``'s generation (adopted again
+        from the remote tier after ``m``'s version was retired here). REQUIRES: index lock."""
+        cur = self.catalog.find(m.seq_id)
+        return cur if cur is not None and cur.gen == m.gen else None
+
+    def _later(self, m: Manifest, seq: Seq | None) -> None:
+        """Delete ``m``'s records at a later ``retry``. REQUIRES: index lock."""
+        twin = self._twin(m)
+        if twin is not None and twin.on_disk:
+            return  # its twin wrote them again: records and charge are the twin's
+        self._undeleted.append((m, seq))
+        self.disk.release(m)  # the accounting follows the index now
 
     def held(self) -> set[tuple[str, int]]:
-        """(id, key generation) of the records waiting for a retry (``check_invariants``
-        allows them on disk). REQUIRES: index lock."""
-        return {(m.seq_id, m.key_gen) for m in self._undeleted}
+        """(id, key generation) of the records waiting for a retry or for their readers
+        (``check_invariants`` allows them on disk). REQUIRES: index lock."""
+        return {(m.seq_id, m.key_gen) for m, _ in self._undeleted}
 
     @property
     def pending(self) -> int:

@@ -113,7 +113,7 @@ def write_batch(mover: "Mover", seqs: list[Seq]) -> int:
             # Waiters may demote these now. No version bump: see Mover.write_to_disk.
             cat.changed.notify_all()
     for s in stale:
-        mover.disk.delete(s.manifest)  # remove what we wrote
+        mover.deletes.delete_written(s.manifest)  # remove what we wrote
     if mover.metrics is not None and written:
         share = (time.perf_counter() - t0) / len(picked)
         for (s, src, _), ok in zip(picked, written):

@@ -140,6 +140,7 @@ def reconcile(engine: "Engine") -> int:
                         "cannot be asked (%s); left as they are", len(broken), e)
             return 0
         with cat.lock:
+            engine.deletes.adoptable(found, time.monotonic() + 10.0)
             cat.adopt(found)
     with cat.lock:
         broken = [s for s in broken if cat.current(s) and any(

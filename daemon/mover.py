@@ -43,8 +43,9 @@ Primitives:
   (``policy.disk_full = "evict"``, the default; "refuse" keeps a full disk full).
 - The disk-eviction paths live in ``disk_evict.py``, the reads from and copies to Redis
   in ``remote_moves.py``; ``Mover`` keeps the entry points above.
-- ``prefetch(seq, tier, wait, timeout) -> str``; ``quiet()`` (no demotion starts, moves
-  in flight land: for invariant checks); ``close()``.
+- ``prefetch(seq, tier, wait, timeout) -> str`` (waited: a version an overwrite replaced
+  meanwhile is prefetched as the new one; only a drop is ``NotFound``); ``quiet()`` (no
+  demotion starts, moves in flight land: for invariant checks); ``close()``.
 """
 
 from __future__ import annotations
@@ -97,7 +98,7 @@ class Mover:
         self.closed = False
         self._paused = 0  # quiet() holders: no demotion starts
         self.deletes = Deletes(catalog, disk)  # a failed delete is retried (``deletes.py``)
-        self._prefetches: dict[tuple[str, str], concurrent.futures.Future[None]] = {}
+        self._prefetches: dict[tuple[str, str, int], concurrent.futures.Future[None]] = {}
         self._prefetcher = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpark-prefetch")
 
     def close(self) -> None:
@@ -308,7 +309,7 @@ class Mover:
                 self.catalog.release_dropped(seq)
             raise
 
-    def prefetch(self, seq: Seq, tier: str, wait: bool = False, timeout: float | None = None) -> str:
+    def prefetch(self, seq: Seq, tier: str, wait: bool = False, timeout: float | None = None, _tries: int = 8) -> str:
         cap = self.tiers[tier].alloc.capacity
         if seq.manifest.nbytes > cap:
             if wait:
@@ -319,7 +320,7 @@ class Mover:
         with self.catalog.lock:
             if tier in seq.res:
                 return seq.tier
-            key = (seq.seq_id, tier)
+            key = (seq.seq_id, tier, seq.manifest.gen)  # by version: a newer one's prefetch is its own
             fut = self._prefetches.get(key)
             if fut is None or fut.done():
                 fut = self._prefetcher.submit(self.promote, seq, tier, True)
@@ -331,15 +332,20 @@ class Mover:
             except concurrent.futures.TimeoutError:
                 raise DeadlineExceeded(f"prefetch of {seq.seq_id!r} to {tier} did not finish within {timeout}s") \
                     from None
+            except NotFound:
+                pass  # dropped or replaced under the promotion: told apart below
             with self.catalog.lock:
-                if seq.dropped:
+                now = self.catalog.find(seq.seq_id) if seq.dropped else seq
+                if now is None or (now is not seq and _tries <= 1):
                     raise NotFound(f"no parked sequence {seq.seq_id!r}")
-                if tier not in seq.res:
+                if now is seq and tier not in seq.res:
                     raise ResourceExhausted(f"no room in the {tier} tier for {seq.seq_id!r} (leased or pinned data)")
+            if now is not seq:  # overwritten meanwhile, never absent: prefetch the version now indexed
+                return self.prefetch(now, tier, wait, timeout, _tries - 1)
         with self.catalog.lock:
             return seq.tier
 
-    def _prefetch_done(self, key: tuple[str, str], fut: concurrent.futures.Future[None]) -> None:
+    def _prefetch_done(self, key: tuple[str, str, int], fut: concurrent.futures.Future[None]) -> None:
         with self.catalog.lock:
             if self._prefetches.get(key) is fut:
                 del self._prefetches[key]
@@ -549,7 +555,7 @@ class Mover:
                 if written and self.catalog.over_high():
                     self.catalog.wake.notify_all()  # the disk, say, past its high mark
         if written and stale:
-            self.disk.delete(seq.manifest)  # remove what we wrote
+            self.deletes.delete_written(seq.manifest)  # remove what we wrote
         return written and not stale
 
     def delete_from_disk(self, seq: Seq) -> None:

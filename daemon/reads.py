@@ -11,7 +11,11 @@ Locks as in ``engine.py``: ``Lease.lock`` -> ``Seq.move_lock`` -> ``Catalog.lock
 disk or Redis I/O under the index lock.
 
 Primitives:
-- ``acquire(engine, seq_ids, need, stream, expect_layout, inline_max) -> ReadHandle``.
+- ``acquire(engine, seq_ids, need, stream, expect_layout, inline_max) -> ReadHandle``: a
+  try that fails because an overwrite replaced a version under it (``NotFound`` or
+  ``DataLoss`` while its id is indexed as a newer version) leases the new version instead,
+  at most ``REPLACED_RETRIES`` times; a drop stays ``NotFound``.
+- ``replaced(engine, tops) -> bool``: whether one of ``tops`` was overwritten, none dropped.
 - ``acquire_part(engine, seq, need, want, lease) -> Part``: one part, promoting first
   when the restore wants a memory tier.
 - ``lease_part(seq, need, want, lease, final) -> Part | None`` (REQUIRES: index lock).
@@ -33,6 +37,12 @@ from kvpark.proto.wire import regroup
 from kvpark.tiers.disk import Manifest
 
 from .model import MAX_PARTS, Lease, Part, ReadHandle, Seq
+
+# Tries of a restore whose version an overwrite replaced under it (each overwrite that
+# lands mid-read costs one); past them the last error stands.
+REPLACED_RETRIES = 8
+# How long adopting a version waits for a local delete of the same generation under way.
+ADOPT_WAIT_S = 10.0
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -61,8 +71,32 @@ def acquire(engine: "Engine", seq_ids: str | list[str], need: str | None = None,
     if need is not None:
         engine._tier_arg(need)
     adopt(engine, ids)
+    # An overwrite that lands while this restore promotes the old version from disk
+    # retires (and deletes) it under us. The id was never absent, so the answer is the
+    # old or the new version: lease the current one again. Only a drop is NOT_FOUND.
+    for attempt in range(REPLACED_RETRIES):
+        tops: list[Seq] = []
+        try:
+            return _acquire_once(engine, ids, need, stream, expect_layout, inline_max, tops)
+        except (NotFound, DataLoss):
+            if attempt == REPLACED_RETRIES - 1 or not replaced(engine, tops):
+                raise
+    raise AssertionError("unreachable")
+
+
+def replaced(engine: "Engine", tops: list[Seq]) -> bool:
+    """Whether one of ``tops`` was overwritten (its id indexed as another version) and
+    none was dropped: a read that failed on them may lease the current versions."""
     with engine.catalog.lock:
-        tops = [engine.catalog.get(sid) for sid in ids]
+        now = [engine.catalog.find(t.seq_id) for t in tops]
+    return bool(tops) and all(n is not None for n in now) and any(n is not t for n, t in zip(now, tops))
+
+
+def _acquire_once(engine: "Engine", ids: list[str], need: str | None, stream: bool, expect_layout: str,
+                  inline_max: int, tops: list[Seq]) -> ReadHandle:
+    """One try of ``acquire``; fills ``tops`` with the versions it found."""
+    with engine.catalog.lock:
+        tops.extend(engine.catalog.get(sid) for sid in ids)
         for t in tops:
             have = t.attrs.get("layout", "")
             if expect_layout and have != expect_layout:
@@ -219,4 +253,7 @@ def adopt(engine: "Engine", seq_ids: list[str]) -> None:
         found += [m for m in engine.remote.manifests(list(dict.fromkeys(refs))) if m is not None]
     if found:
         with engine.catalog.lock:
+            # A delete under way of a retired version with a generation adopted here (the
+            # same record keys) finishes first; later ones see the adopted twin (``deletes.py``).
+            engine.deletes.adoptable(found, time.monotonic() + ADOPT_WAIT_S)
             engine.catalog.adopt(found)

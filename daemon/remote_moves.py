@@ -52,7 +52,7 @@ def fetch_remote_locked(mover: "Mover", seq: Seq) -> None:
             mover.catalog.touch(seq, "disk")  # its place in the disk's eviction order
         mover.catalog.notify()
     if written and stale:
-        mover.disk.delete(m)
+        mover.deletes.delete_written(m)  # remove what we wrote
 
 
 def remote_blocks(mover: "Mover", seq: Seq) -> list[memoryview]:

@@ -262,7 +262,9 @@ class Windows:
             if old is not None and not spec.overwrite:
                 self.disk.stage_abort(m)
                 raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
-            replace = old.manifest if old is not None and old.on_disk else None
+            # As in ``commit.py``: the version replaced is deleted after the publish
+            # (``Deletes``), once no read lease reads its disk copy, not in our transaction.
+            replace = None
             # The commit point: the generation of this version, as for every park kind.
             final = dataclasses.replace(m, gen=catalog.next_gen(), data_gen=m.key_gen)
             self.pending.add(ids)

@@ -40,6 +40,8 @@ Primitives:
   than the manifest already stored under its id is skipped (False): generations order
   commits, drops and demotions without a lock around the I/O.
 - ``delete(manifest)``: its generation's blocks, and its manifest if still current.
+- ``release(manifest)``: stop charging its generation, its records left for a later
+  ``delete`` (a retired copy a read lease still reads).
 - ``scan() -> Scan``: every manifest, block record and staged generation in LMDB
   (invariant checks on a quiet store).
 - ``read_txn()``: a read transaction whose ``read_block`` returns zero-copy verified views.
@@ -550,6 +552,12 @@ class DiskStore:
                 self._forget((m.seq_id, m.gen))
         if sync:
             self.sync()
+
+    def release(self, m: Manifest) -> None:
+        """Let go of generation ``m.gen``'s charge now; its records stay until ``delete``
+        (a retired copy that a read still reads: the accounting follows the index)."""
+        with self._acct:
+            self._forget((m.seq_id, m.gen))
 
     # ------------------------------------------------------------------ staged writes
 

@@ -6,7 +6,8 @@ double create, a phantom and a cross-tenant read each fail, with the ops around 
 
 The run (``tests/daemon/history.py``): client processes with two threads each over six
 shared ids per tenant, two tenants, every call kind, shm and inline transports, tiny tiers,
-seeded disk stalls through the ``disk_factory`` seam, client processes killed mid-call and
+seeded disk faults (EIO, a full map, stalls) through the ``disk_factory`` seam, client
+processes killed mid-call and
 (when redis-server is installed) the remote tier's Redis killed and keys deleted;
 then a ``kvpark serve`` subprocess restarted with SIGTERM and SIGKILL under write_through
 (its inline clients on gRPC streams: the data channel off).
@@ -31,9 +32,9 @@ from kvpark.client import AlreadyExists, Client, DataLoss, NotFound, Unavailable
 from kvpark.daemon.server import Daemon
 from kvpark.tiers.disk import DiskStore
 
-from ..conftest import run_threads
+from ..conftest import run_threads, wait_until
 from ..redis_servers import have_redis
-from .history import (INF, MID_RESTORE, OPS, RECORD_MISSING, Corrupt, Event, History, HistoryConfig, Op,
+from .history import (INF, MID_RESTORE, RECORD_MISSING, Corrupt, Event, History, HistoryConfig, Op,
                       block_payload, check, decode, payload, run_history)
 
 SECONDS = float(os.environ.get("KVPARK_HISTORY_SECONDS", "6"))
@@ -210,20 +211,15 @@ def _print(rep: object) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_concurrent_history_with_disk_stalls_client_kills_and_redis_faults(tmp_path: Path) -> None:
-    # KNOWN BUGS kept out of this run (bench/history.py runs with them and reports them):
-    # - a restore racing an overwrite or drop of its id answers NotFound, or a false
-    #   DataLoss ("record missing"): tolerated by name (KNOWN_BUGS in history.py);
-    # - a park whose deletion of the version it replaced fails on the disk (EIO, map
-    #   full) is answered UNAVAILABLE / RESOURCE_EXHAUSTED although it was published:
-    #   the disk faults here are stalls only, no EIO, no map full.
-    # With redis-server installed, the disk evicts to a real Redis that is killed and
+def test_concurrent_history_with_disk_faults_client_kills_and_redis_faults(tmp_path: Path) -> None:
+    # Every disk fault: a write transaction fails with EIO or a full map, or stalls. With
+    # redis-server installed, the disk evicts to a real Redis that is killed and
     # restarted empty, and has manifests deleted behind the daemon's back.
     remote = have_redis() is None
     cfg = HistoryConfig(seconds=SECONDS, seed=SEED, clients=3, threads=2, tenants=True, write="write_back",
                         daemon="inproc", faults=("disk", "client_kill", "redis_kill", "redis_delete"),
-                        disk_faults=("slow",), remote=remote, host="4MiB", disk="12MiB", fault_every=(0.7, 2.0),
-                        tolerate=("mid_restore_notfound", "mid_restore_dataloss"))
+                        disk_faults=("eio", "map_full", "slow"), remote=remote, host="4MiB", disk="12MiB",
+                        fault_every=(0.7, 2.0))
     rep = run_history(tmp_path, cfg)
     _print(rep)
     assert rep.clean, rep.explain()
@@ -235,18 +231,11 @@ def test_concurrent_history_with_disk_stalls_client_kills_and_redis_faults(tmp_p
 @pytest.mark.timeout(600)
 def test_concurrent_history_across_sigterm_and_sigkill_restarts(tmp_path: Path) -> None:
     # write_through: nothing acknowledged may be lost across either restart. The disk is
-    # large (no evictions: a subprocess's are not observed). KNOWN BUGS:
-    # - tolerated by name (KNOWN_BUGS in history.py): NotFound and a false DataLoss
-    #   ("record missing") for a restore that an overwrite or drop of its id overlapped;
-    # - kept out: `create` (overwrite=False) is not in this run's mix. A create that loses
-    #   at commit to a concurrent overwrite deletes the disk record the overwrite relied
-    #   on (its own write was skipped as older), so the acknowledged write_through
-    #   overwrite is gone after a SIGKILL.
-    ops = {k: v for k, v in OPS.items() if k != "create"}
+    # large (no evictions: a subprocess's are not observed). Every call kind, creates too.
     cfg = HistoryConfig(seconds=SECONDS, seed=SEED, clients=3, threads=2, tenants=True, write="write_through",
                         daemon="proc", faults=("sigterm", "sigkill", "client_kill"), host="4MiB", disk="256MiB",
                         data_channel=False,  # inline bytes on gRPC streams here, on the data channel above
-                        ops=ops, fault_every=(1.0, 2.0), tolerate=("mid_restore_notfound", "mid_restore_dataloss"))
+                        fault_every=(1.0, 2.0))
     rep = run_history(tmp_path, cfg)
     _print(rep)
     assert rep.clean, rep.explain()
@@ -256,8 +245,8 @@ def test_concurrent_history_across_sigterm_and_sigkill_restarts(tmp_path: Path) 
 # ------------------------------------------------------------------ what the checker found
 #
 # Each race below was found by the history checker and is pinned here deterministically
-# through the disk seam. They are not fixed on this branch: each is marked xfail(strict),
-# so the fix turns it into a failure ("XPASS") that says to drop the mark.
+# through the disk seam. One still open is marked xfail(strict), so its fix turns it into
+# a failure ("XPASS") that says to drop the mark.
 
 KiB, MiB = 1 << 10, 1 << 20
 WT = {"policy.write": "write_through"}
@@ -296,28 +285,53 @@ class _Held(DiskStore):
             _Held.go.wait(30)
 
 
-@pytest.mark.xfail(strict=True, reason="known bug: a promotion from disk reads a record an overwrite deleted")
+@pytest.mark.parametrize("call", ["restore", "prefetch"])
 @pytest.mark.parametrize("transport", ["shm", "inline"])
 @pytest.mark.parametrize("where", ["before", "after"])
 def test_a_restore_racing_an_overwrite_returns_the_old_or_the_new_version(
-        daemon: Callable[..., Daemon], transport: str, where: str) -> None:
+        daemon: Callable[..., Daemon], transport: str, where: str, call: str) -> None:
+    got = _race_a_promotion_from_disk(daemon, transport, where, call,
+                                      lambda c: c.park("x", [full(MiB, 2)], overwrite=True))
+    # Before the fix: NotFound ("dropped or overwritten during the restore" / "no parked
+    # sequence"), though the id was never absent.
+    assert got in ([1], [2]), got
+
+
+@pytest.mark.parametrize("where", ["before", "after"])
+def test_a_restore_racing_a_drop_returns_the_old_version_or_not_found(
+        daemon: Callable[..., Daemon], where: str) -> None:
+    got = _race_a_promotion_from_disk(daemon, "shm", where, "restore", lambda c: c.drop("x"))
+    assert got == [1] or got[0].startswith("NotFound"), got
+
+
+def _race_a_promotion_from_disk(daemon: Callable[..., Daemon], transport: str, where: str, call: str,
+                                step: Callable[[Client], object]) -> list[Any]:
     _Held.held.clear()
     _Held.go.clear()
     d = daemon(disk_factory=_Held, **WT, **{"tiers.host.capacity": "4MiB"})
     with Client(d.address, transport=transport) as c, Client(d.address, transport=transport) as reader:
         _disk_only(c, "x", 1)
         got: list[Any] = []
+
+        def read() -> None:
+            if call == "prefetch":
+                try:
+                    reader.prefetch("x", tier="host", wait=True, timeout=60)
+                except (DataLoss, NotFound) as e:
+                    got.append(f"{type(e).__name__}: {e}")
+                    return
+            got.append(_restore_or_error(reader, "x"))
+
         _Held.where = where
-        t = threading.Thread(target=lambda: got.append(_restore_or_error(reader, "x")))
+        t = threading.Thread(target=read)
         t.start()
         assert _Held.held.wait(30)
-        # Step: the overwrite commits (and deletes version 1's record) while the restore
-        # is promoting version 1 from disk ("before" its read, or "after" it).
-        c.park("x", [full(MiB, 2)], overwrite=True)
+        # Step: the overwrite (or drop) commits and deletes version 1's record while the
+        # restore is promoting version 1 from disk ("before" its read, or "after" it).
+        step(c)
         _Held.go.set()
         t.join(60)
-        # Before the fix: DataLoss ("record missing", "before") or NotFound ("after").
-        assert got in ([1], [2]), got
+        return got
 
 
 def _restore_or_error(c: Client, seq_id: str) -> int | str:
@@ -447,3 +461,34 @@ def test_closing_a_shared_shm_client_under_a_running_restore_does_not_crash_the_
     r = subprocess.run([sys.executable, "-c", _CLOSE_UNDER_RESTORE, d.address], env=env, timeout=120,
                        capture_output=True, text=True)
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+
+
+@pytest.mark.parametrize("step", ["overwrite", "drop"])
+def test_a_restore_served_from_disk_racing_an_overwrite_reads_the_version_it_leased(
+        daemon: Callable[..., Daemon], step: str) -> None:
+    # No promotion: the restore leases the disk copy and streams it. The overwrite (or
+    # drop) retires that version after the lease and before the read opens its
+    # transaction; the leased record must still be there for it.
+    _Held.held.clear()
+    _Held.go.clear()
+    d = daemon(disk_factory=_Held, **WT, **{"tiers.host.capacity": "4MiB", "policy.promote_on_restore": "false"})
+    with Client(d.address, transport="inline") as c, Client(d.address, transport="inline") as reader:
+        _disk_only(c, "x", 1)
+        got: list[Any] = []
+        _Held.where = "before"
+        t = threading.Thread(target=lambda: got.append(_restore_or_error(reader, "x")))
+        t.start()
+        assert _Held.held.wait(30)
+        if step == "overwrite":
+            c.park("x", [full(MiB, 2)], overwrite=True)
+        else:
+            c.drop("x")
+        _Held.go.set()
+        t.join(60)
+        # Before the fix: NotFound ("dropped or overwritten during the restore").
+        assert got == [1], got
+        assert d.engine is not None
+        # Its record goes once the read is over (the next maintenance pass).
+        assert wait_until(lambda: d.engine.deletes.pending == 0)  # type: ignore[union-attr]
+        d.engine.check_invariants()
+
