@@ -1,0 +1,61 @@
+"""Reproductions of integrity bugs found by reading the commit, delete and maintenance
+paths against ``docs/protocol.md``. Each is ``xfail(strict=True)``: it documents a bug
+that is not fixed yet, and starts failing (XPASS) the day the fix lands, so the marker
+is removed with the fix.
+
+Faults go through the ``disk_factory`` seam: a ``DiskStore`` subclass that fails ONE call.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import lmdb
+import pytest
+import torch
+
+from kvpark.client import Client, KVParkError, Unavailable
+from kvpark.daemon.server import Daemon
+from kvpark.tiers.disk import DiskStore
+
+
+def full(n: int, v: int) -> torch.Tensor:
+    return torch.full((n,), v, dtype=torch.uint8)
+
+
+class _FailsOneSync(DiskStore):
+    """The next fsync, once armed, fails as LMDB reports an I/O error on ``env.sync``:
+    the write transaction before it has already committed."""
+
+    armed = False
+
+    def sync(self) -> None:
+        if _FailsOneSync.armed:
+            _FailsOneSync.armed = False
+            raise lmdb.Error("mdb_env_sync: Input/output error")
+        super().sync()
+
+
+@pytest.mark.xfail(strict=True, reason="commit.py: a write_through commit whose fsync fails after its "
+                   "write transaction committed frees its slots and reports failure, but leaves the "
+                   "manifest and records in LMDB, charged to nobody the index knows (window.py checks "
+                   "disk.holds() on the same path; commit.py does not)")
+def test_a_park_whose_fsync_fails_leaves_the_index_and_the_disk_agreeing(
+        daemon: Callable[..., Daemon]) -> None:
+    d = daemon(disk_factory=_FailsOneSync, **{"policy.write": "write_through"})
+    with Client(d.address, transport="inline") as c:
+        _FailsOneSync.armed = True
+        with pytest.raises(KVParkError):
+            c.park("s", [full(4096, 1)])
+        assert d.engine is not None
+        d.engine.check_invariants()
+
+
+@pytest.mark.xfail(strict=True, reason="tiers/disk.py DiskStore.sync: an lmdb.Error from env.sync is not "
+                   "mapped through _write_error, so a failed fsync reaches the client as INTERNAL")
+def test_a_park_whose_fsync_fails_is_refused_as_unavailable(daemon: Callable[..., Daemon]) -> None:
+    d = daemon(disk_factory=_FailsOneSync, **{"policy.write": "write_through"})
+    with Client(d.address, transport="inline") as c:
+        _FailsOneSync.armed = True
+        with pytest.raises(Unavailable):
+            c.park("s", [full(4096, 1)])
