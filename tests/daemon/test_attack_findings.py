@@ -1,7 +1,7 @@
 """Reproductions of integrity bugs found by reading the commit, delete and maintenance
-paths against ``docs/protocol.md``. Each is ``xfail(strict=True)``: it documents a bug
-that is not fixed yet, and starts failing (XPASS) the day the fix lands, so the marker
-is removed with the fix.
+paths against ``docs/protocol.md``, each a regression test of its fix. One still open is
+``xfail(strict=True)``: it documents the bug, and starts failing (XPASS) the day the fix
+lands, so the marker is removed with the fix.
 
 Faults go through the ``disk_factory`` seam: a ``DiskStore`` subclass that fails ONE call.
 """
@@ -53,8 +53,6 @@ def test_a_park_whose_fsync_fails_leaves_the_index_and_the_disk_agreeing(
         d.engine.check_invariants()
 
 
-@pytest.mark.xfail(strict=True, reason="tiers/disk.py DiskStore.sync: an lmdb.Error from env.sync is not "
-                   "mapped through _write_error, so a failed fsync reaches the client as INTERNAL")
 def test_a_park_whose_fsync_fails_is_refused_as_unavailable(daemon: Callable[..., Daemon]) -> None:
     d = daemon(disk_factory=_FailsOneSync, **{"policy.write": "write_through"})
     with Client(d.address, transport="inline") as c:
@@ -63,10 +61,6 @@ def test_a_park_whose_fsync_fails_is_refused_as_unavailable(daemon: Callable[...
             c.park("s", [full(4096, 1)])
 
 
-@pytest.mark.xfail(strict=True, reason="deletes.py Deletes.delete defers the records of a version a disk read "
-                   "lease still reads to Deletes.retry, which only the maintenance pass runs; Engine.close "
-                   "(engine.py) ends the leases after the maintenance thread stopped and never retries, so "
-                   "an acknowledged drop's manifest stays in LMDB and the id is back after a clean restart")
 def test_a_drop_acknowledged_while_a_disk_read_was_leased_stays_dropped_after_a_restart(
         daemon: Callable[..., Daemon]) -> None:
     over = {"policy.write": "write_through", "policy.promote_on_restore": "false"}
@@ -86,9 +80,6 @@ def test_a_drop_acknowledged_while_a_disk_read_was_leased_stays_dropped_after_a_
         assert c.present(["s"]) == [False]
 
 
-@pytest.mark.xfail(strict=True, reason="as above: the replaced version's manifest, deferred under a disk read "
-                   "lease, is never deleted before shutdown, so after a restart the id restores the version an "
-                   "acknowledged overwrite replaced (not the new one, not NotFound)")
 def test_an_overwrite_acknowledged_while_the_old_disk_copy_was_leased_never_brings_the_old_version_back(
         daemon: Callable[..., Daemon]) -> None:
     over = {"policy.promote_on_restore": "false", "policy.flush_on_shutdown": "false"}
@@ -137,10 +128,6 @@ class _PinsTwoWrites(DiskStore):
         super().stage_abort(m)
 
 
-@pytest.mark.xfail(strict=True, reason="window.py Windows.commit: a windowed create that finds its id parked "
-                   "(AlreadyExists, or a Pending timeout) calls disk.stage_abort, an LMDB write transaction, "
-                   "under the index lock; behind any other write transaction (a slow or hung disk) every "
-                   "operation of the daemon stalls, memory-only restores included")
 def test_a_refused_windowed_create_never_holds_the_index_lock_across_disk_io(
         daemon: Callable[..., Daemon]) -> None:
     d = daemon(disk_factory=_PinsTwoWrites, **{"tiers.host.capacity": "4MiB", "policy.write": "write_through"})
