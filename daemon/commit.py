@@ -157,7 +157,7 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
     if seq is not None and engine._write_through and not seq.on_disk and not seq.dropped:
         # Our write lost to a newer generation that then failed to publish: write it now.
         engine.mover.write_to_disk(seq)
-        engine.disk.sync()
+        engine.disk.fsync()
     return info
 
 

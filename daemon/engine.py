@@ -181,6 +181,10 @@ class Engine:
         if self.remote is not None:
             self.remote.close()  # background copies read memory copies: finish them first
         self.leases.close()  # windowed parks under way delete what they staged
+        # Disk copies a read lease deferred (a drop or overwrite acknowledged while a
+        # restore read them): their leases are gone now, so they go before the store
+        # closes, or an acknowledged drop would come back at the next start.
+        self.deletes.retry()
         self.windows.close()
         self.copy.close()
         self.disk.close()

@@ -64,7 +64,7 @@ def flush(mover: "Mover", prefix: str = "") -> int:
         if time.monotonic() - last > 1.0:
             log.info("flush: %d/%d sequences on disk", done, total)
             last = time.monotonic()
-    mover.disk.sync()
+    mover.disk.fsync()
     if total:
         log.info("flush: %d/%d memory-only sequence(s) written to disk", done, total)
     return done

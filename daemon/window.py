@@ -252,22 +252,27 @@ class Windows:
             raise
         self._free(lease)
         catalog, ids = self.catalog, [m.seq_id]
+        refused: BaseException | None = None
         with catalog.lock:
             try:
                 self.pending.wait(catalog, creates(spec), time.monotonic() + PENDING_WAIT_S)
-            except BaseException:
-                self.disk.stage_abort(m)  # small I/O under the lock on a path that fails anyway
-                raise
-            old = catalog.find(m.seq_id)
-            if old is not None and not spec.overwrite:
-                self.disk.stage_abort(m)
-                raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
-            # As in ``commit.py``: the version replaced is deleted after the publish
-            # (``Deletes``), once no read lease reads its disk copy, not in our transaction.
-            replace = None
-            # The commit point: the generation of this version, as for every park kind.
-            final = dataclasses.replace(m, gen=catalog.next_gen(), data_gen=m.key_gen)
-            self.pending.add(ids)
+            except BaseException as e:
+                refused = e
+            else:
+                if not spec.overwrite and catalog.find(m.seq_id) is not None:
+                    refused = AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
+                else:
+                    # As in ``commit.py``: the version replaced is deleted after the publish
+                    # (``Deletes``), once no read lease reads its disk copy, not in our transaction.
+                    replace = None
+                    # The commit point: the generation of this version, as for every park kind.
+                    final = dataclasses.replace(m, gen=catalog.next_gen(), data_gen=m.key_gen)
+                    self.pending.add(ids)
+        if refused is not None:
+            # The abort is an LMDB write transaction: never under the index lock, which
+            # every call needs (a slow disk would stall the whole daemon behind it).
+            self.disk.stage_abort(m)
+            raise refused
         seq = Seq(manifest=final, on_disk=True)
         try:
             won = self.disk.stage_commit(final, replace, sync=self.write_through)

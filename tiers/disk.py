@@ -26,7 +26,7 @@ Primitives:
   Slotted; ``decode`` shares the tensor tuples, attrs dicts and sizes that many
   manifests repeat (``interning.py``), so a restart with a million blocks holds one
   copy of each.
-- ``DiskStore(path, capacity, writemap)``; ``close()``; ``sync()``. The engine takes a
+- ``DiskStore(path, capacity, writemap)``; ``close()``; ``sync()`` (the fsync seam), ``fsync()`` (it, typed). The engine takes a
   ``disk_factory`` with this signature, so tests inject a subclass that records syncs,
   slows writes down or raises faults (the fault-injection seam). One daemon per directory:
   a second one is refused (a ``flock`` on ``kvpark.lock``).
@@ -365,8 +365,16 @@ class DiskStore:
 
     def sync(self) -> None:
         # Every durability point goes through here (writes and deletes with sync=True
-        # too), so an injected store that overrides it sees each fsync.
+        # too, through ``fsync``), so an injected store that overrides it sees each fsync.
         self.env.sync(True)
+
+    def fsync(self) -> None:
+        """``sync``, with a failure typed like a failed write (UNAVAILABLE), never an
+        untyped INTERNAL: what every durability point calls."""
+        try:
+            self.sync()
+        except lmdb.Error as e:
+            raise self._write_error(e) from None
 
     def load_manifests(self) -> tuple[list[Manifest], list[str]]:
         good, bad = [], []
@@ -467,7 +475,7 @@ class DiskStore:
                 elif w.replace is not None and w.replace.gen != w.manifest.gen:
                     self._forget((w.replace.seq_id, w.replace.gen))
         if sync and any(done):
-            self.sync()
+            self.fsync()
         return done
 
     def _write_error(self, e: BaseException) -> BaseException:
@@ -532,7 +540,7 @@ class DiskStore:
         except lmdb.Error as e:
             raise self._write_error(e) from None
         if sync:
-            self.sync()
+            self.fsync()
         return True
 
     def delete(self, m: Manifest, sync: bool = False) -> None:
@@ -551,7 +559,7 @@ class DiskStore:
             with self._acct:
                 self._forget((m.seq_id, m.gen))
         if sync:
-            self.sync()
+            self.fsync()
 
     def release(self, m: Manifest) -> None:
         """Let go of generation ``m.gen``'s charge now; its records stay until ``delete``
@@ -629,7 +637,7 @@ class DiskStore:
             if won and replace is not None and replace.gen != m.gen:
                 self._forget((replace.seq_id, replace.gen))
         if sync:
-            self.sync()
+            self.fsync()
         return won
 
     def stage_abort(self, m: Manifest) -> None:
