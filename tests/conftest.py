@@ -221,3 +221,15 @@ def proc(tmp_path: Path) -> Iterator[Callable[..., Proc]]:
     for p in procs:
         if p.popen.poll() is None:
             p.kill()
+
+
+@pytest.fixture
+def stopped() -> Iterator[list[int]]:
+    """Pids the test SIGSTOPs; each gets its SIGCONT whatever happens."""
+    pids: list[int] = []
+    yield pids
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 import torch
@@ -32,18 +32,6 @@ from .test_remote_tier import _new_ns, _remote, _synced, blob
 
 MiB = 1 << 20
 SMALL = {"tiers.host.capacity": "4MiB", "tiers.disk.capacity": "8MiB"}
-
-
-@pytest.fixture
-def stopped() -> Iterator[list[int]]:
-    """Pids the test SIGSTOPs; each gets its SIGCONT whatever happens."""
-    pids: list[int] = []
-    yield pids
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
 
 
 def check(d: Daemon) -> None:

@@ -18,7 +18,6 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Iterator
 
 import pytest
 
@@ -65,18 +64,6 @@ class Monitor:
     def close(self) -> None:
         self.proc.kill()
         self.proc.wait(10)
-
-
-@pytest.fixture
-def stopped() -> Iterator[list[int]]:
-    """Pids the test SIGSTOPs; each gets its SIGCONT whatever happens."""
-    pids: list[int] = []
-    yield pids
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
 
 
 def test_a_put_publishes_its_manifest_after_every_chunk(fresh_redis: RedisServer) -> None:
