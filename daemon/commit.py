@@ -147,9 +147,10 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
                 catalog.release_dropped(seq)
                 gone = [seq]
         orphans = catalog.take_orphans()
+        forget = engine.retire_remote(gone)
         pending.done(catalog, held)
     engine.deletes.delete_all(gone + orphans)  # a failure is retried: the park is visible
-    engine._forget_remote(gone)
+    engine.forget_remote(forget)
     if failed is not None:
         raise failed
     if engine.remote is not None and engine.remote.write_through:

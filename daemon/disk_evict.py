@@ -150,15 +150,27 @@ def disk_to_remote(mover: "Mover", victim: Seq | str) -> bool:
             # generation under the rewrite.
             mover.remote.store.delete(m)
         if not seq.on_remote:
-            with mover.disk.read_txn() as r:
-                mover.remote.put(m, [r.read_block(m, i, n) for i, n in enumerate(m.block_lengths)])
-            mover._moved("disk", "remote", t0)
             with mover.catalog.lock:
-                stale = seq.dropped
-                seq.on_remote = not stale
+                if seq.dropped:
+                    return False
+                # A drop from here on tombstones this version: no miss adopts the copy
+                # between its landing in Redis and the delete below (``remote_tier.py``).
+                mover.remote.put_begin(m)
+            written = False
+            try:
+                with mover.disk.read_txn() as r:
+                    mover.remote.put(m, [r.read_block(m, i, n) for i, n in enumerate(m.block_lengths)])
+                written = True
+            finally:
+                with mover.catalog.lock:
+                    stale = seq.dropped
+                    seq.on_remote = written and not stale
+                    mover.remote.put_end(m)
+                if stale:  # dropped or overwritten meanwhile: its drop's delete may have run first
+                    mover.remote.forget([m])
             if stale:
-                mover.remote.delete_later(m)
                 return False
+            mover._moved("disk", "remote", t0)
         mover.delete_all([seq])  # a failed delete is retried; the copy is in remote either way
         with mover.catalog.lock:
             mover.catalog.notify()

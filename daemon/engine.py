@@ -68,8 +68,9 @@ from kvpark.proto.types import SeqInfo, Stat
 from kvpark.tiers import cuda
 from kvpark.tiers.copy import CopyEngine
 from kvpark.tiers.arena import Allocation
-from kvpark.tiers.disk import DiskStore
+from kvpark.tiers.disk import DiskStore, Manifest
 from kvpark.tiers.memory import MemTier
+from kvpark.tiers.tombs import Tombs
 
 from . import commit, maintenance, reads
 from .catalog import Catalog
@@ -111,6 +112,8 @@ class Engine:
             opts = config.remote_options
             self.remote = RemoteTier(opts, config.tiers.remote.write) if opts is not None else None
             try:
+                if self.remote is not None:  # before any lookup: what the last run dropped stays dropped
+                    self.remote.load_tombs(Tombs(self.disk.env))
                 self.memory = MemoryTiers.open(config.tiers, config.policy)
             except BaseException:
                 if self.remote is not None:
@@ -138,7 +141,7 @@ class Engine:
         self.pending = commit.Pending()  # ids between their commit point and their publish
         self.deletes = self.mover.deletes  # retired disk copies, retried on failure (``deletes.py``)
         self.windows = Windows(self.catalog, self.leases, self.disk, self.mover, self.tiers, self.slot_size,
-                               config.tiers.host.window_size, self._write_through, self._forget_remote,
+                               config.tiers.host.window_size, self._write_through,
                                self.pending, self.deletes)
         self._load_index()
 
@@ -342,13 +345,16 @@ class Engine:
         """(payload offset, views) pieces of at most ``chunk_size`` bytes, in payload order (``reads.py``)."""
         return reads.iter_chunks(self, handle, chunk_size)
 
-    def _forget_remote(self, gone: list[Seq]) -> None:
-        """Delete the remote copies of dropped or replaced versions (in the background)."""
-        if self.remote is None:
-            return
-        for s in gone:
-            if s.on_remote or self.remote.write_through:
-                self.remote.delete_later(s.manifest)
+    def retire_remote(self, gone: list[Seq]) -> list[Manifest]:
+        """Tombstone the remote copies of versions leaving the index (``RemoteTier.retired``):
+        no later miss adopts them back. REQUIRES: index lock, in the step that unindexed them."""
+        return self.remote.retired(gone) if self.remote is not None and gone else []
+
+    def forget_remote(self, gone: list[Manifest]) -> None:
+        """Delete what ``retire_remote`` returned from Redis (in the background), the
+        tombstones on disk first. Before the drop or overwrite is acknowledged."""
+        if self.remote is not None and gone:
+            self.remote.forget(gone)
 
     def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None) -> str:
         validate_seq_id(seq_id)
@@ -379,7 +385,8 @@ class Engine:
             if seq is None:
                 return False
             todo = maintenance.retire(self, seq)
-        maintenance.finish_drop(self, todo, [seq] if everywhere else [])
+            forget = self.retire_remote([seq]) if everywhere else []
+        maintenance.finish_drop(self, todo, forget)
         return True
 
     def present(self, seq_ids: list[str]) -> list[bool]:

@@ -11,7 +11,7 @@ Locks as in ``engine.py``; no disk I/O under the index lock.
 Primitives:
 - ``maintain(engine)``: the maintenance thread: once, sweep block records no manifest owns
   (``DiskStore.sweep_orphans``); then its loop: reap leases, expire, retry
-  failed disk deletes, compact the eviction order, relieve tiers past their high marks.
+  failed disk deletes and remote deletes of dropped versions, compact the eviction order, relieve tiers past their high marks.
 - ``expire(engine)``: drop versions past their TTL, and shared blocks nobody took up.
 - ``retire(engine, seq) -> list[Seq]`` (REQUIRES: index lock): unlink ``seq`` (and the
   shared blocks it leaves unreferenced); returns what has disk copies to delete.
@@ -34,6 +34,7 @@ import time
 from typing import TYPE_CHECKING
 
 from kvpark.proto.errors import FailedPrecondition
+from kvpark.tiers.disk import Manifest
 
 from .model import Seq
 
@@ -63,6 +64,8 @@ def maintain(engine: "Engine") -> None:
             engine.leases.reap()
             expire(engine)
             engine.mover.retry_deletes()
+            if engine.remote is not None:
+                engine.remote.retry_forgets()  # dropped versions Redis has not confirmed deleted
             with cat.lock:
                 cat.order.compact()  # touches without evictions leave stale heap entries
             moved = engine.mover.relieve()
@@ -106,16 +109,18 @@ def drop_version(engine: "Engine", seq: Seq, everywhere: bool) -> bool:
         if not engine.catalog.current(seq):
             return False
         todo = retire(engine, seq)
-    finish_drop(engine, todo, [seq] if everywhere else [])
+        forget = engine.retire_remote([seq]) if everywhere else []
+    finish_drop(engine, todo, forget)
     return True
 
 
-def finish_drop(engine: "Engine", todo: list[Seq], remote: list[Seq]) -> None:
-    """Delete the disk copies of ``todo`` and the remote copies of ``remote``. Every
+def finish_drop(engine: "Engine", todo: list[Seq], remote: list[Manifest]) -> None:
+    """Delete the disk copies of ``todo`` and the remote copies of ``remote`` (tombstoned
+    by ``Engine.retire_remote`` when they left the index). Every
     delete is tried: one that fails is left to the maintenance pass to retry (the disk
     accounting already follows the index), and the first failure is raised after."""
     failed = engine.mover.delete_all(todo)
-    engine._forget_remote(remote)  # not orphaned blocks: other daemons' sequences may use them
+    engine.forget_remote(remote)  # not orphaned blocks: other daemons' sequences may use them
     if failed is not None:
         raise failed
 

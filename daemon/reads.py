@@ -256,4 +256,5 @@ def adopt(engine: "Engine", seq_ids: list[str]) -> None:
             # A delete under way of a retired version with a generation adopted here (the
             # same record keys) finishes first; later ones see the adopted twin (``deletes.py``).
             engine.deletes.adoptable(found, time.monotonic() + ADOPT_WAIT_S)
-            engine.catalog.adopt(found)
+            # A version dropped here since the lookup is tombstoned: never adopted back.
+            engine.catalog.adopt(m for m in found if not engine.remote.tombed(m))

@@ -98,7 +98,9 @@ def copy_to_remote(mover: "Mover", seq: Seq) -> None:
         alloc = seq.res[src] if src is not None else None
         if src is not None:
             mover.catalog.copy_begin(seq)  # pins the memory copy while we read it
+        mover.remote.put_begin(seq.manifest)  # a drop from here on tombstones it
     m = seq.manifest
+    written = False
     try:
         if src is not None:
             assert alloc is not None
@@ -106,14 +108,15 @@ def copy_to_remote(mover: "Mover", seq: Seq) -> None:
         else:
             with mover.disk.read_txn() as r:
                 mover.remote.put(m, [r.read_block(m, i, n) for i, n in enumerate(m.block_lengths)])
+        written = True
     finally:
-        if src is not None:
-            with mover.catalog.lock:
+        with mover.catalog.lock:
+            if src is not None:
                 mover.catalog.copy_end(seq)
                 mover.catalog.release_dropped(seq)
                 mover.catalog.notify()
-    with mover.catalog.lock:
-        stale = seq.dropped
-        seq.on_remote = not stale
-    if stale:  # dropped or overwritten while it was copied
-        mover.remote.store.delete(m)
+            stale = seq.dropped
+            seq.on_remote = written and not stale
+            mover.remote.put_end(m)
+        if stale:  # dropped or overwritten while it was copied: its drop's delete may have run first
+            mover.remote.forget([m])

@@ -15,6 +15,14 @@ is the policy around it for one daemon:
 - Restores from remote and demotions into it are the caller's to wait for, and raise
   the store's typed errors (``Unavailable``, ``DeadlineExceeded``, ``NotFound``,
   ``DataLoss``).
+- **A dropped version is never adopted back.** A drop (or an overwrite, an expiry) is
+  acknowledged before Redis deletes the old copy, and Redis may be down for a while. The
+  version is tombstoned under the index lock, in the same step that unindexes it
+  (``retired``), so no local miss after that adopts it from Redis; the tombstone is
+  written to disk before the drop is acknowledged (``forget``: it outlives a kill), and
+  goes when Redis confirms the delete (retried by the maintenance pass, and at start).
+  A copy this daemon is writing to Redis while the version is dropped is tombstoned the
+  same way (``put_begin``), so the window between its write and its own delete is closed too.
 
 Primitives:
 - ``RemoteTier(opts, write)``: ``write`` is ``"on_evict"`` or ``"write_through"``.
@@ -25,7 +33,12 @@ Primitives:
 - ``submit(what, fn)``: run ``fn()`` in the background; failures are logged.
 - ``copy_later(what, fn) -> bool``: ``submit`` a copy, unless ``max_pending`` copies
   wait already (False: skipped and counted in ``skipped``).
-- ``delete_later(manifest)``.
+- ``retired(seqs) -> list[Manifest]`` (REQUIRES: index lock): tombstone the versions
+  leaving the index that may have a remote copy; ``forget(manifests)`` (no lock): write
+  their tombstones to disk and delete them from Redis in the background;
+  ``retry_forgets()``: resubmit the deletes that failed; ``load_tombs(durable)`` at start.
+- ``put_begin(manifest)`` (REQUIRES: index lock), ``put_end(manifest)``: around a copy
+  to Redis that a drop may overtake.
 - ``stat(sequences) -> RemoteStat``; ``close()``.
 """
 
@@ -33,15 +46,23 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from kvpark.proto.errors import DeadlineExceeded, KVParkError, Unavailable
 from kvpark.proto.types import RemoteStat
 from kvpark.tiers.disk import Manifest
 from kvpark.tiers.remote import RemoteOptions, RemoteStore
+from kvpark.tiers.tombs import Tombs
+
+from .model import Seq
 
 log = logging.getLogger("kvpark.remote")
+
+Key = tuple[str, int]  # (seq_id, generation)
+RETRY_S = 2.0  # how often failed deletes of tombstoned versions are tried again
 
 
 class RemoteTier:
@@ -54,6 +75,15 @@ class RemoteTier:
         self.max_pending = opts.max_pending
         self._copies = 0  # write_through copies queued or running
         self.skipped = 0  # copies not queued: max_pending were waiting
+        # Versions dropped here whose remote copies are not yet known deleted: never adopted.
+        self._tombs: dict[Key, Manifest] = {}
+        self._tomb_ids: Counter[str] = Counter()
+        # Tombstones whose delete is queued or running -> whether another was asked for
+        # meanwhile (a copy that landed after it started: that delete must run again).
+        self._deleting: dict[Key, bool] = {}
+        self._putting: Counter[Key] = Counter()  # copies to Redis under way
+        self._durable: Tombs | None = None
+        self._last_retry = 0.0
         log.info("remote tier: %s%s, namespace %r, %s", opts.url.split("@")[-1], " (cluster)" if opts.cluster else "",
                  opts.namespace, write)
 
@@ -62,18 +92,28 @@ class RemoteTier:
         return self.write == "write_through"
 
     def manifests(self, seq_ids: Sequence[str]) -> list[Manifest | None]:
+        """What Redis holds under ``seq_ids`` (None: absent, unreachable, or a version
+        dropped here). The caller checks ``tombed`` again under the index lock before it
+        adopts: a drop may tombstone a version after this lookup."""
         try:
-            return self.store.get_manifests(seq_ids)
+            found = self.store.get_manifests(seq_ids)
         except (Unavailable, DeadlineExceeded) as e:
             log.debug("remote lookup of %d id(s) treated as a miss: %s", len(seq_ids), e)
             return [None] * len(seq_ids)
+        return [None if m is None or self.tombed(m) else m for m in found]
 
     def present(self, seq_ids: Sequence[str]) -> list[bool]:
         try:
-            return self.store.exists(seq_ids)
+            out = self.store.exists(seq_ids)
         except (Unavailable, DeadlineExceeded) as e:
             log.debug("remote presence of %d id(s) treated as a miss: %s", len(seq_ids), e)
             return [False] * len(seq_ids)
+        with self._lock:
+            doubt = [sid for sid, there in zip(seq_ids, out) if there and self._tomb_ids[sid]]
+        if doubt:  # an id with a version dropped here: present only if Redis holds another
+            live = {sid for sid, m in zip(doubt, self.manifests(doubt)) if m is not None}
+            out = [there and (sid in live or sid not in doubt) for sid, there in zip(seq_ids, out)]
+        return out
 
     def put(self, m: Manifest, views: Sequence[memoryview]) -> None:
         self.store.put(m, views)
@@ -134,8 +174,130 @@ class RemoteTier:
         except RuntimeError:  # shut down: the daemon is stopping
             done()
 
-    def delete_later(self, m: Manifest) -> None:
-        self.submit(f"delete of {m.seq_id!r}", lambda: self.store.delete(m))
+    # ------------------------------------------------------------------ tombstones
+
+    def tombed(self, m: Manifest) -> bool:
+        with self._lock:
+            return (m.seq_id, m.gen) in self._tombs
+
+    def retired(self, seqs: Iterable[Seq]) -> list[Manifest]:
+        """Tombstone the versions in ``seqs`` (leaving the index, their remote copies to
+        be deleted) that Redis may hold: known there, written through, or being copied
+        there now. REQUIRES: index lock (the same step that unindexed them, so no miss
+        after it adopts them). Returns their manifests for ``forget``."""
+        with self._lock:
+            out = [s.manifest for s in seqs
+                   if s.on_remote or self.write_through or self._putting[(s.seq_id, s.gen)]]
+            for m in out:
+                self._tomb(m)
+        return out
+
+    def _tomb(self, m: Manifest) -> None:
+        """REQUIRES: ``_lock``."""
+        k = (m.seq_id, m.gen)
+        if k not in self._tombs:
+            self._tombs[k] = m
+            self._tomb_ids[m.seq_id] += 1
+
+    def forget(self, manifests: Sequence[Manifest]) -> None:
+        """Write the tombstones of ``manifests`` to disk (before the drop is acknowledged:
+        they outlive a kill) and delete them from Redis in the background."""
+        if not manifests:
+            return
+        with self._lock:
+            for m in manifests:
+                self._tomb(m)
+        if self._durable is not None:
+            try:
+                self._durable.add(manifests)
+            except Exception as e:  # the tombstones in memory still hold until a restart
+                log.warning("remote tier: tombstones of %d dropped version(s) not written to disk: %s",
+                            len(manifests), e)
+        for m in manifests:
+            self._delete_later(m)
+
+    def _delete_later(self, m: Manifest) -> None:
+        k = (m.seq_id, m.gen)
+        with self._lock:
+            if k in self._deleting:
+                self._deleting[k] = True
+                return
+            self._deleting[k] = False
+
+        def run() -> None:
+            ok = False
+            try:
+                self.store.delete(m)
+                ok = True
+            finally:
+                with self._lock:
+                    again = self._deleting.pop(k)
+                    # A copy of it still under way may land after this delete: its
+                    # tombstone stays, and that copy's end forgets it again.
+                    ok = ok and not again and not self._putting[k]
+                    if ok and self._tombs.pop(k, None) is not None:
+                        self._tomb_ids[m.seq_id] -= 1
+                        if not self._tomb_ids[m.seq_id]:
+                            del self._tomb_ids[m.seq_id]
+                if ok and self._durable is not None:
+                    try:
+                        self._durable.remove([m])
+                    except Exception as e:  # found again at the next start: deleted again, harmlessly
+                        log.debug("remote tier: tombstone of %r not removed from disk: %s", m.seq_id, e)
+                if again:
+                    self._delete_later(m)
+
+        self.submit(f"delete of {m.seq_id!r}", run)
+
+    def retry_forgets(self) -> int:
+        """Resubmit the deletes of tombstoned versions that failed (at most every
+        ``RETRY_S``); returns how many."""
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last_retry < RETRY_S:
+                return 0
+            self._last_retry = now
+            todo = [m for k, m in self._tombs.items() if k not in self._deleting]
+        for m in todo:
+            self._delete_later(m)
+        return len(todo)
+
+    def load_tombs(self, durable: Tombs) -> int:
+        """At start: the tombstones a previous run left (its deletes unconfirmed) hold
+        again, and their deletes are retried."""
+        self._durable = durable
+        left = durable.load()
+        with self._lock:
+            for m in left:
+                self._tomb(m)
+        for m in left:
+            self._delete_later(m)
+        if left:
+            log.info("remote tier: %d dropped version(s) not yet deleted from Redis by the last run; deleting",
+                     len(left))
+        return len(left)
+
+    @property
+    def tombs(self) -> int:
+        with self._lock:
+            return len(self._tombs)
+
+    def put_begin(self, m: Manifest) -> None:
+        """A copy of ``m`` to Redis starts: a drop meanwhile tombstones it (``retired``),
+        and the tombstone stays until the copy is over (``put_end``) and deleted again.
+        REQUIRES: index lock, the caller having checked that ``m`` is still indexed."""
+        with self._lock:
+            self._putting[(m.seq_id, m.gen)] += 1
+
+    def put_end(self, m: Manifest) -> None:
+        """The copy ``put_begin`` announced is over (written or failed). A version dropped
+        meanwhile is the caller's to ``forget`` again: its first delete may have run before
+        the copy landed."""
+        k = (m.seq_id, m.gen)
+        with self._lock:
+            self._putting[k] -= 1
+            if not self._putting[k]:
+                del self._putting[k]
 
     def stat(self, sequences: int) -> RemoteStat:
         s = self.store.stats()

@@ -19,8 +19,8 @@ straight into its messages. Such a sequence is never promoted into a tier it can
 
 Primitives:
 - ``Windows(catalog, leases, disk, mover, tiers, slot_size, window_size, write_through,
-  forget_remote, pending, deletes)``; ``forget_remote(seqs)`` deletes replaced versions'
-  remote copies; ``pending``: the commit side's (``commit.py``); ``deletes``: the mover's (``deletes.py``).
+  pending, deletes)``; replaced versions' remote copies are tombstoned and deleted through
+  ``mover.remote`` (``remote_tier.py``); ``pending``: the commit side's (``commit.py``); ``deletes``: the mover's (``deletes.py``).
 - ``close()``: after the lease table's (its I/O threads end).
 - ``size_for(tier) -> int``: the window of ``tier``: ``window_size`` (0: a quarter of the
   tier, at most ``AUTO_MAX``), whole slots, at least one slot, at most the tier;
@@ -45,7 +45,6 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
-from typing import Callable
 
 from kvpark.proto.errors import AlreadyExists, InvalidArgument, KVParkError, LeaseExpired, NotFound, \
     ResourceExhausted
@@ -69,7 +68,7 @@ AUTO_MAX = 256 << 20  # an auto window never takes more than this (a quarter of 
 class Windows:
     def __init__(self, catalog: Catalog, leases: LeaseTable, disk: DiskStore, mover: Mover,
                  tiers: dict[str, MemTier], slot_size: int, window_size: int, write_through: bool,
-                 forget_remote: Callable[[list[Seq]], None], pending: Pending, deletes: Deletes) -> None:
+                 pending: Pending, deletes: Deletes) -> None:
         self.catalog = catalog
         self.leases = leases
         self.disk = disk
@@ -78,7 +77,6 @@ class Windows:
         self.slot_size = slot_size
         self.window_size = window_size
         self.write_through = write_through
-        self.forget_remote = forget_remote
         self.pending = pending
         self.deletes = deletes
         # Disk writes and reads of windows, beside the calls that move them (threads start on first use).
@@ -296,11 +294,13 @@ class Windows:
                     failed, seq.dropped, gone = e, True, [seq]
             orphans = self.catalog.take_orphans()
             self.pending.done(catalog, ids)
+            remote = self.mover.remote
+            forget = remote.retired(gone) if remote is not None else []
         self.deletes.delete_all(gone + orphans)
-        self.forget_remote(gone)  # not the orphaned blocks: other daemons' sequences may use them
+        if remote is not None:
+            remote.forget(forget)  # not the orphaned blocks: other daemons' sequences may use them
         if failed is not None:
             raise failed
-        remote = self.mover.remote
         if remote is not None and remote.write_through and not seq.dropped:
             self.mover.copy_to_remote_later([seq])
         return info

@@ -1,6 +1,6 @@
 """The LMDB disk tier: checksummed block records plus sequence manifests.
 
-Layout (one LMDB environment, three named sub-databases):
+Layout (one LMDB environment, named sub-databases):
 - ``blocks``: key ``seq_id utf-8 | 0x00 | key generation (u64 BE) | block index (u32 BE)``
   (the key generation is the manifest's ``key_gen``: its generation, or for a windowed
   park the generation its blocks were staged under, ``data_gen``);
@@ -10,6 +10,7 @@ Layout (one LMDB environment, three named sub-databases):
   priority, timestamps, generation). A restart rebuilds the index from this sub-database
   alone, without touching payloads.
 - ``meta``: the store's format version.
+- ``tombs``: remote copies dropped here and not yet deleted from Redis (``tombs.py``).
 - ``staging``: key ``seq_id utf-8 | 0x00 | generation (u64 BE)`` of a sequence being
   written window by window (see below); empty value. Opening the store deletes the
   blocks of every generation still listed here (a daemon that died mid-park).
@@ -318,7 +319,7 @@ class DiskStore:
         self.env = lmdb.open(
             path,
             map_size=map_size,
-            max_dbs=4,
+            max_dbs=5,  # blocks, manifests, meta, staging, tombs (``tombs.py``)
             subdir=True,
             writemap=writemap,
             sync=False,  # durability points call sync() explicitly (write policy)

@@ -1,0 +1,54 @@
+"""Remote tombstones on disk: the versions this daemon dropped or replaced whose copies in
+the remote tier it has not yet seen deleted.
+
+A drop is acknowledged before Redis has deleted the copy (that runs in the background, and
+Redis may be down for a while). Until the delete lands, a local miss must not adopt the
+dropped version back from Redis. The daemon keeps the tombstones in memory
+(``daemon/remote_tier.py``); this store keeps them across a restart, so a daemon killed
+before a delete landed still refuses that version and retries the delete when it starts.
+
+One named sub-database (``tombs``) in the disk tier's LMDB environment: key ``seq_id
+utf-8 | 0x00 | generation (u64 BE)``, value the version's ``Manifest.encode()`` (the
+delete needs its block lengths). Written without an fsync, like a drop: a committed LMDB
+transaction survives the daemon's death, which is what a tombstone must outlive.
+
+Primitives: ``Tombs(env)``; ``add(manifests)``, ``remove(manifests)``, ``load() ->
+list[Manifest]``. Errors are the caller's to type (``lmdb.Error``).
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Sequence
+
+import lmdb
+
+from .disk import Manifest
+
+_GEN = struct.Struct(">Q")
+
+
+def _key(m: Manifest) -> bytes:
+    return m.seq_id.encode() + b"\x00" + _GEN.pack(m.gen)
+
+
+class Tombs:
+    def __init__(self, env: lmdb.Environment) -> None:
+        self._env = env
+        self._db = env.open_db(b"tombs")
+
+    def add(self, manifests: Sequence[Manifest]) -> None:
+        if manifests:
+            with self._env.begin(write=True) as txn:
+                for m in manifests:
+                    txn.put(_key(m), m.encode(), db=self._db)
+
+    def remove(self, manifests: Sequence[Manifest]) -> None:
+        if manifests:
+            with self._env.begin(write=True) as txn:
+                for m in manifests:
+                    txn.delete(_key(m), db=self._db)
+
+    def load(self) -> list[Manifest]:
+        with self._env.begin() as txn:
+            return [Manifest.decode(bytes(v)) for _, v in txn.cursor(db=self._db)]
