@@ -54,6 +54,7 @@ the client process entry point ``main``.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
 import logging
 import os
@@ -297,8 +298,32 @@ class Report:
 # ------------------------------------------------------------------ checker
 
 
+def _prefix_max(xs: list[float]) -> list[float]:
+    out, m = [], -INF
+    for x in xs:
+        m = max(m, x)
+        out.append(m)
+    return out
+
+
+def _suffix_min(xs: list[float]) -> list[float]:
+    out, m = [0.0] * len(xs), INF
+    for n in range(len(xs) - 1, -1, -1):
+        m = min(m, xs[n])
+        out[n] = m
+    return out
+
+
 class _Key:
-    """The ops and events of one (tenant, id), and the questions the checker asks of them."""
+    """The ops and events of one (tenant, id), and the questions the checker asks of them.
+
+    Each question is answered from sorted indexes in O(log n), not by scanning the id's
+    history (a 30-minute run holds tens of thousands of ops per id). Each rests on one
+    monotonicity: ``superseded(t, read)`` can only turn false as ``t`` grows, and
+    ``removal_between(a, b)`` only false as ``a.inv`` grows, so the best candidate (the
+    latest) answers for all. ``tests/daemon/test_history.py`` checks every answer against
+    the plain scans on random histories.
+    """
 
     def __init__(self, key: str, ops: list[Op], events: list[Event], restarts: list[Event]) -> None:
         self.key = key
@@ -317,6 +342,48 @@ class _Key:
         self.lossy = sorted(e.inv for e in restarts if e.lossy)
         self.removals += [(t, t) for t in self.lossy]
         self.events = events
+        self._index()
+
+    def _index(self) -> None:
+        # superseded: per epoch between lossy restarts, the definite changes completed in
+        # it, by invocation, with the least completion of each suffix.
+        epochs: list[list[tuple[float, float]]] = [[] for _ in range(len(self.lossy) + 1)]
+        for i, c in self.definite:
+            epochs[bisect.bisect_right(self.lossy, c)].append((i, c))
+        self._sup = []
+        for ch in epochs:
+            ch.sort()
+            self._sup.append(([i for i, _ in ch], _suffix_min([c for _, c in ch])))
+        # absent_ok: removals by invocation with the greatest completion of each prefix;
+        # TTL writes (not refused) by expiry with the greatest completion of each prefix.
+        rem = sorted(self.removals)
+        self._rem_inv, self._rem_comp = [i for i, _ in rem], _prefix_max([c for _, c in rem])
+        ttl = sorted((w.inv + w.ttl, w.comp, w.inv) for w in self.writes if w.ttl and w.status != "fail")
+        self._ttl_end, self._ttl_comp = [e for e, _, _ in ttl], _prefix_max([c for _, c, _ in ttl])
+        # removal_between: removals by completion with the least invocation of each suffix;
+        # TTL writes by completion with the earliest expiry of each suffix.
+        rc = sorted((c, i) for i, c in self.removals)
+        self._rc_comp, self._rc_inv = [c for c, _ in rc], _suffix_min([i for _, i in rc])
+        tc = [(c, e) for e, c, _ in ttl]
+        tc.sort()
+        self._tc_comp, self._tc_end = [c for c, _ in tc], _suffix_min([e for _, e in tc])
+        # creates: acknowledged writes by completion with the latest invocation of each
+        # prefix (and its op); writes not refused by invocation, and by completion with
+        # the least invocation of each suffix; acknowledged drops by completion.
+        ok = sorted((w.comp, w.inv, n) for n, w in enumerate(self.writes) if w.status == "ok")
+        self._ok_comp = [c for c, _, _ in ok]
+        self._ok_best: list[int] = []
+        best, bi = -INF, -1
+        for _, i, n in ok:
+            if i > best:
+                best, bi = i, n
+            self._ok_best.append(bi)
+        live = [w for w in self.writes if w.status != "fail"]
+        self._live_inv = sorted(w.inv for w in live)
+        lc = sorted((w.comp, w.inv) for w in live)
+        self._lc_comp, self._lc_inv = [c for c, _ in lc], _suffix_min([i for _, i in lc])
+        drops = sorted((o.comp, n) for n, o in enumerate(self.ops) if o.kind == "drop" and o.status == "ok")
+        self._drop_comp, self._drop_op = [c for c, _ in drops], [n for _, n in drops]
 
     def overlapped(self, read: Op) -> bool:
         """A park, create or drop of the id ran while ``read`` did."""
@@ -324,12 +391,17 @@ class _Key:
 
     def _lost_after(self, t0: float, t1: float) -> bool:
         """A lossy restart in ``(t0, t1)``: what was acknowledged before it may be gone."""
-        return any(t0 < k < t1 for k in self.lossy)
+        j = bisect.bisect_right(self.lossy, t0)
+        return j < len(self.lossy) and self.lossy[j] < t1
 
     def superseded(self, src_comp: float, read: Op) -> bool:
         """Some definite change completed entirely after ``src_comp`` and before ``read``
         began (and no lossy restart since could have undone it)."""
-        return any(src_comp < i and c < read.inv and not self._lost_after(c, read.inv) for i, c in self.definite)
+        # Only changes completed since the last lossy restart before the read count: those
+        # of the read's epoch (a change completed in it and before the read is in it).
+        invs, least = self._sup[bisect.bisect_left(self.lossy, read.inv)]
+        j = bisect.bisect_right(invs, src_comp)
+        return j < len(invs) and least[j] < read.inv
 
     def source_ok(self, w: Op, read: Op) -> bool:
         return w.inv < read.comp and not self.superseded(w.comp, read)
@@ -337,17 +409,39 @@ class _Key:
     def absent_ok(self, read: Op) -> bool:
         if not self.superseded(-INF, read):
             return True  # the initial state
-        if any(i < read.comp and not self.superseded(c, read) for i, c in self.removals):
+        j = bisect.bisect_left(self._rem_inv, read.comp)  # removals begun before the read ended
+        if j and not self.superseded(self._rem_comp[j - 1], read):
             return True
         # A TTL ends the version it was parked with: the read may see it expired.
-        return any(w.ttl and w.status != "fail" and w.inv + w.ttl < read.comp and self.source_ok(w, read)
-                   for w in self.writes)
+        j = bisect.bisect_left(self._ttl_end, read.comp)
+        return bool(j) and not self.superseded(self._ttl_comp[j - 1], read)
 
     def removal_between(self, a: Op, b: Op) -> bool:
         """Something may have removed the id after ``a`` began and before ``b`` ended."""
-        if any(c > a.inv and i < b.comp for i, c in self.removals):
+        j = bisect.bisect_right(self._rc_comp, a.inv)
+        if j < len(self._rc_comp) and self._rc_inv[j] < b.comp:
             return True
-        return any(w.ttl and w.status != "fail" and w.comp > a.inv and w.inv + w.ttl < b.comp for w in self.writes)
+        j = bisect.bisect_right(self._tc_comp, a.inv)
+        return j < len(self._tc_comp) and self._tc_end[j] < b.comp
+
+    def latest_acked_before(self, t: float) -> Op | None:
+        """The acknowledged write completed before ``t`` that began last."""
+        j = bisect.bisect_left(self._ok_comp, t)
+        return self.writes[self._ok_best[j - 1]] if j else None
+
+    def begun_before(self, t: float) -> bool:
+        """A write not refused began before ``t``."""
+        return bool(self._live_inv) and self._live_inv[0] < t
+
+    def written_between(self, t0: float, t1: float) -> bool:
+        """A write not refused completed after ``t0`` (or never) and began before ``t1``."""
+        j = bisect.bisect_right(self._lc_comp, t0)
+        return j < len(self._lc_comp) and self._lc_inv[j] < t1
+
+    def last_drop_before(self, t: float) -> Op | None:
+        """The acknowledged drop that completed last before ``t``."""
+        j = bisect.bisect_left(self._drop_comp, t)
+        return self.ops[self._drop_op[j - 1]] if j else None
 
     def around(self, lo: float, hi: float, limit: int = 40) -> list[str]:
         rows: list[tuple[float, str]] = [(o.inv, o.line()) for o in self.ops if o.comp >= lo and o.inv <= hi]
@@ -439,22 +533,20 @@ def _check_creates(k: _Key, flag: Callable[[str, _Key, Op, str, float], None]) -
     for c in (o for o in k.writes if o.kind == "create"):
         if c.status == "ok":
             # Exactly one create wins: none may succeed while the id was definitely present.
-            for w in k.writes:
-                if w is not c and w.status == "ok" and w.comp < c.inv and not k.removal_between(w, c):
-                    flag("create", k, c, f"create {c.value} succeeded, but {w.value} was acknowledged before it and "
-                                         f"nothing could have removed it", w.inv - 0.05)
-                    break
+            # The write acknowledged before it that began last is the one least likely to
+            # have been removed since: if something may have removed it, any earlier too.
+            w = k.latest_acked_before(c.inv)
+            if w is not None and not k.removal_between(w, c):
+                flag("create", k, c, f"create {c.value} succeeded, but {w.value} was acknowledged before it and "
+                                     f"nothing could have removed it", w.inv - 0.05)
         elif c.err == "AlreadyExists":
             # Refused as present: something may have been there.
-            maybe = [w for w in k.writes if w is not c and w.status != "fail" and w.inv < c.comp]
-            if not maybe:
+            if not k.begun_before(c.comp):
                 flag("create", k, c, f"create {c.value} was refused AlreadyExists, but no write to the id had begun",
                      c.inv - 1.0)
                 continue
-            drops = [o for o in k.ops if o.kind == "drop" and o.status == "ok" and o.comp < c.inv]
-            last = max(drops, key=lambda o: o.comp, default=None)
-            if last is not None and not any(w.comp > last.inv and w.inv < c.comp for w in maybe) \
-                    and not k._lost_after(last.comp, c.comp):
+            last = k.last_drop_before(c.inv)
+            if last is not None and not k.written_between(last.inv, c.comp) and not k._lost_after(last.comp, c.comp):
                 flag("create", k, c, f"create {c.value} was refused AlreadyExists, but the id was dropped "
                                      f"before it and nothing wrote it since", last.inv - 0.05)
 

@@ -34,7 +34,7 @@ from kvpark.tiers.disk import DiskStore
 
 from ..conftest import run_threads, wait_until
 from ..redis_servers import have_redis
-from .history import (INF, MID_RESTORE, RECORD_MISSING, Corrupt, Event, History, HistoryConfig, Op,
+from .history import (INF, MID_RESTORE, RECORD_MISSING, Corrupt, Event, History, HistoryConfig, Op, _Key,
                       block_payload, check, decode, payload, run_history)
 
 SECONDS = float(os.environ.get("KVPARK_HISTORY_SECONDS", "6"))
@@ -181,6 +181,103 @@ def test_a_known_bug_is_tolerated_only_by_name() -> None:
     gone.read, gone.err, gone.corrupt = None, RECORD_MISSING, "DataLoss: record missing from the disk tier"
     assert kinds([w("1:1", 0.0, 0.1), gone, drop(0.25, 0.28)], tolerate=("mid_restore_dataloss",)) == []
     assert kinds([w("1:1", 0.0, 0.1), gone], tolerate=("mid_restore_dataloss",)) == ["corrupt"]
+
+
+# ------------------------------------------------------------------ the checker's indexes
+
+
+def _plain(k: _Key) -> dict[str, Callable[..., Any]]:
+    """The checker's questions answered by scanning the whole history of the id: what
+    ``_Key``'s sorted indexes must agree with."""
+    def lost_after(t0: float, t1: float) -> bool:
+        return any(t0 < x < t1 for x in k.lossy)
+
+    def superseded(src_comp: float, read: Op) -> bool:
+        return any(src_comp < i and c < read.inv and not lost_after(c, read.inv) for i, c in k.definite)
+
+    def absent_ok(read: Op) -> bool:
+        if not superseded(-INF, read):
+            return True
+        if any(i < read.comp and not superseded(c, read) for i, c in k.removals):
+            return True
+        return any(w.ttl and w.status != "fail" and w.inv + w.ttl < read.comp and w.inv < read.comp
+                   and not superseded(w.comp, read) for w in k.writes)
+
+    def removal_between(a: Op, b: Op) -> bool:
+        if any(c > a.inv and i < b.comp for i, c in k.removals):
+            return True
+        return any(w.ttl and w.status != "fail" and w.comp > a.inv and w.inv + w.ttl < b.comp for w in k.writes)
+
+    def create_clash(c: Op) -> bool:
+        return any(w is not c and w.status == "ok" and w.comp < c.inv and not removal_between(w, c) for w in k.writes)
+
+    def refusal_wrong(c: Op) -> bool:
+        maybe = [w for w in k.writes if w is not c and w.status != "fail" and w.inv < c.comp]
+        if not maybe:
+            return True
+        drops = [o for o in k.ops if o.kind == "drop" and o.status == "ok" and o.comp < c.inv]
+        last = max(drops, key=lambda o: o.comp, default=None)
+        return last is not None and not any(w.comp > last.inv and w.inv < c.comp for w in maybe) \
+            and not lost_after(last.comp, c.comp)
+
+    return dict(lost_after=lost_after, superseded=superseded, absent_ok=absent_ok, removal_between=removal_between,
+                create_clash=create_clash, refusal_wrong=refusal_wrong)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_checkers_indexes_answer_as_scans_of_the_whole_history_do(seed: int) -> None:
+    import random
+    rnd = random.Random(seed)
+    t = [0.0]
+
+    def span() -> tuple[float, float]:
+        t[0] += rnd.choice((0.01, 0.05, 0.2))
+        i = round(t[0] - rnd.choice((0.0, 0.1, 0.3, 0.6)), 2)
+        return i, round(i + rnd.choice((0.01, 0.1, 0.4, 1.0)), 2)  # coarse: ties happen
+
+    ops: list[Op] = []
+    for n in range(rnd.choice((5, 30, 120))):
+        i, c = span()
+        kind = rnd.choice(("park", "park", "create", "drop", "read", "read"))
+        status = rnd.choice(("ok", "ok", "ok", "fail", "unknown"))
+        comp = INF if status == "unknown" else c
+        if kind == "read":
+            ops.append(Op(f"r{n}", "9", "read", "/k0", i, comp, status, read="absent", how="restore"))
+        elif kind == "drop":
+            ops.append(Op(f"d{n}", "8", "drop", "/k0", i, comp, status, how="drop"))
+        else:
+            ops.append(Op(f"w{n}", "1", kind, "/k0", i, comp, status, value=f"1:{n}",
+                          err="AlreadyExists" if kind == "create" and status == "fail" else "",
+                          ttl=rnd.choice((0.0, 0.0, 0.05, 0.5))))
+    events = []
+    for _ in range(rnd.choice((0, 2, 6))):
+        i, c = span()
+        events.append(rnd.choice((Event("evict", i, c, key="/k0"), Event("remote_loss", i, c))))
+    restarts = [Event("restart", x, x + 0.05, lossy=rnd.random() < 0.6)
+                for x in sorted(round(rnd.uniform(0, t[0]), 2) for _ in range(rnd.choice((0, 1, 3))))]
+    k = _Key("/k0", ops, events, restarts)
+    plain = _plain(k)
+    probes = [round(rnd.uniform(-0.5, t[0] + 1), 2) for _ in range(30)] + [-INF, INF] + k.lossy
+    for a in probes:
+        for b in probes[:12]:
+            assert k._lost_after(a, b) == plain["lost_after"](a, b), (a, b)
+    for rd in ops + [Op("probe", "9", "read", "/k0", x, x + 0.1) for x in probes if abs(x) != INF]:
+        for src in probes[:12] + [o.comp for o in ops[:10]]:
+            assert k.superseded(src, rd) == plain["superseded"](src, rd), (src, rd.line())
+        assert k.absent_ok(rd) == plain["absent_ok"](rd), rd.line()
+        for a in ops[:15]:
+            assert k.removal_between(a, rd) == plain["removal_between"](a, rd), (a.line(), rd.line())
+    for c in k.writes:
+        if c.kind != "create":
+            continue
+        if c.status == "ok":
+            w = k.latest_acked_before(c.inv)
+            assert (w is not None and not k.removal_between(w, c)) == plain["create_clash"](c), c.line()
+        elif c.err == "AlreadyExists":
+            last = k.last_drop_before(c.inv)
+            mine = not k.begun_before(c.comp) or (last is not None and not k.written_between(last.inv, c.comp)
+                                                 and not k._lost_after(last.comp, c.comp))
+            assert mine == plain["refusal_wrong"](c), c.line()
 
 
 # ------------------------------------------------------------------ creates
