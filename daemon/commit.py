@@ -95,7 +95,7 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
     held: list[str] = []
     with catalog.lock:
         try:
-            engine._check_open()
+            engine.check_open()
             pending.wait(catalog, creates(spec), time.monotonic() + PENDING_WAIT_S)
             blocks, _old = catalog.plan_commit(lease, expect_nbytes, engine.slot_size)
         except BaseException:
@@ -116,7 +116,7 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
         replace = None
     mine = blocks + ([seq] if seq is not None else [])
     try:
-        if engine._write_through:
+        if engine.write_through:
             engine.mover.evict_disk(sum(s.manifest.nbytes for s in mine), exclude=seq)
             write_through_disk(engine, blocks, seq, replace)
     except BaseException:
@@ -128,6 +128,11 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
             if seq is not None:
                 catalog.unpin_refs(spec.refs)
             pending.done(catalog, held)
+        # Written and committed, then its fsync failed: the park is refused, so what it
+        # wrote must not come back at the next start (nor stay charged to nobody).
+        for s in mine:
+            if engine.disk.holds(s.manifest):
+                engine.deletes.delete_written(s.manifest)
         raise
     failed: KVParkError | None = None
     with catalog.lock:
@@ -155,7 +160,7 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
         raise failed
     if engine.remote is not None and engine.remote.write_through:
         engine.mover.copy_to_remote_later(blocks + ([seq] if seq is not None and not seq.dropped else []))
-    if seq is not None and engine._write_through and not seq.on_disk and not seq.dropped:
+    if seq is not None and engine.write_through and not seq.on_disk and not seq.dropped:
         # Our write lost to a newer generation that then failed to publish: write it now.
         engine.mover.write_to_disk(seq)
         engine.disk.fsync()

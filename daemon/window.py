@@ -279,6 +279,8 @@ class Windows:
                 self.pending.done(catalog, ids)
             if not self.disk.holds(final):  # the transaction failed (not a sync after it): nothing published
                 self.disk.stage_abort(m)
+            else:  # committed, then its fsync failed: refused, so it must not come back at a restart
+                self.deletes.delete_written(final)
             raise
         failed: KVParkError | None = None
         gone: list[Seq] = []

@@ -1,7 +1,7 @@
 """Reproductions of integrity bugs found by reading the commit, delete and maintenance
-paths against ``docs/protocol.md``, each a regression test of its fix. One still open is
-``xfail(strict=True)``: it documents the bug, and starts failing (XPASS) the day the fix
-lands, so the marker is removed with the fix.
+paths against ``docs/protocol.md``, each a regression test of its fix (the last one open,
+a write_through park whose fsync fails after its transaction committed, is fixed: what it
+wrote is deleted, as a write that lost a race deletes what it wrote).
 
 Faults go through the ``disk_factory`` seam: a ``DiskStore`` subclass that fails ONE call.
 """
@@ -37,10 +37,6 @@ class _FailsOneSync(DiskStore):
         super().sync()
 
 
-@pytest.mark.xfail(strict=True, reason="commit.py (plain) and window.py (windowed): a write_through commit "
-                   "whose fsync fails after its write transaction committed reports failure and never "
-                   "publishes, but leaves the manifest and records in LMDB, charged to nobody the index "
-                   "knows; after a restart the failed park is back")
 @pytest.mark.parametrize("nbytes", [4096, 5 * (1 << 20) + 1], ids=["plain", "windowed"])
 def test_a_park_whose_fsync_fails_leaves_the_index_and_the_disk_agreeing(
         daemon: Callable[..., Daemon], nbytes: int) -> None:
