@@ -117,7 +117,7 @@ def disk_drop(mover: "Mover", victim: Seq | str) -> bool:
         mover.delete_all(todo)  # a failed delete is retried; the accounting follows the index
         with mover.catalog.lock:
             mover.catalog.notify()
-        mover._count_eviction("disk")
+        mover.count_eviction("disk")
         log.debug("evicted %r from disk%s", seq_id, "" if seq.res else " (its only copy: dropped)")
         return True
     finally:
@@ -170,11 +170,11 @@ def disk_to_remote(mover: "Mover", victim: Seq | str) -> bool:
                     mover.remote.forget([m])
             if stale:
                 return False
-            mover._moved("disk", "remote", t0)
+            mover.moved("disk", "remote", t0)
         mover.delete_all([seq])  # a failed delete is retried; the copy is in remote either way
         with mover.catalog.lock:
             mover.catalog.notify()
-        mover._count_eviction("disk")
+        mover.count_eviction("disk")
         return True
     except KVParkError as e:
         log.warning("eviction of %r from disk to remote failed: %s", seq_id, e)

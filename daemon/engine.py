@@ -101,7 +101,7 @@ class Engine:
         # another start of the daemon (Hello and every reply handing out memory carry it).
         self.instance = secrets.token_hex(16)
         self._thread: threading.Thread | None = None
-        self._write_through = config.policy.write == "write_through"
+        self.write_through = config.policy.write == "write_through"
 
         # The disk store first: it is what most often refuses to open (a lock held by
         # another daemon, permissions), and it holds no memory to give back.
@@ -141,7 +141,7 @@ class Engine:
         self.pending = commit.Pending()  # ids between their commit point and their publish
         self.deletes = self.mover.deletes  # retired disk copies, retried on failure (``deletes.py``)
         self.windows = Windows(self.catalog, self.leases, self.disk, self.mover, self.tiers, self.slot_size,
-                               config.tiers.host.window_size, self._write_through,
+                               config.tiers.host.window_size, self.write_through,
                                self.pending, self.deletes)
         self._load_index()
 
@@ -197,11 +197,18 @@ class Engine:
         """Write every memory-only sequence to disk (keeping its memory copies)."""
         return self.mover.flush()
 
-    def _check_open(self) -> None:
+    @property
+    def closed(self) -> bool:
+        """Shutting down or shut (read under the index lock by the maintenance thread)."""
+        return self._closed
+
+    def check_open(self) -> None:
+        """``Unavailable`` once shutting down: every call that starts new work checks it."""
         if self._closed:
             raise Unavailable("daemon is shutting down")
 
-    def _tier_arg(self, tier: str) -> str:
+    def tier_arg(self, tier: str) -> str:
+        """``tier`` if it names an enabled memory tier, else ``InvalidArgument``."""
         if tier not in MEM_TIERS:
             raise InvalidArgument(f"tier must be 'device' or 'host', got {tier!r}")
         if tier not in self.tiers:
@@ -222,7 +229,7 @@ class Engine:
         client writing into the slots, so a park bound for the device may land on host.
         """
         spec.validate()
-        self._check_open()
+        self.check_open()
         order = self._landing(inline, tier)
         if self.windowed(spec, inline, tier):
             # Larger than any tier it may land in: through one window of slots to disk.
@@ -253,7 +260,7 @@ class Engine:
     def _landing(self, inline: bool, tier: str | None) -> list[str]:
         # The memory tiers a park may land in, in order: an inline park bound for the
         # device may land on host.
-        tier = self._tier_arg(tier or self.park_tier)
+        tier = self.tier_arg(tier or self.park_tier)
         return [tier] if tier == "host" or not inline else [tier, "host"]
 
     def windowed(self, spec: ParkSpec, inline: bool = False, tier: str | None = None) -> bool:
@@ -358,8 +365,8 @@ class Engine:
 
     def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None) -> str:
         validate_seq_id(seq_id)
-        self._check_open()
-        self._tier_arg(tier)
+        self.check_open()
+        self.tier_arg(tier)
         reads.adopt(self, [seq_id])
         with self.catalog.lock:
             seq = self.catalog.get(seq_id)
@@ -432,14 +439,14 @@ class Engine:
     def pin(self, seq_id: str, pinned: bool = True) -> SeqInfo:
         """Pin (never demoted below the tier it is in) or unpin ``seq_id``; kept on disk too."""
         validate_seq_id(seq_id)
-        self._check_open()
+        self.check_open()
         with self.catalog.lock:
             seq = self.catalog.get(seq_id)
             seq.manifest.pinned = pinned
             on_disk, manifest = seq.on_disk, seq.manifest
         if on_disk:
             # A later commit of the id replaced this generation: its own manifest stands.
-            self.disk.update_manifest(manifest, sync=self._write_through)
+            self.disk.update_manifest(manifest, sync=self.write_through)
         with self.catalog.lock:
             self.catalog.notify()  # an unpinned copy may be demoted now
             return self.catalog.info(seq)
@@ -489,5 +496,5 @@ class Engine:
                 writes, readers, leased = self.leases.held()
                 self.catalog.check(used, writes, readers, leased)
                 # A disk eviction under write_through leaves memory copies without a disk one.
-                all_on_disk = self._write_through and not self.mover.evictions.get("disk", 0)
+                all_on_disk = self.write_through and not self.mover.evictions.get("disk", 0)
                 commit.check_disk(self.catalog.sequences(), scan, self.deletes.held(), all_on_disk)

@@ -15,6 +15,8 @@ Primitives:
 - ``flush(mover, prefix="") -> int``: write them all (with ``prefix``, those of one
   tenant's namespace only); returns how many were written.
 - ``write_batch(mover, seqs) -> int``: one batch, one transaction.
+- ``write_one(mover, seq) -> bool``: one sequence (``Mover.write_to_disk``), the shared
+  blocks it references first.
 """
 
 from __future__ import annotations
@@ -121,3 +123,49 @@ def write_batch(mover: "Mover", seqs: list[Seq]) -> int:
                 mover.metrics.moved(src, "disk", share)
     done = sum(1 for (s, _, _), ok in zip(picked, written) if ok and s not in stale)
     return done + sum(mover.write_to_disk(s) for s in later)
+
+
+def write_one(mover: "Mover", seq: Seq) -> bool:
+    """Make sure ``seq`` has a disk copy; its memory copies are kept.
+
+    A sequence's disk copy goes after those of the shared blocks it references: a
+    crash in between must not leave it on disk, listed at the next start, with
+    blocks that never got there (every restore of it would fail).
+    """
+    with mover.catalog.lock:
+        if seq.dropped or seq.on_disk or not seq.res:
+            return seq.on_disk
+        blocks = [b for r in seq.refs if (b := mover.catalog.find(r)) is not None and not b.on_disk]
+    for b in blocks:
+        # A block only in remote is durable there (adopted at the next start).
+        if not write_one(mover, b) and not b.on_remote:
+            return False
+    mover.evict_disk(seq.manifest.nbytes)
+    with mover.catalog.lock:
+        if seq.dropped or seq.on_disk or not seq.res:
+            return seq.on_disk
+        src = "host" if "host" in seq.res else "device"
+        alloc = seq.res[src]
+        mover.catalog.copy_begin(seq)  # pins the memory copy while we read it
+    written = False
+    t0 = time.perf_counter()
+    try:
+        written = mover.disk.write(seq.manifest, mover.tiers[src].views(alloc))
+        if written:
+            mover.moved(src, "disk", t0)
+    finally:
+        with mover.catalog.lock:
+            mover.catalog.copy_end(seq)
+            stale = seq.dropped  # dropped or overwritten while we wrote
+            if written and not stale:
+                seq.on_disk = True
+                mover.catalog.touch(seq, "disk")
+            mover.catalog.release_dropped(seq)
+            # Waiters may demote it now. No version bump: a write that failed (disk
+            # full) must not send a make_room loop straight back to the same victim.
+            mover.catalog.changed.notify_all()
+            if written and mover.catalog.over_high():
+                mover.catalog.wake.notify_all()  # the disk, say, past its high mark
+    if written and stale:
+        mover.deletes.delete_written(seq.manifest)  # remove what we wrote
+    return written and not stale

@@ -53,11 +53,11 @@ def maintain(engine: "Engine") -> None:
         log.exception("disk tier: the sweep of orphaned block records failed")
     while True:
         with cat.lock:
-            if engine._closed:
+            if engine.closed:
                 return
             if not cat.over_high():
                 cat.wake.wait(interval)
-            if engine._closed:
+            if engine.closed:
                 return
         moved = 0
         try:
@@ -74,7 +74,7 @@ def maintain(engine: "Engine") -> None:
         if not moved:
             # Nothing could move (disk full, or everything leased/pinned): back off, don't spin.
             with cat.lock:
-                if not engine._closed:
+                if not engine.closed:
                     cat.wake.wait(interval)
 
 

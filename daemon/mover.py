@@ -43,26 +43,27 @@ Primitives:
   (``policy.disk_full = "evict"``, the default; "refuse" keeps a full disk full).
 - The disk-eviction paths live in ``disk_evict.py``, the reads from and copies to Redis
   in ``remote_moves.py``; ``Mover`` keeps the entry points above.
-- ``prefetch(seq, tier, wait, timeout) -> str`` (waited: a version an overwrite replaced
-  meanwhile is prefetched as the new one; only a drop is ``NotFound``); ``quiet()`` (no
+- ``prefetch(seq, tier, wait, timeout) -> str`` (``prefetch.py``; waited: a version an
+  overwrite replaced meanwhile is prefetched as the new one; only a drop is ``NotFound``);
+  ``write_to_disk`` is ``flush.write_one``; ``quiet()`` (no
   demotion starts, moves in flight land: for invariant checks); ``close()``.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from kvpark.proto.errors import DataLoss, DeadlineExceeded, KVParkError, NotFound, ResourceExhausted
+from kvpark.proto.errors import DataLoss, KVParkError, NotFound
 from kvpark.tiers import policy
 from kvpark.tiers.arena import Allocation
 from kvpark.tiers.copy import CopyEngine, CopyJob, runs
 from kvpark.tiers.disk import DiskStore
 
 from . import disk_evict, flush, remote_moves
+from .prefetch import Prefetches
 from .catalog import Catalog
 from .deletes import Deletes
 from .config import PolicyConfig
@@ -98,15 +99,14 @@ class Mover:
         self.closed = False
         self._paused = 0  # quiet() holders: no demotion starts
         self.deletes = Deletes(catalog, disk)  # a failed delete is retried (``deletes.py``)
-        self._prefetches: dict[tuple[str, str, int], concurrent.futures.Future[None]] = {}
-        self._prefetcher = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="kvpark-prefetch")
+        self.prefetches = Prefetches(self)
 
     def close(self) -> None:
         """Stop taking moves; in-flight prefetches are cancelled or finish."""
         with self.catalog.lock:
             self.closed = True
             self.catalog.changed.notify_all()
-        self._prefetcher.shutdown(wait=True, cancel_futures=True)
+        self.prefetches.close()
 
     @contextmanager
     def quiet(self, timeout: float = 10.0) -> Iterator[None]:
@@ -228,7 +228,7 @@ class Mover:
                 else:
                     for (off, _n), block in zip(a.extents, remote_moves.remote_blocks(self, seq)):
                         mem.write(off, block)
-                self._moved("remote", to, t0)
+                self.moved("remote", to, t0)
             else:
                 with self.disk.read_txn() as r:
                     for i, (off, n) in enumerate(a.extents):
@@ -242,7 +242,7 @@ class Mover:
                                                "restore") from None
                             raise
                         mem.write(off, block)
-                self._moved("disk", to, t0)
+                self.moved("disk", to, t0)
         except BaseException:
             with self.catalog.lock:
                 self.catalog.free(to, a)
@@ -295,7 +295,7 @@ class Mover:
                 self.catalog.release_dropped(seq)
                 self.catalog.notify()
             if job.error is None:
-                self._moved(src, dst, t0)
+                self.moved(src, dst, t0)
             if then is not None:
                 then(attached)
 
@@ -309,48 +309,9 @@ class Mover:
                 self.catalog.release_dropped(seq)
             raise
 
-    def prefetch(self, seq: Seq, tier: str, wait: bool = False, timeout: float | None = None, _tries: int = 8) -> str:
-        cap = self.tiers[tier].alloc.capacity
-        if seq.manifest.nbytes > cap:
-            if wait:
-                raise ResourceExhausted(f"sequence {seq.seq_id!r} ({seq.manifest.nbytes} bytes) is larger than the "
-                                        f"{tier} tier ({cap} bytes): it stays on disk, and restores stream it")
-            with self.catalog.lock:
-                return seq.tier
-        with self.catalog.lock:
-            if tier in seq.res:
-                return seq.tier
-            key = (seq.seq_id, tier, seq.manifest.gen)  # by version: a newer one's prefetch is its own
-            fut = self._prefetches.get(key)
-            if fut is None or fut.done():
-                fut = self._prefetcher.submit(self.promote, seq, tier, True)
-                self._prefetches[key] = fut
-                fut.add_done_callback(lambda f, k=key: self._prefetch_done(k, f))
-        if wait:
-            try:
-                fut.result(timeout=timeout)
-            except concurrent.futures.TimeoutError:
-                raise DeadlineExceeded(f"prefetch of {seq.seq_id!r} to {tier} did not finish within {timeout}s") \
-                    from None
-            except NotFound:
-                pass  # dropped or replaced under the promotion: told apart below
-            with self.catalog.lock:
-                now = self.catalog.find(seq.seq_id) if seq.dropped else seq
-                if now is None or (now is not seq and _tries <= 1):
-                    raise NotFound(f"no parked sequence {seq.seq_id!r}")
-                if now is seq and tier not in seq.res:
-                    raise ResourceExhausted(f"no room in the {tier} tier for {seq.seq_id!r} (leased or pinned data)")
-            if now is not seq:  # overwritten meanwhile, never absent: prefetch the version now indexed
-                return self.prefetch(now, tier, wait, timeout, _tries - 1)
-        with self.catalog.lock:
-            return seq.tier
-
-    def _prefetch_done(self, key: tuple[str, str, int], fut: concurrent.futures.Future[None]) -> None:
-        with self.catalog.lock:
-            if self._prefetches.get(key) is fut:
-                del self._prefetches[key]
-        if not fut.cancelled() and fut.exception() is not None:
-            log.warning("prefetch of %r to %s failed: %s", key[0], key[1], fut.exception())
+    def prefetch(self, seq: Seq, tier: str, wait: bool = False, timeout: float | None = None) -> str:
+        """Promote ``seq`` into ``tier`` in the background, or wait for it (``prefetch.py``)."""
+        return self.prefetches.prefetch(seq, tier, wait, timeout)
 
     # ------------------------------------------------------------------ demotion
 
@@ -456,16 +417,16 @@ class Mover:
         """Drop a demoted sequence's copy in ``tier``; count it as an eviction when freed."""
         if not self._drop_copy(seq, tier):
             return False
-        self._count_eviction(tier)
+        self.count_eviction(tier)
         return True
 
-    def _count_eviction(self, tier: str) -> None:
+    def count_eviction(self, tier: str) -> None:
         with self.catalog.lock:
             self.evictions[tier] = self.evictions.get(tier, 0) + 1
         if self.metrics is not None:
             self.metrics.evicted(tier)
 
-    def _moved(self, src: str, dst: str, t0: float) -> None:
+    def moved(self, src: str, dst: str, t0: float) -> None:
         if self.metrics is not None:
             self.metrics.moved(src, dst, time.perf_counter() - t0)
 
@@ -514,49 +475,9 @@ class Mover:
             policy.over_high(self.disk.used, self.disk.capacity, self.disk_high)
 
     def write_to_disk(self, seq: Seq) -> bool:
-        """Make sure ``seq`` has a disk copy; its memory copies are kept.
-
-        A sequence's disk copy goes after those of the shared blocks it references: a
-        crash in between must not leave it on disk, listed at the next start, with
-        blocks that never got there (every restore of it would fail).
-        """
-        with self.catalog.lock:
-            if seq.dropped or seq.on_disk or not seq.res:
-                return seq.on_disk
-            blocks = [b for r in seq.refs if (b := self.catalog.find(r)) is not None and not b.on_disk]
-        for b in blocks:
-            # A block only in remote is durable there (adopted at the next start).
-            if not self.write_to_disk(b) and not b.on_remote:
-                return False
-        self.evict_disk(seq.manifest.nbytes)
-        with self.catalog.lock:
-            if seq.dropped or seq.on_disk or not seq.res:
-                return seq.on_disk
-            src = "host" if "host" in seq.res else "device"
-            alloc = seq.res[src]
-            self.catalog.copy_begin(seq)  # pins the memory copy while we read it
-        written = False
-        t0 = time.perf_counter()
-        try:
-            written = self.disk.write(seq.manifest, self.tiers[src].views(alloc))
-            if written:
-                self._moved(src, "disk", t0)
-        finally:
-            with self.catalog.lock:
-                self.catalog.copy_end(seq)
-                stale = seq.dropped  # dropped or overwritten while we wrote
-                if written and not stale:
-                    seq.on_disk = True
-                    self.catalog.touch(seq, "disk")
-                self.catalog.release_dropped(seq)
-                # Waiters may demote it now. No version bump: a write that failed (disk
-                # full) must not send a make_room loop straight back to the same victim.
-                self.catalog.changed.notify_all()
-                if written and self.catalog.over_high():
-                    self.catalog.wake.notify_all()  # the disk, say, past its high mark
-        if written and stale:
-            self.deletes.delete_written(seq.manifest)  # remove what we wrote
-        return written and not stale
+        """Make sure ``seq`` has a disk copy (the shared blocks it references first); its
+        memory copies are kept (``flush.write_one``)."""
+        return flush.write_one(self, seq)
 
     def delete_from_disk(self, seq: Seq) -> None:
         self.deletes.delete(seq)

@@ -67,9 +67,9 @@ def acquire(engine: "Engine", seq_ids: str | list[str], need: str | None = None,
         raise InvalidArgument(f"{len(ids)} ids; at most {MAX_PARTS} per call")
     for sid in ids:
         validate_seq_id(sid)
-    engine._check_open()
+    engine.check_open()
     if need is not None:
-        engine._tier_arg(need)
+        engine.tier_arg(need)
     adopt(engine, ids)
     # An overwrite that lands while this restore promotes the old version from disk
     # retires (and deletes) it under us. The id was never absent, so the answer is the
