@@ -27,7 +27,8 @@ Primitives:
   Slotted; ``decode`` shares the tensor tuples, attrs dicts and sizes that many
   manifests repeat (``interning.py``), so a restart with a million blocks holds one
   copy of each.
-- ``DiskStore(path, capacity, writemap)``; ``close()``; ``sync()`` (the fsync seam), ``fsync()`` (it, typed). The engine takes a
+- ``DiskStore(path, capacity, writemap)``; ``close()`` (after every open ``read_txn``, at
+  most ``CLOSE_WAIT_S``); ``sync()`` (the fsync seam), ``fsync()`` (it, typed). The engine takes a
   ``disk_factory`` with this signature, so tests inject a subclass that records syncs,
   slows writes down or raises faults (the fault-injection seam). One daemon per directory:
   a second one is refused (a ``flock`` on ``kvpark.lock``).
@@ -73,6 +74,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, NamedTuple, Sequence
@@ -87,6 +89,7 @@ from . import interning
 
 log = logging.getLogger(__name__)
 
+CLOSE_WAIT_S = 10.0  # how long close() waits for read transactions still open
 MAGIC = b"KVPB"
 FORMAT_VERSION = 1
 HEADER = struct.Struct("<4sBBHQQQ")  # magic, version, flags, reserved, fingerprint, length, checksum
@@ -307,6 +310,9 @@ class DiskStore:
         # is DataLoss until they are dropped or replaced (``damaged``, shown by ``stat``).
         self._damaged: set[tuple[str, int]] = set()
         self._staged: dict[tuple[str, int], int] = {}  # staged generations (also in _held)
+        self._readers_cv = threading.Condition(threading.Lock())
+        self._readers = 0  # read_txn()s open: close() waits for them
+        self._closing = False
         self._lock_fd = _lock_dir(path)
         data_file = os.path.join(path, "data.mdb")
         existing = os.path.getsize(data_file) if os.path.exists(data_file) else 0
@@ -360,7 +366,24 @@ class DiskStore:
             log.warning("disk tier: deleted %d unfinished windowed park(s) left by a previous run", len(left))
 
     def close(self) -> None:
+        """Sync and close, once every ``read_txn`` has ended (at most ``CLOSE_WAIT_S``).
+
+        A reader may outlive the server's drain: a gRPC handler past its grace, a data
+        channel GET past its join, stalled on a slow disk. Its views point into LMDB's
+        map, so closing under it would unmap them (a crash, or bytes from freed memory).
+        One still reading after the wait keeps the environment (and the directory lock)
+        open until the process exits, logged; new read transactions are refused."""
+        deadline = time.monotonic() + CLOSE_WAIT_S
+        with self._readers_cv:
+            self._closing = True
+            while self._readers and (left := deadline - time.monotonic()) > 0:
+                self._readers_cv.wait(left)
+            stuck = self._readers
         self.env.sync(True)
+        if stuck:
+            log.error("disk tier at %s: %d read(s) still running %.0f s after close began (a stalled disk?); "
+                      "the environment stays open until the process exits", self.path, stuck, CLOSE_WAIT_S)
+            return
         self.env.close()
         os.close(self._lock_fd)  # releases the directory lock
 
@@ -710,5 +733,15 @@ class DiskStore:
 
     @contextmanager
     def read_txn(self) -> Iterator[ReadTxn]:
-        with self.env.begin(buffers=True) as txn:
-            yield ReadTxn(txn, self._blocks, self.on_corrupt, self._mark_damaged)
+        """A read transaction (zero-copy views); counted, so ``close`` waits it out."""
+        with self._readers_cv:
+            if self._closing:
+                raise Unavailable(f"the disk tier at {self.path} is closing")
+            self._readers += 1
+        try:
+            with self.env.begin(buffers=True) as txn:
+                yield ReadTxn(txn, self._blocks, self.on_corrupt, self._mark_damaged)
+        finally:
+            with self._readers_cv:
+                self._readers -= 1
+                self._readers_cv.notify_all()
