@@ -1,0 +1,94 @@
+"""Attacks on the remote tombstones (ac7f8b5): paths where a version Redis holds leaves
+the index, or reaches Redis, outside the tombstone protocol, so a restore that begins
+after an acknowledged drop returns the dropped bytes (docs/protocol.md, "The remote tier").
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Callable
+
+import pytest
+
+from kvpark.client import Client, NotFound
+from kvpark.daemon import disk_evict
+from kvpark.daemon.server import Daemon
+
+from ..conftest import wait_until
+from ..redis_servers import RedisServer
+from .test_remote_tier import _keys, _new_ns, _remote, _synced, blob
+
+
+def _gone(c: Client, seq_id: str) -> None:
+    with pytest.raises(NotFound):
+        got = c.restore(seq_id)
+        pytest.fail(f"restored a dropped version of {seq_id!r} ({got[0][:4].tolist()}...)")
+    assert c.present([seq_id]) == [False]
+
+
+def _up(store) -> bool:
+    try:
+        return store.ping()
+    except Exception:  # noqa: BLE001 - down or breaker open: not yet
+        return False
+
+
+def test_a_drop_after_a_restart_deletes_the_redis_copy_an_on_disk_version_has(
+        daemon: Callable[..., Daemon], redis_server: RedisServer) -> None:
+    """on_evict: a version both on disk and in Redis loses ``on_remote`` at a restart
+    (``Catalog.load``), so its drop neither tombstones nor deletes the Redis copy, and the
+    next miss adopts the dropped version back."""
+    ns = _new_ns()
+    opts = _remote(redis_server.url, ns, write="on_evict")
+    d = daemon(**opts)
+    eng = d.engine
+    assert eng is not None
+    with Client(d.address, transport="inline") as c:
+        c.park("s", [blob(1)])
+    eng.flush()  # on disk (and host)
+    assert disk_evict.disk_to_remote(eng.mover, "s")  # copied to Redis; the disk copy goes, host stays
+    d.stop(0.5)  # graceful: flush_on_shutdown writes it to disk again
+    assert _keys(redis_server, ns) > 0
+    d2 = daemon(**opts)
+    with Client(d2.address, transport="inline") as c:
+        assert c.info("s").tier in ("disk", "host")
+        assert c.drop("s")
+        assert wait_until(lambda: _synced(c), timeout=30)
+        _gone(c, "s")
+
+
+def test_an_eviction_copy_whose_reply_was_lost_is_deleted_by_the_drop(
+        daemon: Callable[..., Daemon], fresh_redis: RedisServer, stopped: list[int]) -> None:
+    """on_evict: disk_to_remote's put times out on the manifest SET, yet Redis applies it
+    (it was only stopped). ``on_remote`` stays False, no tombstone is kept for the unknown
+    outcome, so the drop deletes nothing and a miss adopts the dropped version."""
+    ns = _new_ns()
+    d = daemon(**_remote(fresh_redis.url, ns, write="on_evict"))
+    eng = d.engine
+    assert eng is not None and eng.remote is not None
+    pid = fresh_redis.proc.pid
+    with Client(d.address, transport="inline") as c:
+        c.park("s", [blob(1)])
+        eng.flush()
+        store = eng.remote.store
+        real_call = store._call
+
+        def call(what, fn):  # Redis stops right before the manifest SET reaches it
+            if what == "put 's' manifest":
+                os.kill(pid, signal.SIGSTOP)
+                stopped.append(pid)
+                threading.Timer(2.0, os.kill, (pid, signal.SIGCONT)).start()
+            return real_call(what, fn)
+
+        store._call = call
+        try:
+            assert disk_evict.disk_to_remote(eng.mover, "s") is False  # DeadlineExceeded: kept on disk
+        finally:
+            store._call = real_call
+        assert wait_until(lambda: _up(store), timeout=10)
+        assert store.get_manifest("s") is not None  # the SET landed after all
+        assert c.drop("s")
+        assert wait_until(lambda: _synced(c), timeout=30)
+        _gone(c, "s")
