@@ -92,3 +92,68 @@ def test_an_eviction_copy_whose_reply_was_lost_is_deleted_by_the_drop(
         assert c.drop("s")
         assert wait_until(lambda: _synced(c), timeout=30)
         _gone(c, "s")
+
+
+def _hold_remote_queue(d: Daemon) -> threading.Event:
+    """Occupy the remote tier's one background thread until the event is set."""
+    assert d.engine is not None and d.engine.remote is not None
+    go, running = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        running.set()
+        go.wait(60)
+
+    d.engine.remote.submit("held by the test", hold)
+    assert running.wait(10)
+    return go
+
+
+def test_a_lookup_that_read_the_manifest_before_the_delete_does_not_adopt_after_the_tombstone_goes(
+        daemon: Callable[..., Daemon], redis_server: RedisServer) -> None:
+    """A miss reads the dropped version's manifest while Redis still holds it; the delete
+    then lands and the tombstone goes before the miss checks ``tombed`` under the index
+    lock. The dropped version is adopted back: info answers it, present says True, and a
+    plain park of the id is refused (AlreadyExists) though the drop was acknowledged."""
+    ns = _new_ns()
+    d = daemon(**_remote(redis_server.url, ns, write="write_through"))
+    eng = d.engine
+    assert eng is not None and eng.remote is not None
+    with Client(d.address, transport="inline") as c:
+        c.park("s", [blob(1)])
+        assert wait_until(lambda: _synced(c), timeout=30)
+        go = _hold_remote_queue(d)
+        c.drop("s")  # acknowledged; its delete waits behind the held queue
+        store = eng.remote.store
+        real = store.get_manifests
+        looked = threading.Event()
+
+        def get_manifests(ids, tenant=""):  # the real lookup; its answer arrives late
+            out = real(ids, tenant)
+            if "s" in ids and not looked.is_set():
+                looked.set()
+                wait_until(lambda: eng.remote.tombs == 0, timeout=10)
+            return out
+
+        store.get_manifests = get_manifests
+        seen: list[object] = []
+        t = threading.Thread(target=lambda: seen.append(_info_or_none(d, "s")))
+        try:
+            t.start()
+            assert looked.wait(10)
+            go.set()
+            t.join(20)
+        finally:
+            go.set()
+            store.get_manifests = real
+        assert wait_until(lambda: _keys(redis_server, ns) == 0, timeout=10)
+        assert seen == [None], f"info answered a dropped version: {seen}"
+        assert c.present(["s"]) == [False]
+        c.park("s", [blob(3)])  # a plain park of a dropped id
+
+
+def _info_or_none(d: Daemon, seq_id: str) -> object:
+    with Client(d.address, transport="inline") as c:
+        try:
+            return c.info(seq_id)
+        except NotFound:
+            return None
