@@ -18,7 +18,7 @@ from kvpark.daemon.server import Daemon
 
 from ..conftest import wait_until
 from ..redis_servers import RedisServer
-from .test_remote_tier import _keys, _new_ns, _remote, _synced, blob
+from .test_remote_tier import _keys, _new_ns, _own_dirs, _remote, _synced, blob
 
 
 def _gone(c: Client, seq_id: str) -> None:
@@ -157,3 +157,24 @@ def _info_or_none(d: Daemon, seq_id: str) -> object:
             return c.info(seq_id)
         except NotFound:
             return None
+
+
+def test_another_daemon_does_not_serve_a_version_dropped_here_while_its_delete_waits(
+        daemon: Callable[..., Daemon], redis_server: RedisServer, tmp_path) -> None:
+    """Two daemons share a namespace. A drops "s" (acknowledged); its Redis delete waits
+    behind A's background queue (write_through copies ahead of it). B's miss adopts the
+    dropped version from Redis and restores it: the tombstone is A's memory and A's disk
+    only, nothing in Redis tells B."""
+    ns = _new_ns()
+    a = daemon(**_own_dirs(tmp_path, "a"), **_remote(redis_server.url, ns, write="write_through"))
+    b = daemon(**_own_dirs(tmp_path, "b"), **_remote(redis_server.url, ns, write="write_through"))
+    with Client(a.address, transport="inline") as ca, Client(b.address, transport="inline") as cb:
+        ca.park("s", [blob(1)])
+        assert wait_until(lambda: _synced(ca), timeout=30)
+        go = _hold_remote_queue(a)
+        try:
+            assert ca.drop("s")
+            _gone(ca, "s")
+            _gone(cb, "s")  # the drop was acknowledged before this restore began
+        finally:
+            go.set()
