@@ -178,3 +178,60 @@ def test_another_daemon_does_not_serve_a_version_dropped_here_while_its_delete_w
             _gone(cb, "s")  # the drop was acknowledged before this restore began
         finally:
             go.set()
+
+
+def test_a_copy_that_lands_after_the_drops_delete_is_not_adopted_when_that_delete_ends_after_the_copy(
+        daemon: Callable[..., Daemon], redis_server: RedisServer) -> None:
+    """disk_to_remote copies "s"; the drop lands during the copy, and its delete D1 runs
+    in Redis before the copy lands, but D1's end (the ``_putting`` check) comes after the
+    copy's ``put_end``: D1 removes the tombstone while the copy sits in Redis, and the
+    copier's own ``forget`` has not yet put it back. A miss in that window adopts the
+    dropped version and restores it."""
+    ns = _new_ns()
+    d = daemon(**_remote(redis_server.url, ns, write="on_evict"))
+    eng = d.engine
+    assert eng is not None and eng.remote is not None
+    remote, store = eng.remote, eng.remote.store
+    with Client(d.address, transport="inline") as c:
+        c.park("s", [blob(1)])
+        eng.flush()
+        real_put, real_delete, real_forget = store.put, store.delete, remote.forget
+        deleted, put_done = threading.Event(), threading.Event()
+        copier = threading.get_ident()
+        seen: list[object] = []
+        drops: list[threading.Thread] = []
+
+        def put(m, views, tenant=""):  # the drop, and its delete in Redis, come first
+            if m.seq_id == "s":
+                drops.append(threading.Thread(target=c.drop, args=("s",)))
+                drops[0].start()
+                assert deleted.wait(10)
+            real_put(m, views, tenant)
+
+        def delete(m, tenant=""):  # D1: its Redis delete now, its end after the copy's put_end
+            real_delete(m, tenant)
+            if m.seq_id == "s" and not deleted.is_set():
+                deleted.set()
+                put_done.wait(10)
+
+        def forget(ms):  # the copier's forget, a moment late
+            if threading.get_ident() == copier:
+                put_done.set()
+                drops[0].join(10)  # the drop is acknowledged
+                wait_until(lambda: remote.tombs == 0, timeout=5)
+                with Client(d.address, transport="inline") as c2:
+                    try:
+                        seen.append(c2.restore("s")[0][:4].tolist())
+                    except NotFound:
+                        seen.append(None)
+            real_forget(ms)
+
+        store.put, store.delete, remote.forget = put, delete, forget
+        try:
+            assert disk_evict.disk_to_remote(eng.mover, "s") is False
+        finally:
+            store.put, store.delete, remote.forget = real_put, real_delete, real_forget
+            put_done.set()
+        assert seen == [None], f"a restore after the drop's ack returned {seen}"
+        assert wait_until(lambda: _synced(c) and remote.tombs == 0, timeout=30)
+        _gone(c, "s")
