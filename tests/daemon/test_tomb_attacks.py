@@ -235,3 +235,25 @@ def test_a_copy_that_lands_after_the_drops_delete_is_not_adopted_when_that_delet
         assert seen == [None], f"a restore after the drop's ack returned {seen}"
         assert wait_until(lambda: _synced(c) and remote.tombs == 0, timeout=30)
         _gone(c, "s")
+
+
+def test_an_unreadable_tombstone_does_not_stop_the_daemon_from_starting(
+        daemon: Callable[..., Daemon], redis_server: RedisServer, tmp_path) -> None:
+    """An unreadable manifest on disk is skipped and logged (``load_manifests``); an
+    unreadable tombstone (``Tombs.load`` decodes every value unguarded) refuses the start."""
+    import lmdb
+
+    ns = _new_ns()
+    opts = _remote(redis_server.url, ns, write="write_through")
+    d = daemon(**opts)
+    d.stop(0.5)
+    env = lmdb.open(str(tmp_path / "disk"), max_dbs=5, subdir=True)
+    try:
+        with env.begin(write=True) as txn:
+            txn.put(b"s\x00" + (1).to_bytes(8, "big"), b"\x00not a manifest", db=env.open_db(b"tombs", txn=txn))
+    finally:
+        env.close()
+    d2 = daemon(**opts)  # raises here today
+    with Client(d2.address, transport="inline") as c:
+        c.park("s", [blob(1)])
+        assert c.restore("s")[0].equal(blob(1))
