@@ -59,6 +59,7 @@ from kvpark.proto import VERSION
 from kvpark.proto.errors import (
     AlreadyExists,
     InvalidArgument,
+    KVParkError,
     LeaseExpired,
     ResourceExhausted,
     Unavailable,
@@ -144,6 +145,8 @@ class Engine:
                                config.tiers.host.window_size, self.write_through,
                                self.pending, self.deletes)
         self._load_index()
+        if self.remote is not None:  # what the index holds now was committed by earlier runs
+            self.remote.started(self.catalog.gens.counter)
 
     @property
     def arena_pinned(self) -> bool:
@@ -357,11 +360,13 @@ class Engine:
         no later miss adopts them back. REQUIRES: index lock, in the step that unindexed them."""
         return self.remote.retired(gone) if self.remote is not None and gone else []
 
-    def forget_remote(self, gone: list[Manifest]) -> None:
+    def forget_remote(self, gone: list[Manifest]) -> KVParkError | None:
         """Delete what ``retire_remote`` returned from Redis (in the background), the
-        tombstones on disk first. Before the drop or overwrite is acknowledged."""
+        tombstones on disk first. Before the drop or overwrite is acknowledged; a drop
+        answers the error returned (``RemoteTier.forget``)."""
         if self.remote is not None and gone:
-            self.remote.forget(gone)
+            return self.remote.forget(gone)
+        return None
 
     def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None) -> str:
         validate_seq_id(seq_id)

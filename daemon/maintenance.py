@@ -120,7 +120,8 @@ def finish_drop(engine: "Engine", todo: list[Seq], remote: list[Manifest]) -> No
     delete is tried: one that fails is left to the maintenance pass to retry (the disk
     accounting already follows the index), and the first failure is raised after."""
     failed = engine.mover.delete_all(todo)
-    engine.forget_remote(remote)  # not orphaned blocks: other daemons' sequences may use them
+    # Not orphaned blocks: other daemons' sequences may use them.
+    failed = engine.forget_remote(remote) or failed
     if failed is not None:
         raise failed
 
@@ -146,7 +147,7 @@ def reconcile(engine: "Engine") -> int:
             return 0
         with cat.lock:
             engine.deletes.adoptable(found, time.monotonic() + 10.0)
-            cat.adopt(found)
+            cat.adopt(m for m in found if not engine.remote.tombed(m))  # never a block dropped here
     with cat.lock:
         broken = [s for s in broken if cat.current(s) and any(
             (b := cat.find(r)) is None or not b.shared for r in s.refs)]

@@ -82,6 +82,11 @@ class Generations:
     def seen(self, gen: int) -> None:
         self._counter = max(self._counter, gen >> INSTANCE_BITS)
 
+    @property
+    def counter(self) -> int:
+        """The highest counter taken or seen (``gen >> INSTANCE_BITS``)."""
+        return self._counter
+
     def next(self) -> int:
         self._counter += 1
         return self._counter << INSTANCE_BITS | self.instance

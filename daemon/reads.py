@@ -238,23 +238,33 @@ def remote_blocks(engine: "Engine", m: Manifest) -> Iterator[memoryview]:
 
 def adopt(engine: "Engine", seq_ids: list[str]) -> None:
     """Index the ids this daemon lacks that the remote tier has (with the shared
-    blocks they reference). Redis unreachable: nothing is adopted."""
-    if engine.remote is None:
+    blocks they reference). Redis unreachable: nothing is adopted. Never a version
+    dropped here (tombstoned), even one whose tombstone went during the lookup."""
+    remote = engine.remote
+    if remote is None:
         return
-    with engine.catalog.lock:
-        missing = [sid for sid in dict.fromkeys(seq_ids) if engine.catalog.find(sid) is None]
-    if not missing:
-        return
-    found = [m for m in engine.remote.manifests(missing) if m is not None]
-    names = {m.seq_id for m in found}
-    with engine.catalog.lock:
-        refs = [r for m in found for r in m.refs if r not in names and engine.catalog.find(r) is None]
-    if refs:
-        found += [m for m in engine.remote.manifests(list(dict.fromkeys(refs))) if m is not None]
-    if found:
+    for _ in range(3):
+        with engine.catalog.lock:
+            missing = [sid for sid in dict.fromkeys(seq_ids) if engine.catalog.find(sid) is None]
+        if not missing:
+            return
+        epoch = remote.epoch
+        found = [m for m in remote.manifests(missing) if m is not None]
+        names = {m.seq_id for m in found}
+        with engine.catalog.lock:
+            refs = [r for m in found for r in m.refs if r not in names and engine.catalog.find(r) is None]
+        if refs:
+            found += [m for m in remote.manifests(list(dict.fromkeys(refs))) if m is not None]
+        if not found:
+            return
         with engine.catalog.lock:
             # A delete under way of a retired version with a generation adopted here (the
             # same record keys) finishes first; later ones see the adopted twin (``deletes.py``).
             engine.deletes.adoptable(found, time.monotonic() + ADOPT_WAIT_S)
-            # A version dropped here since the lookup is tombstoned: never adopted back.
-            engine.catalog.adopt(m for m in found if not engine.remote.tombed(m))
+            # A version dropped since the lookup is tombstoned; one whose tombstone went
+            # meanwhile (its delete landed) may be what the lookup found: look again.
+            ok = remote.adoptable(found, epoch)
+            if ok is not None:
+                engine.catalog.adopt(ok)
+                return
+    # Tombstones kept going under the lookups: not adopted now (a miss is always safe).

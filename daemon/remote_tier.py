@@ -57,7 +57,7 @@ from kvpark.tiers.disk import Manifest
 from kvpark.tiers.remote import RemoteOptions, RemoteStore
 from kvpark.tiers.tombs import Tombs
 
-from .model import Seq
+from .model import INSTANCE_BITS, Seq
 
 log = logging.getLogger("kvpark.remote")
 
@@ -82,6 +82,15 @@ class RemoteTier:
         # meanwhile (a copy that landed after it started: that delete must run again).
         self._deleting: dict[Key, bool] = {}
         self._putting: Counter[Key] = Counter()  # copies to Redis under way
+        # Versions a copy to Redis was attempted for (landed or not: a reply lost to a
+        # timeout may hide a write Redis applied), until they leave the index.
+        self._tried: set[Key] = set()
+        # Generations whose counter is at most this were committed before this start:
+        # whether Redis holds them is not known (``on_remote`` is not on disk).
+        self._floor = -1
+        # Bumped whenever a tombstone goes: a lookup that began before may hold a
+        # manifest whose tombstone it never saw (``epoch``, ``adoptable``).
+        self._epoch = 0
         self._durable: Tombs | None = None
         self._last_retry = 0.0
         log.info("remote tier: %s%s, namespace %r, %s", opts.url.split("@")[-1], " (cluster)" if opts.cluster else "",
@@ -103,17 +112,22 @@ class RemoteTier:
         return [None if m is None or self.tombed(m) else m for m in found]
 
     def present(self, seq_ids: Sequence[str]) -> list[bool]:
-        try:
-            out = self.store.exists(seq_ids)
-        except (Unavailable, DeadlineExceeded) as e:
-            log.debug("remote presence of %d id(s) treated as a miss: %s", len(seq_ids), e)
-            return [False] * len(seq_ids)
-        with self._lock:
-            doubt = [sid for sid, there in zip(seq_ids, out) if there and self._tomb_ids[sid]]
-        if doubt:  # an id with a version dropped here: present only if Redis holds another
-            live = {sid for sid, m in zip(doubt, self.manifests(doubt)) if m is not None}
-            out = [there and (sid in live or sid not in doubt) for sid, there in zip(seq_ids, out)]
-        return out
+        """Whether Redis holds each id (a version not dropped here); miss-safe."""
+        for _ in range(3):
+            epoch = self.epoch
+            try:
+                out = self.store.exists(seq_ids)
+            except (Unavailable, DeadlineExceeded) as e:
+                log.debug("remote presence of %d id(s) treated as a miss: %s", len(seq_ids), e)
+                return [False] * len(seq_ids)
+            with self._lock:
+                doubt = [sid for sid, there in zip(seq_ids, out) if there and self._tomb_ids[sid]]
+            if doubt:  # an id with a version dropped here: present only if Redis holds another
+                live = {sid for sid, m in zip(doubt, self.manifests(doubt)) if m is not None}
+                out = [there and (sid in live or sid not in doubt) for sid, there in zip(seq_ids, out)]
+            if self.epoch == epoch:  # no tombstone went meanwhile (what ``exists`` saw may be its version's)
+                return out
+        return [False] * len(seq_ids)  # tombstones keep going under us: a miss is always safe
 
     def put(self, m: Manifest, views: Sequence[memoryview]) -> None:
         self.store.put(m, views)
@@ -182,15 +196,40 @@ class RemoteTier:
 
     def retired(self, seqs: Iterable[Seq]) -> list[Manifest]:
         """Tombstone the versions in ``seqs`` (leaving the index, their remote copies to
-        be deleted) that Redis may hold: known there, written through, or being copied
-        there now. REQUIRES: index lock (the same step that unindexed them, so no miss
-        after it adopts them). Returns their manifests for ``forget``."""
+        be deleted) that Redis may hold: known there, written through, copied (or tried)
+        by this daemon, or committed before this start (what an earlier run copied is
+        not remembered). REQUIRES: index lock (the same step that unindexed them, so no
+        miss after it adopts them). Returns their manifests for ``forget``."""
         with self._lock:
-            out = [s.manifest for s in seqs
-                   if s.on_remote or self.write_through or self._putting[(s.seq_id, s.gen)]]
-            for m in out:
-                self._tomb(m)
+            out = []
+            for s in seqs:
+                k = (s.seq_id, s.gen)
+                if (s.on_remote or self.write_through or k in self._tried
+                        or s.gen >> INSTANCE_BITS <= self._floor):
+                    out.append(s.manifest)
+                    self._tomb(s.manifest)
+                self._tried.discard(k)
         return out
+
+    def started(self, counter: int) -> None:
+        """The generation counter after the index was loaded: versions at or below it
+        were committed by an earlier run (``retired`` treats them as maybe in Redis)."""
+        self._floor = counter
+
+    @property
+    def epoch(self) -> int:
+        """Taken before a lookup in Redis, given to ``adoptable`` after it."""
+        with self._lock:
+            return self._epoch
+
+    def adoptable(self, found: Sequence[Manifest], epoch: int) -> list[Manifest] | None:
+        """What of ``found`` (looked up since ``epoch``) may be adopted: not tombstoned.
+        None when a tombstone went since the lookup began (its delete landed: a manifest
+        found before may be that version's): look up again. REQUIRES: index lock."""
+        with self._lock:
+            if self._epoch != epoch:
+                return None
+            return [m for m in found if (m.seq_id, m.gen) not in self._tombs]
 
     def _tomb(self, m: Manifest) -> None:
         """REQUIRES: ``_lock``."""
@@ -199,22 +238,29 @@ class RemoteTier:
             self._tombs[k] = m
             self._tomb_ids[m.seq_id] += 1
 
-    def forget(self, manifests: Sequence[Manifest]) -> None:
+    def forget(self, manifests: Sequence[Manifest]) -> KVParkError | None:
         """Write the tombstones of ``manifests`` to disk (before the drop is acknowledged:
-        they outlive a kill) and delete them from Redis in the background."""
+        they outlive a kill) and delete them from Redis in the background. Returns
+        ``Unavailable`` when the disk write failed: the tombstones hold in memory, but not
+        across a restart, so a drop must not be acknowledged (an overwrite, visible
+        already, is: its old version's delete is under way all the same)."""
         if not manifests:
-            return
+            return None
         with self._lock:
             for m in manifests:
                 self._tomb(m)
+        failed: KVParkError | None = None
         if self._durable is not None:
             try:
                 self._durable.add(manifests)
-            except Exception as e:  # the tombstones in memory still hold until a restart
+            except Exception as e:  # noqa: BLE001 - LMDB's errors, typed here
                 log.warning("remote tier: tombstones of %d dropped version(s) not written to disk: %s",
                             len(manifests), e)
+                failed = Unavailable(f"the drop's tombstone could not be written to the disk tier ({e}); "
+                                     "its remote copy is being deleted")
         for m in manifests:
             self._delete_later(m)
+        return failed
 
     def _delete_later(self, m: Manifest) -> None:
         k = (m.seq_id, m.gen)
@@ -236,6 +282,7 @@ class RemoteTier:
                     # tombstone stays, and that copy's end forgets it again.
                     ok = ok and not again and not self._putting[k]
                     if ok and self._tombs.pop(k, None) is not None:
+                        self._epoch += 1
                         self._tomb_ids[m.seq_id] -= 1
                         if not self._tomb_ids[m.seq_id]:
                             del self._tomb_ids[m.seq_id]
@@ -286,8 +333,10 @@ class RemoteTier:
         """A copy of ``m`` to Redis starts: a drop meanwhile tombstones it (``retired``),
         and the tombstone stays until the copy is over (``put_end``) and deleted again.
         REQUIRES: index lock, the caller having checked that ``m`` is still indexed."""
+        k = (m.seq_id, m.gen)
         with self._lock:
-            self._putting[(m.seq_id, m.gen)] += 1
+            self._putting[k] += 1
+            self._tried.add(k)
 
     def put_end(self, m: Manifest) -> None:
         """The copy ``put_begin`` announced is over (written or failed). A version dropped
@@ -298,6 +347,10 @@ class RemoteTier:
             self._putting[k] -= 1
             if not self._putting[k]:
                 del self._putting[k]
+            if k in self._deleting:
+                # A delete of it running now may have reached Redis before this copy did,
+                # yet check ``_putting`` after this: it must run again, not end the tombstone.
+                self._deleting[k] = True
 
     def stat(self, sequences: int) -> RemoteStat:
         s = self.store.stats()

@@ -13,11 +13,13 @@ delete needs its block lengths). Written without an fsync, like a drop: a commit
 transaction survives the daemon's death, which is what a tombstone must outlive.
 
 Primitives: ``Tombs(env)``; ``add(manifests)``, ``remove(manifests)``, ``load() ->
-list[Manifest]``. Errors are the caller's to type (``lmdb.Error``).
+list[Manifest]`` (unreadable records are logged and deleted). Write errors are the
+caller's to type (``lmdb.Error``).
 """
 
 from __future__ import annotations
 
+import logging
 import struct
 from typing import Sequence
 
@@ -26,6 +28,7 @@ import lmdb
 from .disk import Manifest
 
 _GEN = struct.Struct(">Q")
+log = logging.getLogger(__name__)
 
 
 def _key(m: Manifest) -> bytes:
@@ -50,5 +53,18 @@ class Tombs:
                     txn.delete(_key(m), db=self._db)
 
     def load(self) -> list[Manifest]:
+        """The tombstones stored; one that does not parse is logged and deleted (it can
+        name no delete to finish), never a reason not to start."""
+        out, bad = [], []
         with self._env.begin() as txn:
-            return [Manifest.decode(bytes(v)) for _, v in txn.cursor(db=self._db)]
+            for k, v in txn.cursor(db=self._db):
+                try:
+                    out.append(Manifest.decode(bytes(v)))
+                except Exception as e:  # noqa: BLE001 - any damage: skipped, as load_manifests does
+                    bad.append(bytes(k))
+                    log.error("remote tombstone %r unreadable, deleted: %s", bytes(k)[:80], e)
+        if bad:
+            with self._env.begin(write=True) as txn:
+                for k in bad:
+                    txn.delete(k, db=self._db)
+        return out
