@@ -54,10 +54,13 @@ from typing import Callable, Iterable, Sequence
 from kvpark.proto.errors import DeadlineExceeded, KVParkError, Unavailable
 from kvpark.proto.types import RemoteStat
 from kvpark.tiers.disk import Manifest
-from kvpark.tiers.remote import RemoteOptions, RemoteStore
+from kvpark.tiers.remote import TENANT_SEP, RemoteOptions, RemoteStore
 from kvpark.tiers.tombs import Tombs
 
-from .model import INSTANCE_BITS, Seq
+from .model import INSTANCE_BITS, NS_SEP, Seq
+
+# The store derives a sequence's key space (a tenant's, or an open daemon's) from this.
+assert TENANT_SEP == NS_SEP
 
 log = logging.getLogger("kvpark.remote")
 
@@ -93,8 +96,9 @@ class RemoteTier:
         self._epoch = 0
         self._durable: Tombs | None = None
         self._last_retry = 0.0
-        log.info("remote tier: %s%s, namespace %r, %s", opts.url.split("@")[-1], " (cluster)" if opts.cluster else "",
-                 opts.namespace, write)
+        log.info("remote tier: %s%s, namespace %r, %s, %s", opts.url.split("@")[-1],
+                 " (cluster)" if opts.cluster else "", opts.namespace, write,
+                 f"values sealed (AES-256-GCM, {len(opts.keys)} key(s))" if opts.keys else "values not sealed")
 
     @property
     def write_through(self) -> bool:

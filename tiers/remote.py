@@ -3,16 +3,37 @@
 Redis is the distributed engine; this module only lays kvpark's records over it, so that
 any daemon pointed at the same Redis and namespace finds what another one wrote.
 
-Keys (``NS`` = namespace, then ``t:<tenant>:`` when the sequence belongs to a tenant; ``{``,
-``}`` and ``%`` in names are %-escaped so no name can pin keys to one cluster slot):
-- ``NS:m:<seq_id>``: the manifest: ``MANIFEST_HEADER`` (magic ``KVPM``, version, chunk
+Keys (``NS`` = namespace; ``{``, ``}`` and ``%`` in names are %-escaped so no name can pin
+keys to one cluster slot). The key space is derived from the id itself: a tenant's
+sequence has the internal id ``<tenant><TENANT_SEP><id>`` and lives under ``NS:t:<tenant>:``
+(``:`` in the tenant escaped too); an id without the separator (an open daemon's) lives
+under ``NS:o:``. No key of one space is a key of the other, whatever the ids. ``S`` below
+is that space segment:
+- ``NS:S:m:<seq_id>``: the manifest: ``MANIFEST_HEADER`` (magic ``KVPM``, version, chunk
   size, length, xxh3-64 of the JSON) + ``Manifest.encode()``. Written after every chunk,
   so a reader that finds a manifest finds its data.
-- ``NS:v:<fingerprint hex>:<seq_id>:<gen>:<i>``: chunk ``i`` of the payload:
+- ``NS:S:v:<fingerprint hex>:<seq_id>:<gen>:<i>``: chunk ``i`` of the payload:
   ``CHUNK_HEADER`` (magic ``KVPR``, version, flags, chunk index, layout fingerprint,
   generation, length, xxh3-64 of the payload) + payload. The payload is cut into
   ``chunk_size`` pieces across block boundaries (large values, few commands), and
   each key hashes to its own cluster slot, so a large sequence spreads over the nodes.
+- The legacy layout (before key spaces: ``NS:m:<seq_id>``, ``NS:v:...``) is still read
+  for ids without the separator and without a key: a manifest miss falls back to it, its
+  chunks are read where its manifest was found, a delete removes a version in both
+  layouts, and a put of the id deletes the legacy manifest it replaces. Never for a
+  tenant's ids (an open daemon of an older build could plant legacy keys under them),
+  and never with a key (the legacy layout only held plain values).
+
+With keys (``RemoteOptions.keys``, the first one current) every value above is sealed:
+``SEAL_HEADER`` (magic ``KVPX``, version, kind, key id = sha256(key)[:8], random 96-bit
+nonce) + AES-256-GCM of the plain value, with the header and the value's Redis key as
+associated data, so a value moved to another key (another id, generation, index or
+namespace) does not open. A read opens with whichever configured key the id names; a
+plain value, an unknown key id or a value that does not authenticate is ``DataLoss``
+(deleted, like a checksum failure). A value sealed with an old key is served and
+re-sealed with the current key in the background (a compare-and-set, so a newer write or
+a delete meanwhile wins; at most ``reseal_bytes`` queued). Without keys a Redis writer can
+replace any value with one whose checksum it recomputed, and it is served.
 
 Every chunk is verified (header, index, fingerprint, generation, length, checksum)
 before a byte of it is served; a mismatch deletes the sequence from Redis and raises
@@ -29,25 +50,30 @@ then one probe goes out, and a success resumes the tier. State and counters are 
 
 Primitives:
 - ``RemoteOptions``: url, cluster, namespace, ttl_s, timeout_s, chunk_size,
-  pipeline_bytes, inflight, breaker settings; max_pending (the daemon's copy queue).
-- ``RemoteStore(opts)``: ``put(manifest, blocks, tenant="")``;
-  ``get_manifest(seq_id, tenant="") -> Manifest | None``; ``get_manifests(ids, tenant="")``;
-  ``read(manifest, tenant="") -> bytearray`` / ``read_into(manifest, out, tenant="")`` /
-  ``read_blocks_into(manifest, outs, tenant="")`` (one view per block)
+  pipeline_bytes, inflight, breaker settings; max_pending (the daemon's copy queue);
+  keys (AES-256-GCM, current first; empty = plain values), reseal_bytes.
+- ``RemoteStore(opts)``: ``put(manifest, blocks)``;
+  ``get_manifest(seq_id) -> Manifest | None``; ``get_manifests(ids)``;
+  ``read(manifest) -> bytearray`` / ``read_into(manifest, out)`` /
+  ``read_blocks_into(manifest, outs)`` (one view per block)
   (``NotFound`` when the sequence is gone or replaced in Redis);
-  ``delete(manifest, tenant="")``; ``exists(seq_ids, tenant="") -> list[bool]``;
-  ``copy_state(manifest, tenant="") -> WHOLE | REPLACED | GONE`` (what Redis holds of
+  ``delete(manifest)``; ``exists(seq_ids) -> list[bool]``;
+  ``copy_state(manifest) -> WHOLE | REPLACED | GONE`` (what Redis holds of
   that generation; a whole one gets a fresh TTL);
   ``ping()``; ``stats() -> RemoteStats``; ``close()``.
 - ``chunk_plan(block_lengths, chunk_size) -> list[(offset, length)]``;
   ``slices(views, offset, length)``: the pieces of block views a chunk covers. Pure.
 - ``encode_chunk`` / ``verify_chunk``, ``encode_manifest`` / ``decode_manifest``: pure.
+- ``Sealer(keys)``: ``seal(kind, redis_key, plain)``, ``open(kind, redis_key, raw) ->
+  (plain, sealed with an old key)``; ``key_id(key)``.
 - ``require_client()``: the Redis client package, or a ``StartupError`` naming the extra.
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 import struct
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -72,6 +98,19 @@ MANIFEST_HEADER = struct.Struct("<4sBBHIQQ")
 
 T = TypeVar("T")
 
+# What joins a tenant's name to each id it uses (the daemon's ``NS_SEP``): the remote key
+# space is derived from it, so a tenant's sequences and an open daemon's never share keys.
+TENANT_SEP = "\u241f"
+
+# A sealed value (with a key): magic, version, kind, reserved, key id, 96-bit nonce; then
+# AES-256-GCM of the plain value (chunk or manifest, header included) and its 16-byte tag.
+# The associated data is this header plus the value's Redis key.
+SEAL_MAGIC = b"KVPX"
+SEAL_VERSION = 1
+SEAL_HEADER = struct.Struct("<4sBBH8s12s")
+SEAL_CHUNK, SEAL_MANIFEST = 1, 2
+KEY_BYTES = 32
+
 # copy_state(): what Redis holds of one generation of a sequence
 WHOLE, REPLACED, GONE = "whole", "replaced", "gone"
 
@@ -91,6 +130,11 @@ class RemoteOptions:
     # Not the store's: the daemon's bound on write_through copies queued for Redis
     # (daemon/remote_tier.py); past it a copy is skipped, the local copy stays.
     max_pending: int = 1024
+    # AES-256-GCM keys (32 bytes each): the first seals every value written, all of them
+    # open what is read. Empty: values are plain (checksummed, not authenticated).
+    keys: tuple[bytes, ...] = ()
+    # Bytes of old-key values queued for re-sealing at most (past it a read re-queues later).
+    reseal_bytes: int = 64 << 20
 
 
 @dataclass(frozen=True)
@@ -102,6 +146,7 @@ class RemoteStats:
     bytes_written: int
     bytes_read: int
     outages: int  # times the breaker opened
+    resealed: int = 0  # values sealed with an old key, re-sealed with the current one
 
     @property
     def degraded(self) -> bool:
@@ -230,6 +275,58 @@ def decode_manifest(raw: bytes) -> tuple[Manifest, int]:
         raise DataLoss(f"manifest: {e}") from None
 
 
+def key_id(key: bytes) -> bytes:
+    """The 8 bytes that name a key in a sealed value's header: sha256(key)[:8]."""
+    return hashlib.sha256(key).digest()[:8]
+
+
+class Sealer:
+    """AES-256-GCM over remote values. ``keys[0]`` seals; every key opens what it sealed
+    (picked by the key id in the header). The associated data is the header and the Redis
+    key, so a value moved to another key (another id, generation, chunk index or
+    namespace) does not open."""
+
+    def __init__(self, keys: Sequence[bytes]) -> None:
+        try:
+            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+        except ImportError:
+            raise StartupError("tiers.remote.key_file is set but the cryptography package is not installed: "
+                               "pip install 'kvpark[remote]'") from None
+        if not keys or any(len(k) != KEY_BYTES for k in keys):
+            raise ValueError(f"remote tier keys are {KEY_BYTES} bytes each")
+        self.current = key_id(keys[0])
+        self._aead = {key_id(k): AESGCM(bytes(k)) for k in reversed(keys)}
+
+    def seal(self, kind: int, rkey: str, plain: bytes) -> bytes:
+        head = SEAL_HEADER.pack(SEAL_MAGIC, SEAL_VERSION, kind, 0, self.current, os.urandom(12))
+        return head + self._aead[self.current].encrypt(head[-12:], plain, head + rkey.encode())
+
+    def open(self, kind: int, rkey: str, raw: bytes | memoryview) -> tuple[bytes, bool]:
+        """(plain value, whether it was sealed with an old key), or ``DataLoss``."""
+        view = memoryview(raw)
+        if len(view) < SEAL_HEADER.size + 16 or bytes(view[:4]) != SEAL_MAGIC:
+            raise DataLoss("not sealed with the remote tier's key (a plain or foreign value)")
+        head = bytes(view[:SEAL_HEADER.size])
+        _magic, version, k, _r, kid, nonce = SEAL_HEADER.unpack(head)
+        if version != SEAL_VERSION or k != kind:
+            raise DataLoss(f"sealed value of version {version}, kind {k} (expected {SEAL_VERSION}, {kind})")
+        aead = self._aead.get(kid)
+        if aead is None:
+            raise DataLoss(f"sealed with an unknown key (id {kid.hex()})")
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            plain = aead.decrypt(nonce, view[SEAL_HEADER.size:], head + rkey.encode())
+        except InvalidTag:
+            raise DataLoss("does not authenticate (altered, forged, or moved from another key)") from None
+        return plain, kid != self.current
+
+
+# Re-seal: replace the value only if Redis still holds the one that was read (TTL kept).
+_CAS = ("if redis.call('GET', KEYS[1]) == ARGV[1] then "
+        "return redis.call('SET', KEYS[1], ARGV[2], 'KEEPTTL') end return 0")
+
+
 class RemoteStore:
     def __init__(self, opts: RemoteOptions, clock: Callable[[], float] | None = None) -> None:
         self._redis = require_client()
@@ -243,17 +340,92 @@ class RemoteStore:
         self._errors = self._refused = self._data_loss = 0
         self._written = self._read = 0
         self._base = _esc(opts.namespace) + ":"
+        self._sealer = Sealer(opts.keys) if opts.keys else None
+        # Values sealed with an old key are re-sealed with the current one in the background.
+        self._reseal_pool = (ThreadPoolExecutor(1, thread_name_prefix="kvpark-remote-reseal")
+                             if len(opts.keys) > 1 else None)
+        self._reseal_queued = self._resealed = 0
 
     # -- keys --------------------------------------------------------------------
 
-    def _prefix(self, tenant: str) -> str:
-        return self._base + (f"t:{_esc(tenant)}:" if tenant else "")
+    def _space(self, seq_id: str, legacy: bool) -> str:
+        """A tenant's sequence (``<tenant><TENANT_SEP><id>``) lives under ``NS:t:<tenant>:``,
+        an open daemon's under ``NS:o:``: no key of one can be a key of the other. ``legacy``:
+        the layout before key spaces (``NS:`` alone), read only as a fallback."""
+        if legacy:
+            return self._base
+        tenant, sep, _ = seq_id.partition(TENANT_SEP)
+        return self._base + (f"t:{_esc(tenant).replace(':', '%3A')}:" if sep else "o:")
 
-    def manifest_key(self, seq_id: str, tenant: str = "") -> str:
-        return f"{self._prefix(tenant)}m:{_esc(seq_id)}"
+    def manifest_key(self, seq_id: str, legacy: bool = False) -> str:
+        return f"{self._space(seq_id, legacy)}m:{_esc(seq_id)}"
 
-    def chunk_key(self, m: Manifest, index: int, tenant: str = "") -> str:
-        return f"{self._prefix(tenant)}v:{m.fingerprint:016x}:{_esc(m.seq_id)}:{m.gen}:{index}"
+    def chunk_key(self, m: Manifest, index: int, legacy: bool = False) -> str:
+        return f"{self._space(m.seq_id, legacy)}v:{m.fingerprint:016x}:{_esc(m.seq_id)}:{m.gen}:{index}"
+
+    def _legacy(self, seq_id: str) -> bool:
+        """Whether ``seq_id`` may be read from the legacy layout: an open daemon's id, and no
+        key. Never a tenant's id: an open daemon of an older build (which did not refuse the
+        separator) could still plant legacy keys under a tenant's ids. Never with a key: the
+        legacy layout only ever held plain values, which a keyed tier refuses."""
+        return self._sealer is None and TENANT_SEP not in seq_id
+
+    def _layouts(self, seq_id: str) -> tuple[bool, ...]:
+        return (False, True) if self._legacy(seq_id) else (False,)
+
+    # -- sealing -----------------------------------------------------------------
+
+    def _seal(self, kind: int, rkey: str, plain: bytes) -> bytes:
+        return plain if self._sealer is None else self._sealer.seal(kind, rkey, plain)
+
+    def _open(self, kind: int, rkey: str, raw: bytes) -> bytes:
+        """The plain value under ``rkey``, or ``DataLoss`` (with a key: not sealed, sealed
+        with an unknown key, or not authentic for this key)."""
+        if self._sealer is None:
+            return raw
+        try:
+            plain, old = self._sealer.open(kind, rkey, raw)
+        except DataLoss as e:
+            raise DataLoss(f"{'manifest' if kind == SEAL_MANIFEST else 'value'} {rkey!r}: {e.message}") from None
+        if old:
+            self._reseal_later(kind, rkey, raw, plain)
+        return plain
+
+    def _decode_manifest(self, rkey: str, raw: bytes) -> tuple[Manifest, int]:
+        return decode_manifest(self._open(SEAL_MANIFEST, rkey, raw))
+
+    def _reseal_later(self, kind: int, rkey: str, raw: bytes, plain: bytes) -> None:
+        """Re-seal a value read under an old key with the current one, in the background,
+        if Redis still holds exactly ``raw`` there (a compare-and-set: a newer write or a
+        delete meanwhile wins). Past ``reseal_bytes`` queued it is skipped: a later read
+        queues it again."""
+        pool, sealer, n = self._reseal_pool, self._sealer, len(raw)
+        if pool is None or sealer is None:
+            return
+        with self._stat_lock:
+            if self._reseal_queued + n > self.opts.reseal_bytes:
+                return
+            self._reseal_queued += n
+
+        def run() -> None:
+            try:
+                new = sealer.seal(kind, rkey, plain)
+                if self._call("re-seal", lambda c: c.eval(_CAS, 1, rkey, raw, new)):
+                    with self._stat_lock:
+                        self._resealed += 1
+            except (Unavailable, DeadlineExceeded) as e:
+                log.debug("remote tier: re-sealing %s failed: %s", rkey, e)
+            except Exception:  # the background thread must never die
+                log.exception("remote tier: re-sealing %s failed", rkey)
+            finally:
+                with self._stat_lock:
+                    self._reseal_queued -= n
+
+        try:
+            pool.submit(run)
+        except RuntimeError:  # closed
+            with self._stat_lock:
+                self._reseal_queued -= n
 
     # -- the client and the breaker ----------------------------------------------
 
@@ -340,7 +512,19 @@ class RemoteStore:
 
     # -- operations --------------------------------------------------------------
 
-    def put(self, m: Manifest, blocks: Sequence[memoryview], tenant: str = "") -> None:
+    def _find_manifest(self, client: Any, seq_id: str) -> tuple[bytes | None, bool]:
+        """(raw manifest, whether it is in the legacy layout): the current layout's, else,
+        for ids that may fall back, the legacy one's. One round trip."""
+        layouts = self._layouts(seq_id)
+        pipe = client.pipeline(transaction=False)
+        for legacy in layouts:
+            pipe.get(self.manifest_key(seq_id, legacy))
+        for legacy, raw in zip(layouts, pipe.execute()):
+            if raw is not None:
+                return raw, legacy
+        return None, False
+
+    def put(self, m: Manifest, blocks: Sequence[memoryview]) -> None:
         """Write a sequence: every chunk, then its manifest (which publishes it)."""
         lengths = m.block_lengths
         if len(blocks) != len(lengths):
@@ -354,63 +538,86 @@ class RemoteStore:
             def send(client: Any) -> None:
                 pipe = client.pipeline(transaction=False)
                 for i in idx:
-                    value = encode_chunk(i, m.fingerprint, m.gen, slices(views, *plan[i]))
-                    pipe.set(self.chunk_key(m, i, tenant), value, px=px)
+                    key = self.chunk_key(m, i)
+                    pipe.set(key, self._seal(SEAL_CHUNK, key, encode_chunk(i, m.fingerprint, m.gen,
+                                                                          slices(views, *plan[i]))), px=px)
                 pipe.execute()
 
             self._call(f"put {m.seq_id!r}", send)
 
         self._fan_out(self._groups(plan), run)
-        self._call(f"put {m.seq_id!r} manifest",
-                   lambda c: c.set(self.manifest_key(m.seq_id, tenant), encode_manifest(m, chunk), px=px))
+        mkey = self.manifest_key(m.seq_id)
+
+        def publish(client: Any) -> None:
+            pipe = client.pipeline(transaction=False)
+            pipe.set(mkey, self._seal(SEAL_MANIFEST, mkey, encode_manifest(m, chunk)), px=px)
+            if self._legacy(m.seq_id):
+                # A legacy manifest of the id is an older version, replaced by this one (as
+                # one key it would have been): it must not surface once this one is dropped.
+                pipe.delete(self.manifest_key(m.seq_id, legacy=True))
+            pipe.execute()
+
+        self._call(f"put {m.seq_id!r} manifest", publish)
         with self._stat_lock:
             self._written += m.nbytes
 
-    def get_manifest(self, seq_id: str, tenant: str = "") -> Manifest | None:
-        raw = self._call(f"manifest of {seq_id!r}", lambda c: c.get(self.manifest_key(seq_id, tenant)))
+    def get_manifest(self, seq_id: str) -> Manifest | None:
+        raw, legacy = self._call(f"manifest of {seq_id!r}", lambda c: self._find_manifest(c, seq_id))
         if raw is None:
             return None
+        mkey = self.manifest_key(seq_id, legacy)
         try:
-            return decode_manifest(raw)[0]
+            return self._decode_manifest(mkey, raw)[0]
         except DataLoss as e:
-            self._corrupt(seq_id, None, tenant, e)
+            self._corrupt(seq_id, None, e, mkey)
             raise
 
-    def get_manifests(self, seq_ids: Sequence[str], tenant: str = "") -> list[Manifest | None]:
+    def get_manifests(self, seq_ids: Sequence[str]) -> list[Manifest | None]:
         """The manifests of ``seq_ids`` (None where absent), in one pipeline. A damaged
         manifest is deleted and reads as absent."""
         if not seq_ids:
             return []
+        keys = [[self.manifest_key(s, legacy) for legacy in self._layouts(s)] for s in seq_ids]
 
         def run(client: Any) -> list[Any]:
             pipe = client.pipeline(transaction=False)
-            for s in seq_ids:
-                pipe.get(self.manifest_key(s, tenant))
+            for ks in keys:
+                for k in ks:
+                    pipe.get(k)
             return pipe.execute()
 
+        got = iter(self._call("manifests", run))
         out: list[Manifest | None] = []
-        for sid, raw in zip(seq_ids, self._call("manifests", run)):
+        for sid, ks in zip(seq_ids, keys):
+            found = [(k, raw) for k, raw in ((k, next(got)) for k in ks) if raw is not None]
+            if not found:
+                out.append(None)
+                continue
+            mkey, raw = found[0]
             try:
-                out.append(None if raw is None else decode_manifest(raw)[0])
+                out.append(self._decode_manifest(mkey, raw)[0])
             except DataLoss as e:
-                self._corrupt(sid, None, tenant, e)
+                self._corrupt(sid, None, e, mkey)
                 out.append(None)
         return out
 
-    def exists(self, seq_ids: Sequence[str], tenant: str = "") -> list[bool]:
+    def exists(self, seq_ids: Sequence[str]) -> list[bool]:
         """Which of ``seq_ids`` have a manifest in Redis (one pipeline)."""
         if not seq_ids:
             return []
+        keys = [[self.manifest_key(s, legacy) for legacy in self._layouts(s)] for s in seq_ids]
 
         def run(client: Any) -> list[bool]:
             pipe = client.pipeline(transaction=False)
-            for s in seq_ids:
-                pipe.exists(self.manifest_key(s, tenant))
-            return [bool(n) for n in pipe.execute()]
+            for ks in keys:
+                for k in ks:
+                    pipe.exists(k)
+            got = iter(pipe.execute())
+            return [any([bool(next(got)) for _ in ks]) for ks in keys]
 
         return self._call("exists", run)
 
-    def copy_state(self, m: Manifest, tenant: str = "") -> str:
+    def copy_state(self, m: Manifest) -> str:
         """What Redis holds of generation ``m.gen``: ``WHOLE`` (its manifest is the current
         one and every chunk key exists), ``REPLACED`` (the current manifest is another
         generation's: a later write of the id, by this daemon or another) or ``GONE``
@@ -418,18 +625,18 @@ class RemoteStore:
         ``ttl_s``, ``WHOLE`` also gives every one of those keys a fresh TTL in the same
         step (PEXPIRE answers whether the key was there), so the copy outlives the check
         by ``ttl_s``. Presence, not bytes: a read still verifies every chunk."""
-        mkey = self.manifest_key(m.seq_id, tenant)
-        raw = self._call(f"manifest of {m.seq_id!r}", lambda c: c.get(mkey))
+        raw, legacy = self._call(f"manifest of {m.seq_id!r}", lambda c: self._find_manifest(c, m.seq_id))
         if raw is None:
             return GONE
+        mkey = self.manifest_key(m.seq_id, legacy)
         try:
-            cur, chunk = decode_manifest(raw)
+            cur, chunk = self._decode_manifest(mkey, raw)
         except DataLoss as e:
-            self._corrupt(m.seq_id, None, tenant, e)
+            self._corrupt(m.seq_id, None, e, mkey)
             return GONE
         if cur.gen != m.gen:
             return REPLACED
-        keys = [mkey] + [self.chunk_key(m, i, tenant) for i in range(len(chunk_plan(m.block_lengths, chunk)))]
+        keys = [mkey] + [self.chunk_key(m, i, legacy) for i in range(len(chunk_plan(m.block_lengths, chunk)))]
         px = self._ttl_ms()
 
         def run(client: Any) -> list[Any]:
@@ -443,12 +650,12 @@ class RemoteStore:
 
         return WHOLE if all(bool(n) for n in self._call(f"presence of {m.seq_id!r}", run)) else GONE
 
-    def read(self, m: Manifest, tenant: str = "") -> bytearray:
+    def read(self, m: Manifest) -> bytearray:
         out = bytearray(m.nbytes)
-        self.read_into(m, memoryview(out), tenant)
+        self.read_into(m, memoryview(out))
         return out
 
-    def read_into(self, m: Manifest, out: memoryview, tenant: str = "") -> None:
+    def read_into(self, m: Manifest, out: memoryview) -> None:
         """Fetch and verify every chunk into ``out`` (``m.nbytes`` long)."""
         if len(out) != m.nbytes:
             raise ValueError(f"output of {len(out)} bytes for a {m.nbytes}-byte sequence")
@@ -456,24 +663,24 @@ class RemoteStore:
         for n in m.block_lengths:
             outs.append(out[off:off + n])
             off += n
-        self.read_blocks_into(m, outs, tenant)
+        self.read_blocks_into(m, outs)
 
-    def read_blocks_into(self, m: Manifest, outs: Sequence[memoryview], tenant: str = "") -> None:
+    def read_blocks_into(self, m: Manifest, outs: Sequence[memoryview]) -> None:
         """Fetch and verify every chunk into ``outs``, one writable view per block (slots
-        of a memory tier, say: no staging buffer). A chunk that fails verification deletes
-        the sequence from Redis and raises ``DataLoss``; a chunk that is gone raises
-        ``NotFound`` (and deletes what is left of that generation); ``outs`` then hold
-        garbage."""
+        of a memory tier, say: no staging buffer). A chunk that fails verification (or,
+        with a key, does not open) deletes the sequence from Redis and raises
+        ``DataLoss``; a chunk that is gone raises ``NotFound`` (and deletes what is left
+        of that generation); ``outs`` then hold garbage."""
         lengths = m.block_lengths
         if len(outs) != len(lengths) or any(len(o) != n for o, n in zip(outs, lengths)):
             raise ValueError(f"{len(outs)} output views do not match the {len(lengths)} blocks of {m.seq_id!r}")
-        raw_m = self._call(f"manifest of {m.seq_id!r}", lambda c: c.get(self.manifest_key(m.seq_id, tenant)))
+        raw_m, legacy = self._call(f"manifest of {m.seq_id!r}", lambda c: self._find_manifest(c, m.seq_id))
         if raw_m is None:
             raise NotFound(f"sequence {m.seq_id!r} is gone from the remote tier (dropped, expired or evicted)")
         try:
-            cur, chunk = decode_manifest(raw_m)
+            cur, chunk = self._decode_manifest(self.manifest_key(m.seq_id, legacy), raw_m)
         except DataLoss as e:
-            self._corrupt(m.seq_id, m, tenant, e)
+            self._corrupt(m.seq_id, m, e)
             raise
         if cur.gen != m.gen:
             raise NotFound(f"sequence {m.seq_id!r} was replaced in the remote tier (generation {cur.gen}, "
@@ -483,19 +690,21 @@ class RemoteStore:
         targets = [slices(views, off, ln) for off, ln in plan]  # where each chunk lands
 
         def run(idx: list[int]) -> None:
+            ckeys = [self.chunk_key(m, i, legacy) for i in idx]
+
             def fetch(client: Any) -> list[Any]:
                 pipe = client.pipeline(transaction=False)
-                for i in idx:
-                    pipe.get(self.chunk_key(m, i, tenant))
+                for k in ckeys:
+                    pipe.get(k)
                 return pipe.execute()
 
             raws = self._call(f"read {m.seq_id!r}", fetch)
-            for i, raw in zip(idx, raws):
+            for i, ckey, raw in zip(idx, ckeys, raws):
                 if raw is None:  # gone (expired, evicted, dropped under us), not damaged
                     raise NotFound(f"sequence {m.seq_id!r}: chunk {i} is gone from the remote tier (expired, "
                                    "evicted or dropped)")
                 try:
-                    payload = verify_chunk(raw, i, m.fingerprint, m.gen, plan[i][1])
+                    payload = verify_chunk(self._open(SEAL_CHUNK, ckey, raw), i, m.fingerprint, m.gen, plan[i][1])
                     pos = 0
                     for t in targets[i]:
                         t[:] = payload[pos:pos + len(t)]
@@ -506,59 +715,61 @@ class RemoteStore:
         try:
             self._fan_out(self._groups(plan), run)
         except DataLoss as e:
-            self._corrupt(m.seq_id, m, tenant, e)
+            self._corrupt(m.seq_id, m, e)
             raise
         except NotFound:
             # What is left of this generation is useless: its manifest (if still the
             # current one) goes, so later readers miss at once instead of here.
             try:
-                self.delete(m, tenant)
+                self.delete(m)
             except (Unavailable, DeadlineExceeded):
                 pass  # a later read finds the same gap
             raise
         with self._stat_lock:
             self._read += m.nbytes
 
-    def _corrupt(self, seq_id: str, m: Manifest | None, tenant: str, e: DataLoss) -> None:
+    def _corrupt(self, seq_id: str, m: Manifest | None, e: DataLoss, mkey: str = "") -> None:
         with self._stat_lock:
             self._data_loss += 1
         log.error("remote tier: %s; deleting it from Redis", e.message)
         try:
             if m is not None:
-                self.delete(m, tenant)
+                self.delete(m)
             else:
-                self._call(f"delete {seq_id!r}", lambda c: c.delete(self.manifest_key(seq_id, tenant)))
+                self._call(f"delete {seq_id!r}", lambda c: c.delete(mkey or self.manifest_key(seq_id)))
         except (Unavailable, DeadlineExceeded):
             pass  # never served either way; a later read finds it bad again
 
-    def delete(self, m: Manifest, tenant: str = "") -> None:
+    def delete(self, m: Manifest) -> None:
         """Remove generation ``m.gen`` of a sequence: its manifest first (so nobody finds
-        it), if that is still the current one, then its chunks.
+        it), if that is still the current one, then its chunks; in the legacy layout too,
+        for ids that may fall back to it.
 
         The manifest is checked, then deleted: not atomic, so a newer generation written
         in between by another daemon can lose its manifest (its chunks stay until their
         TTL); it is then a miss, never wrong data.
         """
-        mkey = self.manifest_key(m.seq_id, tenant)
 
         def run(client: Any) -> None:
-            raw = client.get(mkey)
-            cur: Manifest | None = None
-            chunk = self.opts.chunk_size
-            if raw is not None:
-                try:
-                    cur, written = decode_manifest(raw)
-                    if cur.gen == m.gen:
-                        chunk = written  # the writer's chunk size (another daemon's, maybe)
-                except DataLoss:
-                    cur = None  # damaged: delete it too
-            pipe = client.pipeline(transaction=False)
-            if raw is not None and (cur is None or cur.gen == m.gen):
-                pipe.delete(mkey)
-            # Without the manifest, chunks written with another chunk size are left to their TTL.
-            for i in range(len(chunk_plan(m.block_lengths, chunk))):
-                pipe.delete(self.chunk_key(m, i, tenant))
-            pipe.execute()
+            for legacy in self._layouts(m.seq_id):
+                mkey = self.manifest_key(m.seq_id, legacy)
+                raw = client.get(mkey)
+                cur: Manifest | None = None
+                chunk = self.opts.chunk_size
+                if raw is not None:
+                    try:
+                        cur, written = self._decode_manifest(mkey, raw)
+                        if cur.gen == m.gen:
+                            chunk = written  # the writer's chunk size (another daemon's, maybe)
+                    except DataLoss:
+                        cur = None  # damaged: delete it too
+                pipe = client.pipeline(transaction=False)
+                if raw is not None and (cur is None or cur.gen == m.gen):
+                    pipe.delete(mkey)
+                # Without the manifest, chunks written with another chunk size are left to their TTL.
+                for i in range(len(chunk_plan(m.block_lengths, chunk))):
+                    pipe.delete(self.chunk_key(m, i, legacy))
+                pipe.execute()
 
         self._call(f"delete {m.seq_id!r}", run)
 
@@ -569,9 +780,11 @@ class RemoteStore:
         with self._stat_lock:
             return RemoteStats(state=self.breaker.state, errors=self._errors, refused=self._refused,
                                data_loss=self._data_loss, bytes_written=self._written, bytes_read=self._read,
-                               outages=self.breaker.opened_count)
+                               outages=self.breaker.opened_count, resealed=self._resealed)
 
     def close(self) -> None:
+        if self._reseal_pool is not None:
+            self._reseal_pool.shutdown(wait=True)
         self._pool.shutdown(wait=True)
         with self._client_lock:
             if self._client is not None:

@@ -60,10 +60,10 @@ def _lose(srv: RedisServer, ns: str, how: str) -> None:
         srv.cli("flushdb")
         return
     keys = srv.cli("--scan", "--pattern", f"{ns}:*").split()
-    mine = [k for k in keys if k == f"{ns}:m:s" or ":s:" in k]
+    mine = [k for k in keys if k == f"{ns}:o:m:s" or ":s:" in k]
     assert mine, keys
     if how == "manifest-deleted":  # another daemon's delete removes the manifest first
-        srv.cli("del", f"{ns}:m:s")
+        srv.cli("del", f"{ns}:o:m:s")
     else:  # Redis's maxmemory evicted one chunk
         srv.cli("del", next(k for k in mine if ":v:" in k))
 
@@ -122,7 +122,7 @@ def test_a_restore_of_a_sequence_missing_a_chunk_is_not_found_not_data_loss(
         assert wait_until(lambda: _synced(c), timeout=30)
         _park_until(c, lambda: _tier(c, "s") == "remote", 0)
         # Step: Redis evicts one chunk of it (maxmemory, or its TTL ran out first).
-        chunks = [k for k in fresh_redis.cli("--scan", "--pattern", f"{ns}:v:*").split() if ":s:" in k]
+        chunks = [k for k in fresh_redis.cli("--scan", "--pattern", f"{ns}:o:v:*").split() if ":s:" in k]
         assert len(chunks) == 16
         fresh_redis.cli("del", chunks[5])
         with pytest.raises(NotFound):
@@ -149,7 +149,7 @@ def test_a_remote_sequence_found_gone_takes_its_unshared_blocks_off_the_disk(
             block = d.engine.catalog.find("B")
         assert block is not None
         # Step: Redis loses "s"; the restore finds it gone.
-        fresh_redis.cli("del", f"{ns}:m:s")
+        fresh_redis.cli("del", f"{ns}:o:m:s")
         with pytest.raises(NotFound):
             c.restore("s")
         # Step: "B" left the index with it, and its disk copy went too (its remote copy
@@ -187,7 +187,7 @@ def test_a_hung_redis_leaves_the_daemon_serving_its_local_tiers(
         def resumed() -> bool:
             c.park("z", [blob(7)], overwrite=True)
             return wait_until(lambda: _synced(c), timeout=10) and c.stat().remote.state == "closed" \
-                and fresh_redis.cli("exists", f"{ns}:m:z").strip() == "1"
+                and fresh_redis.cli("exists", f"{ns}:o:m:z").strip() == "1"
 
         assert wait_until(resumed, timeout=60, interval=0.3)
         check(d)
@@ -218,7 +218,7 @@ def test_write_through_copies_queued_for_a_slow_redis_are_bounded_and_no_park_is
             fresh_redis.cli("client", "unpause")
             assert wait_until(lambda: _synced(c), timeout=120)
             assert c.stat().remote.state == "closed"
-            assert fresh_redis.cli("exists", f"{ns}:m:b0").strip() == "0"
+            assert fresh_redis.cli("exists", f"{ns}:o:m:b0").strip() == "0"
             # Step: no park is lost: every one restores from its local copy.
             for i in range(1, n, 97):
                 assert torch.equal(c.restore(f"b{i}")[0], blob(i, 1024))

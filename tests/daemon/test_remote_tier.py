@@ -198,7 +198,7 @@ def test_corrupted_value_is_data_loss_and_deleted(tmp_path: Path, daemon: Callab
     with Client(a.address) as ca, Client(b.address, transport="inline") as cb:
         ca.park("bad", [blob(3, 2 * MiB)])
         assert wait_until(lambda: _synced(ca))
-        keys = redis_server.cli("--scan", "--pattern", f"{ns}:v:*").split()
+        keys = redis_server.cli("--scan", "--pattern", f"{ns}:o:v:*").split()
         assert keys
         # Flip bytes in the middle of one chunk's payload, in Redis itself.
         redis_server.cli("setrange", keys[0], str(4096), "garbage")

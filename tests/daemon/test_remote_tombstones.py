@@ -141,13 +141,13 @@ def test_a_version_dropped_while_eviction_copies_it_to_remote_is_not_adopted_bac
         real_put = store.put
         dropped = threading.Event()
 
-        def put_overtaken(m, views, tenant=""):  # the drop, and its own delete, run first
+        def put_overtaken(m, views):  # the drop, and its own delete, run first
             if m.seq_id == "s":
                 threading.Thread(target=lambda: (c.drop("s"), dropped.set())).start()
                 assert dropped.wait(10)
                 assert wait_until(lambda: _synced(c), timeout=10)  # its delete found nothing yet
                 assert eng.remote.tombs == 1  # kept: this copy is still under way
-            real_put(m, views, tenant)
+            real_put(m, views)
 
         store.put = put_overtaken  # the real put, late: a timing seam, not a stand-in
         try:
@@ -164,4 +164,4 @@ def test_a_version_dropped_while_eviction_copies_it_to_remote_is_not_adopted_bac
 
 def _keys_of(srv: RedisServer, ns: str, seq_id: str) -> list[str]:
     keys = srv.cli("--scan", "--pattern", f"{ns}:*").split()
-    return [k for k in keys if k == f"{ns}:m:{seq_id}" or f":{seq_id}:" in k]
+    return [k for k in keys if k == f"{ns}:o:m:{seq_id}" or f":{seq_id}:" in k]

@@ -127,8 +127,8 @@ def test_a_lookup_that_read_the_manifest_before_the_delete_does_not_adopt_after_
         real = store.get_manifests
         looked = threading.Event()
 
-        def get_manifests(ids, tenant=""):  # the real lookup; its answer arrives late
-            out = real(ids, tenant)
+        def get_manifests(ids):  # the real lookup; its answer arrives late
+            out = real(ids)
             if "s" in ids and not looked.is_set():
                 looked.set()
                 wait_until(lambda: eng.remote.tombs == 0, timeout=10)
@@ -206,15 +206,15 @@ def test_a_copy_that_lands_after_the_drops_delete_is_not_adopted_when_that_delet
         seen: list[object] = []
         drops: list[threading.Thread] = []
 
-        def put(m, views, tenant=""):  # the drop, and its delete in Redis, come first
+        def put(m, views):  # the drop, and its delete in Redis, come first
             if m.seq_id == "s":
                 drops.append(threading.Thread(target=c.drop, args=("s",)))
                 drops[0].start()
                 assert deleted.wait(10)
-            real_put(m, views, tenant)
+            real_put(m, views)
 
-        def delete(m, tenant=""):  # D1: its Redis delete now, its end after the copy's put_end
-            real_delete(m, tenant)
+        def delete(m):  # D1: its Redis delete now, its end after the copy's put_end
+            real_delete(m)
             if m.seq_id == "s" and not deleted.is_set():
                 deleted.set()
                 put_done.wait(10)

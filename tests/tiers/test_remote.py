@@ -18,6 +18,7 @@ from kvpark.tiers.disk import Manifest
 from kvpark.tiers.remote import (
     CHUNK_HEADER,
     RemoteOptions,
+    TENANT_SEP,
     RemoteStore,
     chunk_plan,
     decode_manifest,
@@ -201,10 +202,11 @@ def test_namespaces_and_tenants_are_isolated(redis_server):
         a.put(m, views)
         assert a.exists(["same-id"]) == [True]
         assert b.exists(["same-id"]) == [False]
-        assert a.exists(["same-id"], tenant="t1") == [False]
-        a.put(m, views, tenant="t1")
-        assert a.exists(["same-id"], tenant="t1") == [True]
-        assert a.exists(["same-id"], tenant="t2") == [False]
+        t1, t2 = "t1" + TENANT_SEP + "same-id", "t2" + TENANT_SEP + "same-id"
+        assert a.exists([t1]) == [False]
+        a.put(_manifest(t1, 2000), views)
+        assert a.exists([t1]) == [True]
+        assert a.exists([t2]) == [False]
     finally:
         a.close()
         b.close()
