@@ -68,7 +68,7 @@ bench-plot: $(STAMP)
 # A bounded mutation pass (cosmic-ray) over daemon/ and tiers/ with the fast tests; not part of
 # `make test`. MUTATE_SAMPLE=N mutants (default 60), MUTATE_SEED; see docs/testing.md.
 mutate: $(STAMP)
-	$(BIN)/pip install -q -e '.[dev,bench,mutate]'
+	$(BIN)/pip install -q -e '.[dev,bench,mutate,remote]'
 	tools/mutate.sh
 
 proto: $(STAMP)

@@ -6,7 +6,8 @@ Primitives:
   ``CopyConfig``, ``MetricsConfig``); each field carries its default and description.
 - ``TenantConfig``: one ``[tenants.<name>]`` table (``token_sha256`` or ``token_file``,
   ``quota = { device, host, disk }``, ``trusted_local``); ``Config.tenants`` maps names to them.
-- ``Config.remote_options``: the remote tier's ``RemoteOptions``, or None when it is off.
+- ``Config.remote_options``: the remote tier's ``RemoteOptions``, or None when it is off
+  (its keys read from ``key_file`` and ``old_key_files``: ``remote_keys``, ``read_key_file``).
 - ``load(path=None, env=os.environ, overrides={}) -> Config``.
 - ``parse_size("64MiB") -> int``.
 - ``ConfigError``: a start-up error naming the key and the valid choices.
@@ -69,8 +70,8 @@ def parse_size(value: int | str, key: str = "size") -> int:
 
 
 def _f(default: Any, help: str, *, choices: tuple[Any, ...] | None = None, size: bool = False,
-       auto: bool = False, tristate: bool = False) -> Any:
-    meta = {"help": help, "choices": choices, "size": size, "auto": auto, "tristate": tristate}
+       auto: bool = False, tristate: bool = False, paths: bool = False) -> Any:
+    meta = {"help": help, "choices": choices, "size": size, "auto": auto, "tristate": tristate, "paths": paths}
     return field(default=default, metadata=meta)
 
 
@@ -156,6 +157,13 @@ class RemoteTierConfig:
     breaker_cooldown_s: float = _f(5.0, "seconds an open breaker fails remote calls fast before one probe")
     max_pending: int = _f(1024, "write_through copies waiting for Redis at most; past it a copy is skipped "
                           "(counted, logged) and the sequence stays local until disk eviction copies it")
+    key_file: str = _f("", "file holding the remote tier's key: 64 hex digits (32 bytes, e.g. openssl rand -hex 32), "
+                       "mode 0600; set: every value in Redis is sealed with AES-256-GCM (encrypted, authenticated, "
+                       'bound to its key), and a value that does not open is DATA_LOSS and deleted; "" = plain '
+                       "values, checksummed only: anyone who can write to the Redis can plant or alter KV")
+    old_key_files: tuple[str, ...] = _f((), "key files of earlier keys (same format), for rotation: values sealed "
+                                        "with them are still read, and re-sealed with key_file in the background",
+                                        paths=True)
 
 
 @dataclass(frozen=True)
@@ -247,7 +255,7 @@ class Config:
         return RemoteOptions(url=r.url, cluster=r.cluster, namespace=r.namespace, ttl_s=r.ttl_s,
                              timeout_s=r.timeout_s, chunk_size=r.chunk_size, inflight=r.inflight,
                              breaker_failures=r.breaker_failures, breaker_cooldown_s=r.breaker_cooldown_s,
-                             max_pending=r.max_pending)
+                             max_pending=r.max_pending, keys=remote_keys(r))
 
 
 def _is_section(tp: Any) -> bool:
@@ -260,6 +268,12 @@ def _convert(key: str, f: dataclasses.Field, tp: Any, value: Any) -> Any:
         return "auto"
     if meta.get("size"):
         return parse_size(value, key)
+    if meta.get("paths"):
+        if isinstance(value, str):  # from the environment or the command line: comma-separated
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+            raise ConfigError(f"{key}: expected a list of file paths, got {value!r}")
+        return tuple(value)
     if meta.get("tristate") and isinstance(value, bool):
         return "true" if value else "false"
     if tp is bool:
@@ -492,6 +506,37 @@ def _check_remote(r: RemoteTierConfig) -> None:
         raise ConfigError("tiers.remote.inflight and breaker_failures must be >= 1, breaker_cooldown_s >= 0")
     if r.max_pending < 1:
         raise ConfigError(f"tiers.remote.max_pending: must be >= 1, got {r.max_pending}")
+    if r.url:
+        remote_keys(r)  # refuse a bad key file at start-up, before anything is served
+
+
+def read_key_file(key: str, path: str) -> bytes:
+    """The 32-byte key in ``path`` (64 hex digits, surrounding whitespace ignored), or a
+    ``ConfigError``: unreadable, open to group or others, or not 64 hex digits."""
+    try:
+        with open(path, "rb") as fh:
+            mode = os.fstat(fh.fileno()).st_mode & 0o777
+            text = fh.read(4096).strip()
+    except OSError as e:
+        raise ConfigError(f"{key}: cannot read {path}: {e.strerror or e}") from None
+    if mode & 0o077:
+        # A key others on the host can read lets them read and forge everything in Redis.
+        raise ConfigError(f"{key}: {path} is mode {mode:04o}, open to group or others; chmod 600 {path}")
+    if not re.fullmatch(rb"[0-9a-fA-F]{64}", text):
+        raise ConfigError(f"{key}: {path} must hold 64 hex digits (a 32-byte key, e.g. openssl rand -hex 32)")
+    return bytes.fromhex(text.decode())
+
+
+def remote_keys(r: RemoteTierConfig) -> tuple[bytes, ...]:
+    """The remote tier's keys, current first, read from their files (``ConfigError``)."""
+    if not r.key_file:
+        if r.old_key_files:
+            raise ConfigError("tiers.remote.old_key_files: needs tiers.remote.key_file (the key values are "
+                              "re-sealed with)")
+        return ()
+    keys = [read_key_file("tiers.remote.key_file", r.key_file)]
+    keys += [read_key_file(f"tiers.remote.old_key_files[{i}]", p) for i, p in enumerate(r.old_key_files)]
+    return tuple(dict.fromkeys(keys))  # the current key first; a repeat is harmless
 
 
 def load(
@@ -547,6 +592,8 @@ def _toml_value(f: dataclasses.Field, value: Any) -> str:
         return f'"{format_size(value)}"'
     if isinstance(value, bool):
         return "true" if value else "false"
+    if isinstance(value, (tuple, list)):
+        return "[" + ", ".join(json.dumps(str(v), ensure_ascii=False) for v in value) + "]"
     if isinstance(value, (int, float)):
         return repr(value)
     # A TOML basic string: JSON's escapes are valid TOML escapes.

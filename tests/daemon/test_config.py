@@ -1,5 +1,6 @@
 """One typed config tree: defaults, TOML, env, overrides; clear errors naming the key."""
 
+import os
 from pathlib import Path
 
 import pytest
@@ -152,3 +153,57 @@ def test_tenant_tables_resolve_validate_and_round_trip(tmp_path: Path) -> None:
     for overrides, match in bad:
         with pytest.raises(ConfigError, match=match):
             load(env={}, overrides=overrides)
+
+
+def _key_file(path: Path, text: str, mode: int = 0o600) -> Path:
+    path.write_text(text)
+    path.chmod(mode)
+    return path
+
+
+def test_remote_key_files_resolve_into_the_remote_options(tmp_path: Path) -> None:
+    cur, old = "ab" * 32, "CD" * 32
+    kf = _key_file(tmp_path / "cur.key", cur + "\n")
+    of = _key_file(tmp_path / "old.key", "  " + old)
+    base = {"tiers.remote.url": "redis://127.0.0.1:1/0"}
+    opts = load(env={}, overrides={**base, "tiers.remote.key_file": str(kf),
+                                   "tiers.remote.old_key_files": [str(of)]}).remote_options
+    assert opts is not None and opts.keys == (bytes.fromhex(cur), bytes.fromhex(old))
+    env = {"KVPARK__TIERS__REMOTE__OLD_KEY_FILES": f"{of},{kf}"}  # comma-separated from the environment
+    cfg = load(env=env, overrides={**base, "tiers.remote.key_file": str(kf)})
+    assert cfg.tiers.remote.old_key_files == (str(of), str(kf))
+    assert cfg.remote_options.keys == (bytes.fromhex(cur), bytes.fromhex(old))  # current first, once
+    again = tmp_path / "cfg.toml"
+    again.write_text(to_toml(cfg))
+    assert load(again, env={}) == cfg
+    assert load(env={}, overrides=base).remote_options.keys == ()  # no key: plain values
+
+
+@pytest.mark.parametrize("case", ["missing", "short", "not hex", "raw bytes", "group", "others", "old bad",
+                                  "old without key"])
+def test_remote_key_files_that_are_unreadable_wrong_or_open_refuse(tmp_path: Path, case: str) -> None:
+    good = _key_file(tmp_path / "good.key", "00" * 32)
+    kv = {"tiers.remote.url": "redis://127.0.0.1:1/0", "tiers.remote.key_file": str(good)}
+    want = "tiers.remote.key_file"
+    if case == "missing":
+        kv["tiers.remote.key_file"], want = str(tmp_path / "nope"), "cannot read"
+    elif case == "short":
+        kv["tiers.remote.key_file"], want = str(_key_file(tmp_path / "k", "00" * 31)), "64 hex digits"
+    elif case == "not hex":
+        kv["tiers.remote.key_file"], want = str(_key_file(tmp_path / "k", "zz" * 32)), "64 hex digits"
+    elif case == "raw bytes":
+        p = tmp_path / "k"
+        p.write_bytes(os.urandom(32))
+        p.chmod(0o600)
+        kv["tiers.remote.key_file"], want = str(p), "64 hex digits"
+    elif case in ("group", "others"):
+        good.chmod(0o640 if case == "group" else 0o604)
+        want = "open to group or others"
+    elif case == "old bad":
+        kv["tiers.remote.old_key_files"], want = [str(_key_file(tmp_path / "o", "11" * 32, 0o644))], \
+            "old_key_files[0]"
+    else:
+        del kv["tiers.remote.key_file"]
+        kv["tiers.remote.old_key_files"], want = [str(good)], "needs tiers.remote.key_file"
+    with pytest.raises(ConfigError, match=want.replace("[", r"\[").replace("]", r"\]")):
+        load(env={}, overrides=kv)
