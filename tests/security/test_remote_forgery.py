@@ -14,18 +14,18 @@ from typing import Callable
 import pytest
 import redis
 import torch
+import xxhash
 
 from kvpark.client import Client
 from kvpark.daemon.server import Daemon
 from kvpark.daemon.tenants import SEP
 from kvpark.proto.errors import DataLoss, NotFound
-from kvpark.tiers.remote import encode_chunk
+from kvpark.tiers.remote import CHUNK_HEADER, encode_chunk
 
 from ..conftest import wait_until
 from ..daemon.test_remote_tier import _new_ns, _own_dirs, _remote, _synced
 from ..daemon.test_tenants import TOKENS, tenants
 from ..redis_servers import RedisServer
-from ..tiers.test_remote_sealed import forge_chunk
 
 
 def _pair(daemon: Callable[..., Daemon], srv: RedisServer, tmp_path: Path, **remote: object) -> tuple[Daemon, Daemon,
@@ -37,9 +37,17 @@ def _pair(daemon: Callable[..., Daemon], srv: RedisServer, tmp_path: Path, **rem
 
 
 def _chunk_key(r: redis.Redis, ns: str) -> bytes:
-    keys = [k for k in r.scan_iter(f"{ns}:t:alice:v:*".encode()) if f"{SEP}chat-1:".encode() in k]
+    keys = [k for k in r.scan_iter(f"{ns}:*".encode()) if b":v:" in k and f"alice{SEP}chat-1:".encode() in k]
     assert len(keys) == 1, keys
     return keys[0]
+
+
+def forge_chunk(raw: bytes, payload: bytes) -> bytes:
+    """A plain chunk rewritten with ``payload`` and its recomputed xxh3: what anyone who can
+    write to Redis can do without a key."""
+    head = list(CHUNK_HEADER.unpack_from(raw))
+    head[-2], head[-1] = len(payload), xxhash.xxh3_64_intdigest(payload)
+    return CHUNK_HEADER.pack(*head) + payload
 
 
 def _key_file(tmp_path: Path, name: str, key: bytes) -> str:

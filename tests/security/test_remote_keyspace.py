@@ -62,8 +62,21 @@ def test_an_open_daemon_can_neither_restore_nor_plant_into_a_tenants_remote_key_
         assert wait_until(lambda: _synced(anon), timeout=30)
         assert alice.present(["planted"]) == [False]
 
-        # Plant in the legacy layout, as an open daemon of an older build wrote it (it
-        # accepted "alice<SEP>legacy"): alice's daemon never reads it.
+    with Client(owned.address, token=TOKENS["alice"]) as alice:
+        assert torch.equal(alice.restore("chat-1")[0], secret)
+
+
+def test_keys_an_older_open_daemon_planted_under_a_tenants_ids_are_never_served(
+        daemon: Callable[..., Daemon], redis_server: RedisServer, tmp_path: Path) -> None:
+    """An open daemon of an older build accepted "alice<SEP>legacy" and wrote it in the
+    layout of the time (``NS:m:<id>``): alice's daemon never reads that layout for her ids."""
+    ns = _new_ns()
+    owned = daemon(**tenants(), **_remote(redis_server.url, ns), **_own_dirs(tmp_path, "owned"))
+    secret, mine = torch.full((4096,), 7, dtype=torch.uint8), torch.full((4096,), 9, dtype=torch.uint8)
+    with Client(owned.address, token=TOKENS["alice"]) as alice:
+        alice.park("chat-1", [secret])
+        assert wait_until(lambda: _synced(alice), timeout=30)
+        keys = _scan(redis_server, ns)
         r = redis.Redis(port=redis_server.port)
         mkey = next(k for k in keys if k.endswith(f":m:alice{SEP}chat-1"))
         m, chunk = decode_manifest(r.get(mkey))
@@ -74,6 +87,3 @@ def test_an_open_daemon_can_neither_restore_nor_plant_into_a_tenants_remote_key_
         assert alice.present(["legacy"]) == [False]
         with pytest.raises(NotFound):
             alice.restore("legacy")
-    with Client(owned.address, token=TOKENS["alice"]) as alice:
-        assert torch.equal(alice.restore("chat-1")[0], secret)
-
