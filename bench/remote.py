@@ -28,7 +28,13 @@ Rows, each for SET (write) and GET (read), over the same bytes (``--total``, cut
 
 Every figure is the median of ``--reps`` runs in MB/s (1e6 bytes per second).
 
-Usage: ``python bench/remote.py [--quick] [--total 256MiB] [--json PATH]``.
+``--sealed`` runs only the ``kvpark RemoteStore`` rows on the standalone server, plain
+and sealed (``tiers.remote.key_file``: AES-256-GCM over every value) side by side,
+alternating ``--rounds`` times so a shared machine's noise falls on both alike, and prints
+sealed / plain as ratios; plus AES-256-GCM alone on one ``--value``-sized value, in
+this process (no Redis), for the cipher's own cost.
+
+Usage: ``python bench/remote.py [--quick] [--sealed] [--total 256MiB] [--json PATH]``.
 """
 
 from __future__ import annotations
@@ -164,9 +170,9 @@ def bench_raw(cls: type, url: str, cluster: bool, a: argparse.Namespace, infligh
     return {"write_MBps": w, "read_MBps": r}
 
 
-def bench_store(url: str, cluster: bool, a: argparse.Namespace) -> dict[str, float]:
+def bench_store(url: str, cluster: bool, a: argparse.Namespace, keys: tuple[bytes, ...] = ()) -> dict[str, float]:
     st = RemoteStore(RemoteOptions(url=url, cluster=cluster, namespace="bench", timeout_s=20.0,
-                                   chunk_size=a.value, pipeline_bytes=a.pipeline, inflight=a.inflight))
+                                   chunk_size=a.value, pipeline_bytes=a.pipeline, inflight=a.inflight, keys=keys))
     nseq = max(1, a.total // a.seq)
     block = 1 << 20
     ms = [Manifest(seq_id=f"s{i}", gen=1, tensors=(TensorMeta("uint8", (a.seq,), a.seq),), nbytes=a.seq,
@@ -256,6 +262,53 @@ def bench_daemons(url: str, cluster: bool, a: argparse.Namespace, tmp: Path, tag
             "restore_MBps": statistics.median(restore)}
 
 
+def bench_cipher(a: argparse.Namespace) -> dict[str, float]:
+    """AES-256-GCM seal and open of one ``--value``-sized value, one thread, MB/s."""
+    from kvpark.tiers.remote import SEAL_CHUNK, Sealer
+
+    sealer = Sealer([os.urandom(32)])
+    plain = os.urandom(a.value)
+    sealed = sealer.seal(SEAL_CHUNK, "k", plain)
+
+    def rate(fn: Callable[[], Any], n: int = 8) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return n * a.value / 1e6 / (time.perf_counter() - t0)
+
+    return {"seal_MBps": _median(lambda: rate(lambda: sealer.seal(SEAL_CHUNK, "k", plain)), a.reps),
+            "open_MBps": _median(lambda: rate(lambda: sealer.open(SEAL_CHUNK, "k", sealed)), a.reps)}
+
+
+def main_sealed(a: argparse.Namespace) -> None:
+    key = (os.urandom(32),)
+    runs: dict[str, list[dict[str, float]]] = {"plain": [], "sealed": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        srv = RedisServer(Path(tmp) / "s").start()
+        try:
+            for _ in range(a.rounds):
+                for name, keys in (("plain", ()), ("sealed", key)):
+                    runs[name].append(bench_store(srv.url, False, a, keys))
+                    srv_flush(srv)
+        finally:
+            srv.stop()
+    med = {n: {k: statistics.median(r[k] for r in rs) for k in ("write_MBps", "read_MBps")} for n, rs in runs.items()}
+    cipher = bench_cipher(a)
+    print(f"\nstandalone: {'row':<36} {'put MB/s':>9} {'read MB/s':>9}")
+    for n in ("plain", "sealed"):
+        print(f"            kvpark RemoteStore x{a.inflight}, {n:<17} {med[n]['write_MBps']:9.0f} "
+              f"{med[n]['read_MBps']:9.0f}")
+    rw = med["sealed"]["write_MBps"] / med["plain"]["write_MBps"]
+    rr = med["sealed"]["read_MBps"] / med["plain"]["read_MBps"]
+    print(f"            {'sealed / plain':<36} {rw:9.2f} {rr:9.2f}")
+    print(f"AES-256-GCM alone, one {a.value >> 20} MiB value, one thread: seal {cipher['seal_MBps']:.0f} MB/s, "
+          f"open {cipher['open_MBps']:.0f} MB/s")
+    if a.json:
+        write_json(a.json, {"args": {k: v for k, v in vars(a).items() if k != "json"}, "store": med,
+                            "ratio": {"put": rw, "read": rr}, "cipher": cipher,
+                            "rounds": runs})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--total", default="256MiB")
@@ -266,6 +319,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="64 MiB, 2 reps")
     ap.add_argument("--json", default="")
+    ap.add_argument("--sealed", action="store_true", help="only the store, plain against sealed (ratios)")
+    ap.add_argument("--rounds", type=int, default=3, help="--sealed: plain/sealed alternations")
     a = ap.parse_args()
     if a.quick:
         a.total, a.reps = "64MiB", 2
@@ -277,6 +332,11 @@ def main() -> None:
         sys.exit(f"bench/remote.py: {why}")
     import redis.utils
 
+    if a.sealed:
+        print(f"redis-py {redis.__version__}, total {a.total >> 20} MiB, sequences {a.seq >> 20} MiB, values "
+              f"{a.value >> 20} MiB, inflight {a.inflight}, median of {a.reps} x {a.rounds} rounds")
+        main_sealed(a)
+        return
     print(f"redis-py {redis.__version__} (hiredis: {redis.utils.HIREDIS_AVAILABLE}), "
           f"total {a.total >> 20} MiB, values {a.value >> 20} MiB, pipelines {a.pipeline >> 20} MiB, "
           f"inflight {a.inflight}, median of {a.reps}")
