@@ -297,9 +297,16 @@ class Sealer:
         self.current = key_id(keys[0])
         self._aead = {key_id(k): AESGCM(bytes(k)) for k in reversed(keys)}
 
-    def seal(self, kind: int, rkey: str, plain: bytes) -> bytes:
+    def seal(self, kind: int, rkey: str, plain: bytes) -> bytes | memoryview:
         head = SEAL_HEADER.pack(SEAL_MAGIC, SEAL_VERSION, kind, 0, self.current, os.urandom(12))
-        return head + self._aead[self.current].encrypt(head[-12:], plain, head + rkey.encode())
+        aead, ad = self._aead[self.current], head + rkey.encode()
+        if not hasattr(aead, "encrypt_into"):  # cryptography < 45
+            return head + aead.encrypt(head[-12:], plain, ad)
+        # Straight into the value: no copy of a ciphertext to prepend the header.
+        out = bytearray(len(head) + len(plain) + 16)
+        out[:len(head)] = head
+        aead.encrypt_into(head[-12:], plain, ad, memoryview(out)[len(head):])
+        return memoryview(out)
 
     def open(self, kind: int, rkey: str, raw: bytes | memoryview) -> tuple[bytes, bool]:
         """(plain value, whether it was sealed with an old key), or ``DataLoss``."""
@@ -375,7 +382,7 @@ class RemoteStore:
 
     # -- sealing -----------------------------------------------------------------
 
-    def _seal(self, kind: int, rkey: str, plain: bytes) -> bytes:
+    def _seal(self, kind: int, rkey: str, plain: bytes) -> bytes | memoryview:
         return plain if self._sealer is None else self._sealer.seal(kind, rkey, plain)
 
     def _open(self, kind: int, rkey: str, raw: bytes) -> bytes:

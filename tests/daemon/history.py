@@ -979,8 +979,11 @@ class _Redis:
         key = rng.choice(keys)
         t0 = time.monotonic()
         self.server.cli("del", key)
-        tenant = key.split(":t:", 1)[1].split(":", 1)[0] if ":t:" in key else ""
-        return Event("remote_loss", t0, time.monotonic(), key=f"{tenant}/{key.rsplit(':m:', 1)[1]}",
+        from kvpark.daemon.model import NS_SEP
+
+        # NS:t:<tenant>:m:<tenant><SEP><id> (a tenant's), NS:o:m:<id> (an open daemon's)
+        tenant, _, bare = key.rsplit(":m:", 1)[1].rpartition(NS_SEP)
+        return Event("remote_loss", t0, time.monotonic(), key=f"{tenant}/{bare}",
                      what=f"deleted {key} behind the daemon")
 
     def stop(self) -> None:
