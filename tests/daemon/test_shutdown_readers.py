@@ -27,6 +27,8 @@ from kvpark.daemon.server import Daemon
 from kvpark.proto.errors import Unavailable
 from kvpark.tiers.disk import DiskStore, ReadTxn
 
+from ..conftest import wait_until
+
 
 class _StalledReads(DiskStore):
     stall = threading.Event()  # set: reads wait for ``go``
@@ -71,7 +73,10 @@ def test_shutdown_waits_for_a_disk_read_that_outlived_the_drain(
     data = torch.arange(1 << 22, dtype=torch.int32)  # 16 MiB: past inline_max, so streamed
     with Client(d.address, transport="inline") as c:
         c.park("s", [data])
-        assert eng.mover.demote("s", "host")  # on disk only: the restore reads LMDB
+        # On disk only, so the restore reads LMDB (the maintenance pass may have demoted it
+        # already: a 16 MiB park is past the host tier's high mark).
+        eng.mover.demote("s", "host")
+        assert wait_until(lambda: c.info("s").tier == "disk", timeout=30)
     got: list[object] = []
     stopped = threading.Event()
 
