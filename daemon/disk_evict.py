@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 from kvpark.proto.errors import KVParkError
 from kvpark.tiers.remote import GONE
 
+from . import remote_moves
 from .model import Seq
 
 if TYPE_CHECKING:
@@ -158,16 +159,10 @@ def disk_to_remote(mover: "Mover", victim: Seq | str) -> bool:
                 mover.remote.put_begin(m)
             written = False
             try:
-                with mover.disk.read_txn() as r:
-                    mover.remote.put(m, [r.read_block(m, i, n) for i, n in enumerate(m.block_lengths)])
+                remote_moves.put_disk_copy(mover, m)
                 written = True
             finally:
-                with mover.catalog.lock:
-                    stale = seq.dropped
-                    seq.on_remote = written and not stale
-                    mover.remote.put_end(m)
-                if stale:  # dropped or overwritten meanwhile: its drop's delete may have run first
-                    mover.remote.forget([m])
+                stale = remote_moves.end_copy(mover, seq, written)
             if stale:
                 return False
             mover.moved("disk", "remote", t0)

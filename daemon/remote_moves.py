@@ -16,6 +16,9 @@ Primitives:
 - ``remote_guard(mover, seq, read) -> T``: run a remote read; NotFound/DataLoss retire ``seq``
   (and delete the local disk copies of the shared blocks that leaves unreferenced).
 - ``copy_to_remote(mover, seq)``: copy ``seq`` (from memory, else from disk) to remote.
+- ``put_disk_copy(mover, manifest)``: a generation to Redis from its disk records;
+  ``end_copy(mover, seq, written) -> bool`` (dropped meanwhile): ends a copy that
+  ``RemoteTier.put_begin`` announced (also the disk eviction's, ``disk_evict.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from kvpark.proto.errors import DataLoss, NotFound
+from kvpark.tiers.disk import Manifest
 
 from .model import Seq
 
@@ -106,17 +110,35 @@ def copy_to_remote(mover: "Mover", seq: Seq) -> None:
             assert alloc is not None
             mover.remote.put(m, mover.tiers[src].views(alloc))
         else:
-            with mover.disk.read_txn() as r:
-                mover.remote.put(m, [r.read_block(m, i, n) for i, n in enumerate(m.block_lengths)])
+            put_disk_copy(mover, m)
         written = True
     finally:
-        with mover.catalog.lock:
-            if src is not None:
+        if src is not None:
+            with mover.catalog.lock:
                 mover.catalog.copy_end(seq)
                 mover.catalog.release_dropped(seq)
                 mover.catalog.notify()
-            stale = seq.dropped
-            seq.on_remote = written and not stale
-            mover.remote.put_end(m)
-        if stale:  # dropped or overwritten while it was copied: its drop's delete may have run first
-            mover.remote.forget([m])
+        end_copy(mover, seq, written)
+
+
+def put_disk_copy(mover: "Mover", m: Manifest) -> None:
+    """Write generation ``m`` to Redis from its disk records (verified as they are read)."""
+    assert mover.remote is not None
+    with mover.disk.read_txn() as r:
+        mover.remote.put(m, [r.read_block(m, i, n) for i, n in enumerate(m.block_lengths)])
+
+
+def end_copy(mover: "Mover", seq: Seq, written: bool) -> bool:
+    """End a copy of ``seq`` to Redis that ``RemoteTier.put_begin`` announced: it is known
+    there if it was written and is still indexed; one dropped or overwritten meanwhile is
+    forgotten again (its drop's delete may have run before the copy landed). Returns
+    whether it was dropped meanwhile."""
+    assert mover.remote is not None
+    m = seq.manifest
+    with mover.catalog.lock:
+        stale = seq.dropped
+        seq.on_remote = written and not stale
+        mover.remote.put_end(m)
+    if stale:
+        mover.remote.forget([m])
+    return stale

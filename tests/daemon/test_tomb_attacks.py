@@ -19,6 +19,7 @@ from kvpark.daemon.server import Daemon
 from ..conftest import wait_until
 from ..redis_servers import RedisServer
 from .test_remote_tier import _keys, _new_ns, _own_dirs, _remote, _synced, blob
+from .test_remote_tombstones import _hold_remote_queue
 
 
 def _gone(c: Client, seq_id: str) -> None:
@@ -92,20 +93,6 @@ def test_an_eviction_copy_whose_reply_was_lost_is_deleted_by_the_drop(
         assert c.drop("s")
         assert wait_until(lambda: _synced(c), timeout=30)
         _gone(c, "s")
-
-
-def _hold_remote_queue(d: Daemon) -> threading.Event:
-    """Occupy the remote tier's one background thread until the event is set."""
-    assert d.engine is not None and d.engine.remote is not None
-    go, running = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        running.set()
-        go.wait(60)
-
-    d.engine.remote.submit("held by the test", hold)
-    assert running.wait(10)
-    return go
 
 
 def test_a_lookup_that_read_the_manifest_before_the_delete_does_not_adopt_after_the_tombstone_goes(
