@@ -19,7 +19,8 @@ Primitives:
   while it ran; a failure is retried.
 - ``retry() -> int``: delete again what failed, and what no read lease reads any more
   (the maintenance pass); how many went.
-- ``pending``: records waiting for a retry; ``held()``: which (REQUIRES: index lock).
+- ``pending``: records waiting for a retry or being retried; ``held()``: which wait
+  (REQUIRES: index lock).
 - ``adoptable(manifests, deadline)``: adopting remote versions waits for the deletes
   under way of their generations (REQUIRES: index lock). A version adopted again under a
   retired one's generation (the same record keys) keeps its records: no delete of the
@@ -52,6 +53,10 @@ class Deletes:
         # Records still to delete: failed deletes (no Seq), and retired copies a read lease
         # still reads (their Seq: deleted once its disk readers are gone). REQUIRES: index lock.
         self._undeleted: list[tuple[Manifest, Seq | None]] = []
+        # Records a ``retry`` took out of ``_undeleted`` and is deleting now: still
+        # pending, so a caller waiting for ``pending == 0`` waits for their delete too.
+        # REQUIRES: index lock.
+        self._retrying = 0
 
     def delete(self, seq: Seq) -> None:
         with self.catalog.lock:
@@ -110,6 +115,7 @@ class Deletes:
                 (keep if twin is not None or s is not None and s.readers.get("disk") else todo).append((m, s))
             self._undeleted = keep
             self._busy.update((m.seq_id, m.gen) for m, _ in todo)
+            self._retrying += len(todo)
         try:
             for i, (m, _) in enumerate(todo):
                 try:
@@ -121,6 +127,8 @@ class Deletes:
                     return i
             return len(todo)
         finally:
+            with self.catalog.lock:
+                self._retrying -= len(todo)
             self._done([m for m, _ in todo])
 
     def adoptable(self, manifests: list[Manifest], deadline: float) -> None:
@@ -158,5 +166,6 @@ class Deletes:
 
     @property
     def pending(self) -> int:
+        """Records waiting for a retry, and those a retry is deleting now."""
         with self.catalog.lock:
-            return len(self._undeleted)
+            return len(self._undeleted) + self._retrying

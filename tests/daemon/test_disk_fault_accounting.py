@@ -171,3 +171,55 @@ def test_a_retried_delete_never_removes_the_same_version_adopted_again_from_the_
         assert wait_until(lambda: e.deletes.pending == 0)
         assert int(c.restore("x")[0][0]) == 1  # before the fix: DataLoss, record missing
     e.check_invariants()
+
+
+class _SlowDeleteOfX(DiskStore):
+    """A delete of ``x`` waits for ``go`` after announcing itself on ``held``."""
+
+    held = threading.Event()
+    go = threading.Event()
+    armed = False
+
+    def delete(self, m: Manifest, sync: bool = False) -> None:
+        if m.seq_id == "x" and _SlowDeleteOfX.armed:
+            _SlowDeleteOfX.held.set()
+            _SlowDeleteOfX.go.wait(30)
+        super().delete(m, sync)
+
+
+def test_a_retried_delete_under_way_still_counts_as_pending(daemon: Callable[..., Daemon]) -> None:
+    """``pending == 0`` means every record a failed delete left is gone. Found by CI: a
+    maintenance retry took the record off the list, and a caller that saw 0 scanned LMDB
+    before the retry's delete landed."""
+    _DeletesOfXFail.armed = False
+    _SlowDeleteOfX.held.clear()
+    _SlowDeleteOfX.go.clear()
+    _SlowDeleteOfX.armed = False
+
+    class Store(_SlowDeleteOfX, _DeletesOfXFail):
+        pass
+
+    d = daemon(disk_factory=Store, **{"policy.write": "write_through"})
+    e = d.engine
+    assert e is not None
+    with Client(d.address) as c:
+        c.park("x", [full(MiB, 1)])
+        _DeletesOfXFail.armed = True
+        with pytest.raises(Unavailable):
+            e.drop("x")
+        assert e.deletes.pending == 1
+        # Whichever retry runs next (this test's or the maintenance pass's) now waits
+        # inside its delete.
+        _SlowDeleteOfX.armed = True
+        _DeletesOfXFail.armed = False
+        t = threading.Thread(target=e.deletes.retry)
+        t.start()
+        try:
+            assert _SlowDeleteOfX.held.wait(30)
+            assert e.deletes.pending == 1  # before the fix: 0, with the record still in LMDB
+        finally:
+            _SlowDeleteOfX.go.set()
+            t.join(30)
+        assert wait_until(lambda: e.deletes.pending == 0)
+        assert e.disk.scan().manifests == {}
+    e.check_invariants()
