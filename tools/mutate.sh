@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A bounded mutation pass over daemon/ and tiers/ (`make mutate`; not part of `make test`).
+# A bounded mutation pass over daemon/, tiers/ and client/ (`make mutate`; not part of `make test`).
 #
 # cosmic-ray rewrites the source in place, one mutant at a time. It runs here in a scratch
 # copy of the tree, imported through a `kvpark` package of symlinks ahead of the editable
@@ -15,7 +15,8 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 mkdir -p "$out" "$work/_import/kvpark"
-cp -r "$root/daemon" "$root/tiers" "$root/proto" "$root/client" "$root/tests" "$root/docs" "$root/pyproject.toml" "$work/"
+cp -r "$root/daemon" "$root/tiers" "$root/proto" "$root/client" "$root/tests" "$root/docs" "$root/deploy" "$root/examples" \
+  "$root/pyproject.toml" "$work/"
 find "$work" -name __pycache__ -prune -exec rm -rf {} +
 for pkg in proto daemon client tiers; do ln -s "$work/$pkg" "$work/_import/kvpark/$pkg"; done
 cd "$work"
