@@ -80,7 +80,10 @@ def main() -> int:
     seq_bytes = (256 << 20) if args.small else 4 * GiB
     pool = (1 * GiB) if args.small else 5 * GiB  # room for one 4 GiB sequence per tier
     out: dict[str, object] = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
+                              "torch": torch.__version__, "cuda": torch.version.cuda,
+                              "date": time.strftime("%Y-%m-%d"),
+                              # a CPU run checks the script, not the GPU paths: its figures say so
+                              "cpu_dry_run": device.type != "cuda"}
 
     out["raw"] = raw_limits(device, min(seq_bytes, 1 * GiB), args.reps)
     with tempfile.TemporaryDirectory() as tmp:
@@ -93,6 +96,9 @@ def main() -> int:
         t0 = time.perf_counter()
         engine = Engine(cfg)
         out["engine_start_s"] = time.perf_counter() - t0
+        # Whether the arena really is page-locked: if not, every "async" copy is synchronous
+        # and the figures below are not the pinned path's.
+        out["arena_pinned"] = engine.arena_pinned
         engine.start()
         t = timer(device)
         try:
