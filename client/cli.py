@@ -34,6 +34,7 @@ from kvpark.proto import VERSION
 from kvpark.proto.errors import KVParkError
 from kvpark.proto.types import SeqInfo, Stat
 
+from .address import normalize
 from .client import DEFAULT_ADDRESS, Client, tls_from_env
 from .rpc import open_channel
 
@@ -83,7 +84,10 @@ def _health(args: argparse.Namespace) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    address = _address(args)
+    try:
+        address = normalize(_address(args))
+    except KVParkError as e:
+        return _fail(e)
     with open_channel(address, **tls_from_env()) as ch:
         try:
             resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""),

@@ -69,6 +69,7 @@ from kvpark.proto.types import SeqInfo, Stat
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.tiers import cuda
 
+from .address import normalize
 from .payload import as_tensors, byte_view, check_into
 from .rpc import Rpc
 from . import verify as verifying
@@ -132,7 +133,7 @@ class Client:
                  tls_key: str | bytes | None = None, verify: bool | None = None) -> None:
         if transport not in TRANSPORT_NAMES:
             raise InvalidArgument(f"transport must be one of {', '.join(TRANSPORT_NAMES)}, got {transport!r}")
-        self.address = address or os.environ.get("KVPARK_ADDRESS") or DEFAULT_ADDRESS
+        self.address = normalize(address or os.environ.get("KVPARK_ADDRESS") or DEFAULT_ADDRESS)
         token = token if token is not None else os.environ.get(TOKEN_ENV) or None
         self.verify = verifying.from_env(verify)
         self.rpc = Rpc(self.address, timeout, token=token, **tls_from_env(tls_ca, tls_cert, tls_key))
