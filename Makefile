@@ -45,8 +45,9 @@ $(VSTAMP): pyproject.toml
 
 install: $(STAMP)
 
+# `make serve ARGS="--set metrics.listen= --set tiers.host.capacity=256MiB"` passes ARGS on.
 serve: $(SERVE_STAMP)
-	$(BIN)/kvpark serve
+	$(BIN)/kvpark serve $(ARGS)
 
 test: test-core test-vllm
 
@@ -65,8 +66,9 @@ bench: $(STAMP)
 bench-plot: $(STAMP)
 	$(BIN)/kvpark bench --out bench-out
 
-# A bounded mutation pass (cosmic-ray) over daemon/ and tiers/ with the fast tests; not part of
-# `make test`. MUTATE_SAMPLE=N mutants (default 60), MUTATE_SEED; see docs/testing.md.
+# A bounded mutation pass (cosmic-ray) over daemon/, tiers/ and client/ with the fast tests; not
+# part of `make test`. MUTATE_SAMPLE=N mutants (default 60), MUTATE_SEED, MUTATE_JOBS (parallel
+# shards); see docs/testing.md.
 mutate: $(STAMP)
 	$(BIN)/pip install -q -e '.[dev,bench,mutate,remote]'
 	tools/mutate.sh

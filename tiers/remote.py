@@ -483,7 +483,7 @@ class RemoteStore:
 
     def _ok(self) -> None:
         if self.breaker.success():
-            log.warning("remote tier resumed")
+            log.info("remote tier resumed")  # good news: the outage's start was the warning
 
     def _ttl_ms(self) -> int | None:
         return int(self.opts.ttl_s * 1000) if self.opts.ttl_s > 0 else None

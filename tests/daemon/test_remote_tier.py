@@ -9,6 +9,7 @@ value; TTL expiry; namespace isolation.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 from pathlib import Path
 from typing import Callable
@@ -157,6 +158,7 @@ def test_cluster_node_restarted_mid_run(tmp_path: Path, daemon: Callable[..., Da
 
 def test_redis_killed_mid_run(daemon: Callable[..., Daemon], fresh_redis: RedisServer, capsys: pytest.CaptureFixture,
                               caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="kvpark")  # "resumed" is good news: INFO, not WARNING
     ns = _new_ns()
     d = daemon(**_remote(fresh_redis.url, ns))
     with Client(d.address, transport="inline") as c:
@@ -187,7 +189,7 @@ def test_redis_killed_mid_run(daemon: Callable[..., Daemon], fresh_redis: RedisS
 
         assert wait_until(resumed, timeout=60, interval=0.3)
         assert c.stat().remote.state == "closed"
-        assert any("remote tier resumed" in r.getMessage() for r in caplog.records)
+        assert any("remote tier resumed" in r.getMessage() and r.levelno == logging.INFO for r in caplog.records)
         assert cli_main(["stat", "--address", d.address]) == 0
         assert "remote   ok" in capsys.readouterr().out
 
