@@ -69,12 +69,9 @@ def _serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     try:
         daemon = Daemon(cfg).start()
-    except StartupError as e:
+    except (StartupError, OSError) as e:  # refusals, in one line each: exit 2
         print(f"kvpark: cannot start: {e}", file=sys.stderr)
         return 2
-    except OSError as e:
-        log.error("cannot start: %s", e)
-        return 1
     while not stop.wait(0.5):
         pass
     daemon.stop()

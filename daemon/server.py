@@ -69,6 +69,30 @@ def grpc_options(chunk_size: int | None = None) -> list[tuple[str, int]]:
     return opts
 
 
+def _cannot_listen(listen: str, why: str) -> str:
+    return (f"server.listen = {listen}: cannot listen there ({why}); another kvpark daemon may hold it: choose "
+            "another with --listen HOST:PORT or --set server.listen=HOST:PORT (port 0 picks a free one)")
+
+
+def _probe(listen: str) -> None:
+    """Bind ``listen`` once ourselves, as gRPC will (SO_REUSEADDR), and refuse in words
+    if that fails: gRPC's own refusal is a raw C-core log line and a hint about its
+    debug log, and its log level is fixed before this module can set it."""
+    host, _, port = listen.rpartition(":")
+    host = host.strip("[]") or None
+    try:
+        infos = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (OSError, ValueError) as e:
+        raise StartupError(_cannot_listen(listen, f"not an address here: {e}")) from None
+    for family, kind, proto, _, addr in infos:
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind(addr)
+            except OSError as e:
+                raise StartupError(_cannot_listen(listen, e.strerror or str(e))) from None
+
+
 def _restrict_socket(listen: str, group: str) -> None:
     """Exactly 0600 (owner only), or 0660 with ``group``, before the server starts serving.
     A unix socket's mode is what guards connect()."""
@@ -116,18 +140,20 @@ class Daemon:
             # A unix socket is created owner-only (umask 177): no moment exists in which
             # another user could connect. (The umask is the process's; it only narrows.)
             old_umask = os.umask(0o177) if listen.startswith("unix:") else None
+            if not listen.startswith("unix:"):
+                _probe(listen)
             try:
                 port = server.add_insecure_port(listen) if creds is None else server.add_secure_port(listen, creds)
-            except RuntimeError as e:
-                raise OSError(f"cannot listen on {listen}: {e}") from None
+            except RuntimeError:
+                port = 0
             finally:
                 if old_umask is not None:
                     os.umask(old_umask)
+            if port == 0:
+                raise StartupError(_cannot_listen(listen, "gRPC could not bind it"))
             if listen.startswith("unix:"):
                 _restrict_socket(listen, self.config.server.socket_group)
             if not listen.startswith("unix:"):
-                if port == 0:
-                    raise OSError(f"cannot listen on {listen} (address in use or invalid)")
                 listen = re.sub(r":0$", f":{port}", listen)
             self.address = listen
             # Bound before serving: a busy metrics port refuses the start instead of

@@ -143,8 +143,9 @@ def test_a_second_daemon_on_the_same_data_dir_is_refused(proc: Callable[..., Pro
                         "--set", "metrics.listen=",
                         "--set", f"tiers.host.shm_dir={tmp_path / 'shm2'}"],
                        capture_output=True, text=True, env=env, timeout=60)
-    assert r.returncode == 1
+    assert r.returncode == 2  # a start-up refusal, in one line
     assert "in use by another kvpark daemon" in r.stderr and str(p.popen.pid) in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("kvpark: cannot start: "), r.stderr
     assert not list((tmp_path / "shm2").glob("*.arena")), "nothing left behind by the refused daemon"
     with Client(p.address) as c:  # the first one is unaffected
         c.park("ok", [torch.ones(2)])

@@ -59,8 +59,11 @@ def test_busy_port_is_reported_before_the_arena_is_mapped(tmp_path: Path) -> Non
              "--data-dir", str(tmp_path / "disk"), "--set", f"tiers.host.shm_dir={tmp_path / 'shm'}",
              "--set", "tiers.host.capacity=64MiB", "--set", "metrics.listen="],
             capture_output=True, text=True, env=env, timeout=120)
-    assert r.returncode != 0
-    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr, r.stderr
+    assert r.returncode == 2
+    # One line in words: the key, the address, what to do; no gRPC C-core log line.
+    assert r.stderr.strip().splitlines() == [r.stderr.strip()], r.stderr
+    assert f"server.listen = 127.0.0.1:{port}: cannot listen there" in r.stderr, r.stderr
+    assert "--listen HOST:PORT" in r.stderr and "GRPC_VERBOSITY" not in r.stderr
     assert "host arena" not in r.stderr and "Traceback" not in r.stderr
     assert list((tmp_path / "shm").iterdir()) == []
 
