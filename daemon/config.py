@@ -554,11 +554,49 @@ def load(
             raise ConfigError(f"config file {path} does not exist") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {path}: {e}") from None
+    # Where each key not from the file came from: an error about it names its source, so a
+    # typo in an environment variable is not reported as if it were in the file.
+    sources: dict[str, str] = {}
     for k, v in _env_overrides(os.environ if env is None else env).items():
+        sources[k] = f"environment variable KVPARK__{'__'.join(p.upper() for p in k.split('.'))}"
+        _check_key(k, sources[k])
         _set_dotted(tree, k, v)
     for k, v in (overrides or {}).items():
+        sources[k] = f"--set {k}"
+        _check_key(k, sources[k])
         _set_dotted(tree, k, v)
-    return _resolve(_build(Config, tree, ""))
+    try:
+        return _resolve(_build(Config, tree, ""))
+    except ConfigError as e:
+        msg = str(e)
+        for k in sorted(sources, key=len, reverse=True):
+            if msg.startswith((k + ":", k + " ")):
+                raise ConfigError(f"{msg} (set by {sources[k]})") from None
+        raise
+
+
+def _check_key(dotted: str, source: str) -> None:
+    """Refuse a key the config tree does not have, naming ``source`` (tenant tables are
+    named by the operator: their keys are checked where they are built)."""
+    cls: Any = Config
+    parts = dotted.split(".")
+    for i, part in enumerate(parts):
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        f = fields.get(part)
+        if f is None:
+            where = ".".join(parts[:i]) or "the top level"
+            raise ConfigError(f"unknown key {dotted} (set by {source}); valid keys in {where}: "
+                              f"{', '.join(sorted(fields))}")
+        if f.metadata.get("tenants"):
+            return
+        hint = typing.get_type_hints(cls)[part]
+        if not _is_section(hint):
+            if i != len(parts) - 1:
+                raise ConfigError(f"unknown key {dotted} (set by {source}): {'.'.join(parts[:i + 1])} is a value, "
+                                  "not a section")
+            return
+        cls = hint
+    raise ConfigError(f"{dotted} (set by {source}) is a section, not a key: name one of its keys")
 
 
 def reference() -> list[tuple[str, Any, str]]:

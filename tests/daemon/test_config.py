@@ -46,8 +46,8 @@ def test_env_then_overrides(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "overrides,match",
     [
-        ({"tiers.host.capcity": "1GiB"}, r"tiers\.host\.capcity.*valid keys: capacity, group, high_watermark, low_watermark, prefault, shm_dir, slot_size"),
-        ({"polcy.write": "x"}, r"unknown key polcy.*valid keys: copy, leases, metrics, policy, server, tenants, tiers"),
+        ({"tiers.host.capcity": "1GiB"}, r"tiers\.host\.capcity \(set by --set tiers.host.capcity\); valid keys in tiers.host: capacity, group, high_watermark, low_watermark, prefault, shm_dir, slot_size"),
+        ({"polcy.write": "x"}, r"unknown key polcy.*valid keys in the top level: copy, leases, metrics, policy, server, tenants, tiers"),
         ({"policy.write": "sometimes"}, r"policy\.write.*write_back, write_through"),
         ({"policy.eviction": "mru"}, r"policy\.eviction.*lru"),
         ({"tiers.host.capacity": "lots"}, r"tiers\.host\.capacity.*64MiB"),
@@ -60,6 +60,22 @@ def test_env_then_overrides(tmp_path: Path) -> None:
 def test_bad_config_names_the_key(overrides: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         load(env={}, overrides=overrides)
+
+
+@pytest.mark.parametrize("env, words", [
+    ({"KVPARK__TIERS__HOST__CAPACTY": "1GiB"},
+     "unknown key tiers.host.capacty (set by environment variable KVPARK__TIERS__HOST__CAPACTY); valid keys in "
+     "tiers.host: capacity,"),
+    ({"KVPARK__TIERS__HOST__CAPACITY": "lots"},
+     "(set by environment variable KVPARK__TIERS__HOST__CAPACITY)"),
+    ({"KVPARK__TIERS__HOST": "1GiB"}, "tiers.host (set by environment variable KVPARK__TIERS__HOST) is a section"),
+])
+def test_a_bad_environment_variable_is_named_as_such_not_as_the_file(tmp_path: Path, env: dict, words: str) -> None:
+    good = tmp_path / "kvpark.toml"
+    good.write_text("[tiers.host]\ncapacity = \"64MiB\"\n")
+    with pytest.raises(ConfigError) as e:
+        load(good, env=env)
+    assert words in str(e.value) and str(good) not in str(e.value)
 
 
 def test_missing_and_broken_files(tmp_path: Path) -> None:
