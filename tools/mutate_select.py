@@ -1,0 +1,167 @@
+"""Run, for one mutant, only the fast tests that execute the mutated code (used by
+tools/mutate.sh; cosmic-ray calls ``run`` as its test command).
+
+Each mutant used to run the whole fast subset (about 2 minutes, far more on busy cores),
+and every survivor paid all of it: 200 mutants did not fit a sitting. The baseline now
+runs the subset once under coverage, with each test's node id as its coverage context,
+and each mutant runs the tests whose context executed a mutated line.
+
+The selection errs towards running more, never fewer:
+- a mutated line outside any function body (module or class level, a default argument,
+  a decorator) ran at import, once, for whichever test imported it first: it gets the
+  whole subset;
+- a line executed outside any test's context (at collection, in a child process, or by
+  a background thread between tests) gets the whole subset;
+- a line of a file the subset executes in part, but not this line: a child process
+  killed by its test (``SIGKILL`` leaves no coverage data) may have run it, so the tests
+  that start child processes (``SPAWNING``) run;
+- a file the subset never executes cannot change what it observes: the mutant survives
+  without a run, and the output says so ("no fast test executes ...").
+
+Primitives:
+- ``SUBSET``: the fast tests, in the order they run.
+- ``baseline OUT``: the subset under coverage (contexts per test) into ``OUT/.coverage``;
+  fails as the subset fails.
+- ``run``: find the mutated file and lines (against the pristine copy in ``.pristine/``),
+  select, run; exit status as pytest's.
+- the pytest plugin (``-p mutate_select``): switches the coverage context per test.
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+SUBSET = [
+    "tests/tiers", "tests/daemon/test_config.py", "tests/daemon/test_safety_net.py",
+    "tests/daemon/test_regressions.py", "tests/daemon/test_disk_io_outside_locks.py",
+    "tests/daemon/test_roundtrip.py", "tests/daemon/test_errors.py", "tests/daemon/test_spill.py",
+    "tests/daemon/test_integrity_commit.py", "tests/daemon/test_attack_findings.py",
+    "tests/daemon/test_remote_tombstones.py", "tests/daemon/test_tomb_attacks.py",
+    "tests/client/test_bad_input.py", "tests/client/test_transport.py", "tests/client/test_cut_short.py",
+    "tests/client/test_verify.py",
+]
+# The subset's tests that start child processes (daemons, clients) and may kill them.
+SPAWNING = ["tests/tiers/test_remote_promises.py", "tests/daemon/test_remote_tombstones.py",
+            "tests/client/test_transport.py", "tests/client/test_cut_short.py"]
+PACKAGES = ("daemon", "tiers", "client")
+PYTEST = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "--timeout", "90"]
+
+
+# ---------------------------------------------------------------- the pytest plugin
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: Any) -> Iterator[None]:
+    import coverage
+
+    cov = coverage.Coverage.current()
+    if cov is not None:
+        cov.switch_context(item.nodeid)
+    yield
+    if cov is not None:
+        cov.switch_context("")  # between tests: whatever still runs selects the whole subset
+
+
+# ---------------------------------------------------------------- baseline
+
+def baseline(out: str) -> int:
+    rc_file = Path(out) / ".coveragerc"
+    rc_file.write_text("[run]\nbranch = false\nsource = daemon,tiers,client\npatch = subprocess\n"
+                       f"data_file = {Path(out) / '.coverage'}\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")]))
+    rc = subprocess.call([sys.executable, "-m", "coverage", "run", f"--rcfile={rc_file}", "-m",
+                          *PYTEST[2:], "-p", "mutate_select", *SUBSET], env=env)
+    # Child processes write their own data files (parallel mode): one file for all.
+    return rc or subprocess.call([sys.executable, "-m", "coverage", "combine", "-q", f"--rcfile={rc_file}"])
+
+
+# ---------------------------------------------------------------- one mutant
+
+def _mutated() -> tuple[str, list[int]] | None:
+    """(path, changed line numbers of the original) of the one file that differs."""
+    for pkg in PACKAGES:
+        for p in sorted(Path(pkg).rglob("*.py")):
+            orig = Path(".pristine") / p
+            if not orig.exists():
+                continue
+            a, b = orig.read_text().splitlines(), p.read_text().splitlines()
+            if a == b:
+                continue
+            lines: list[int] = []
+            for tag, i1, i2, _j1, _j2 in difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes():
+                if tag != "equal":
+                    lines.extend(range(i1 + 1, max(i2, i1 + 1) + 1))
+            return str(p), lines
+    return None
+
+
+def _in_function_body(source: str, lines: list[int]) -> bool:
+    """Every line lies inside some function's body (not its signature or decorators)."""
+    bodies: list[tuple[int, int]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            body = node.body if isinstance(node.body, list) else [node.body]
+            bodies.append((body[0].lineno, max(getattr(s, "end_lineno", s.lineno) or s.lineno for s in body)))
+    return all(any(a <= n <= b for a, b in bodies) for n in lines)
+
+
+def select(path: str, lines: list[int], data_file: str) -> list[str] | None:
+    """The tests to run; ``None``: the whole subset; ``[]``: no test executes the file."""
+    if not _in_function_body(Path(".pristine", path).read_text(), lines):
+        return None
+    import coverage
+
+    data = coverage.CoverageData(basename=data_file)
+    data.read()
+    want = os.path.realpath(path)
+    measured = next((f for f in data.measured_files() if os.path.realpath(f) == want), None)
+    if measured is None:
+        return []
+    by_line = data.contexts_by_lineno(measured)
+    ctx: set[str] = set()
+    for n in lines:
+        ctx.update(by_line.get(n, []))
+    if "" in ctx:
+        return None
+    if not ctx:
+        return list(SPAWNING)
+    return sorted(ctx, key=_order)
+
+
+def _order(nodeid: str) -> tuple[int, str]:
+    f = nodeid.split("::", 1)[0]
+    return next((i for i, s in enumerate(SUBSET) if f == s or f.startswith(s + "/")), len(SUBSET)), nodeid
+
+
+def run() -> int:
+    found = _mutated()
+    data_file = os.environ["MUTATE_COVERAGE"]
+    if found is None:
+        print("mutate_select: no mutated file found: the whole subset runs")
+        tests: list[str] | None = None
+    else:
+        path, lines = found
+        tests = select(path, lines, data_file)
+        if tests == []:
+            print(f"mutate_select: no fast test executes {path}")
+            return 0
+        print(f"mutate_select: {path}:{','.join(map(str, lines))}: "
+              + ("the whole subset" if tests is None else f"{len(tests)} test(s)"))
+    sys.stdout.flush()
+    return subprocess.call([*PYTEST, *(SUBSET if tests is None else tests)])
+
+
+if __name__ == "__main__":
+    cmd, *rest = sys.argv[1:]
+    if cmd == "baseline":
+        sys.exit(baseline(rest[0]))
+    if cmd == "run":
+        sys.exit(run())
+    sys.exit(f"unknown command {cmd!r}: baseline OUT | run")
