@@ -236,20 +236,26 @@ def _watch(args: argparse.Namespace) -> int:
 def _info(args: argparse.Namespace) -> int:
     def run(c: Client) -> int:
         s = c.info(args.seq_id)
-        d = _seq_json(s, time.time())
+        now = time.time()
+        d = _seq_json(s, now)
         d["tensors"] = [{"dtype": m.dtype, "shape": list(m.shape), "nbytes": m.nbytes} for m in s.tensors]
         d["attrs"], d["refs"] = s.attrs, list(s.refs)
         if args.json:
             print(json.dumps(d, indent=2))
             return 0
+        # The JSON keeps machine units (seconds, epoch); people get durations and times.
+        labels = {"ttl_s": "expires in", "age_s": "age", "last_access": "last access"}
         for k, v in d.items():
             if k == "nbytes":
                 v = f"{v} ({_human(v)})"
-            elif k in ("ttl_s", "age_s") and v is not None:
-                v = _duration(v)
+            elif k in ("ttl_s", "age_s"):
+                v = "never" if v is None and k == "ttl_s" else "-" if v is None else _duration(v)
+            elif k == "last_access":
+                v = "-" if not v else (f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(v))} "
+                                       f"({_duration(now - v)} ago)")
             elif k == "tensors":
                 v = ", ".join(f"{m['dtype']}{m['shape']}" for m in v)
-            print(f"{k:<12} {v}")
+            print(f"{labels.get(k, k):<12} {v}")
         return 0
 
     return _client_call(args, run)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -82,6 +83,15 @@ def test_info_drop_pin_unpin_flush(daemon: Callable[..., Daemon], capsys: pytest
     d = daemon()
     with Client(d.address) as c:
         c.park("x", [torch.ones(4, 8)])
+        c.park("t", [torch.ones(2)], ttl_s=3600)
+    rc, out, _ = run(capsys, "info", "t", "--address", d.address)
+    # People read durations and local times, not seconds and epochs (--json keeps those).
+    assert rc == 0 and re.search(r"^expires in +(59|60)m$", out, re.M), out
+    assert re.search(r"^last access +\d{4}-\d\d-\d\d \d\d:\d\d:\d\d \(\d+s ago\)$", out, re.M), out
+    rc, out, _ = run(capsys, "info", "x", "--address", d.address)
+    assert rc == 0 and re.search(r"^expires in +never$", out, re.M), out
+    with Client(d.address) as c:
+        assert c.drop("t")
     rc, out, _ = run(capsys, "info", "x", "--json", "--address", d.address)
     doc = json.loads(out)
     assert rc == 0 and doc["tier"] == "host" and doc["tensors"] == [{"dtype": "float32", "shape": [4, 8],
