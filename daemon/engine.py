@@ -168,6 +168,8 @@ class Engine:
             maintenance.reconcile(self)  # versions a crash left without their shared blocks
 
     def start(self) -> None:
+        if self.remote is not None:
+            self.remote.probe()
         self._thread = threading.Thread(target=maintenance.maintain, args=(self,), name="kvpark-maintain",
                                         daemon=True)
         self._thread.start()

@@ -66,6 +66,7 @@ def maintain(engine: "Engine") -> None:
             engine.mover.retry_deletes()
             if engine.remote is not None:
                 engine.remote.retry_forgets()  # dropped versions Redis has not confirmed deleted
+                engine.remote.heal()  # a Redis that is back shows as healthy without waiting for work
             with cat.lock:
                 cat.order.compact()  # touches without evictions leave stale heap entries
             moved = engine.mover.relieve()

@@ -39,6 +39,8 @@ Primitives:
   ``retry_forgets()``: resubmit the deletes that failed; ``load_tombs(durable)`` at start.
 - ``put_begin(manifest)`` (REQUIRES: index lock), ``put_end(manifest)``: around a copy
   to Redis that a drop may overtake.
+- ``probe()`` at start: one ping; down means a warning and a degraded ``stat``;
+  ``heal()`` (maintenance): a ping while half-open, so recovery shows without work.
 - ``stat(sequences) -> RemoteStat``; ``close()``.
 """
 
@@ -299,6 +301,24 @@ class RemoteTier:
                     self._delete_later(m)
 
         self.submit(f"delete of {m.seq_id!r}", run)
+
+    def probe(self) -> None:
+        """Ping Redis once at start: a wrong URL or a Redis that is down is a warning now,
+        and ``stat`` says degraded until it answers, not at the first eviction."""
+        why = self.store.probe()
+        if why is not None:
+            log.warning("remote tier: %s does not answer at start (%s): sequences stay local until it does; "
+                        "`kvpark stat` shows the remote tier DEGRADED meanwhile", self.store.opts.url.split("@")[-1],
+                        why)
+
+    def heal(self) -> None:
+        """While the breaker is half-open and nothing else calls Redis, ping it (through
+        the breaker), so a Redis that is back shows as healthy without waiting for work."""
+        if self.store.breaker.state == "half_open":
+            try:
+                self.store.ping()
+            except KVParkError:
+                pass  # still down: the breaker opened again
 
     def retry_forgets(self) -> int:
         """Resubmit the deletes of tombstoned versions that failed (at most every

@@ -10,6 +10,8 @@ Primitives:
 - ``allow() -> bool``: may a call go out now? (In half-open, only one probe at a time.)
 - ``success()`` / ``failure() -> bool``: report the outcome; ``failure`` returns True when
   this failure opened the breaker (so the caller logs once per outage, not per call).
+- ``trip() -> bool``: open it now, whatever the count (a store found down by a probe);
+  True when it was closed.
 - ``state`` (``"closed"``, ``"open"``, ``"half_open"``), ``opened_count``.
 """
 
@@ -68,6 +70,16 @@ class Breaker:
             self._opened_at = None
             self._probing = False
             return was_open
+
+    def trip(self) -> bool:
+        """Open now (an outage counted), e.g. when a start-up probe finds the store down."""
+        with self._lock:
+            if self._opened_at is not None:
+                return False
+            self._opened_at = self._clock()
+            self._probing = False
+            self.opened_count += 1
+            return True
 
     def failure(self) -> bool:
         """Record a failure; True when it opened the breaker."""

@@ -783,6 +783,19 @@ class RemoteStore:
     def ping(self) -> bool:
         return bool(self._call("ping", lambda c: c.ping()))
 
+    def probe(self) -> str | None:
+        """One ping, outside the breaker's count: None when Redis answers, else why not,
+        with the breaker opened (stat says degraded until a later call succeeds)."""
+        try:
+            self._connect().ping()
+        except Exception as e:  # noqa: BLE001 - any failure to answer is the finding
+            with self._stat_lock:
+                self._errors += 1
+            self.breaker.trip()
+            return f"{type(e).__name__}: {e}"
+        self._ok()
+        return None
+
     def stats(self) -> RemoteStats:
         with self._stat_lock:
             return RemoteStats(state=self.breaker.state, errors=self._errors, refused=self._refused,

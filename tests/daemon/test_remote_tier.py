@@ -250,3 +250,26 @@ def test_overwrite_on_one_daemon_is_what_another_restores(tmp_path: Path, daemon
         assert ca.drop("v")
         assert wait_until(lambda: _synced(ca))
         assert _keys(redis_server, ns) == 0
+
+
+def test_a_redis_down_at_start_is_a_warning_and_degraded_until_it_answers(
+        daemon: Callable[..., Daemon], fresh_redis: RedisServer, caplog: pytest.LogCaptureFixture,
+        capsys: pytest.CaptureFixture) -> None:
+    ns = _new_ns()
+    fresh_redis.stop()
+    # Step 1: the daemon starts (a remote tier that is down is no reason to refuse), and
+    # says at once that Redis does not answer, naming it, not at the first eviction.
+    d = daemon(**_remote(fresh_redis.url, ns))
+    assert any("does not answer at start" in r.getMessage() and f":{fresh_redis.port}" in r.getMessage()
+               and r.levelno == logging.WARNING for r in caplog.records)
+    with Client(d.address, transport="inline") as c:
+        st = c.stat().remote
+        assert st is not None and st.state != "closed" and st.outages == 1
+        assert cli_main(["stat", "--address", d.address]) == 0
+        assert "DEGRADED" in capsys.readouterr().out
+        # Step 2: Redis comes back; with no park or eviction to call it, the maintenance
+        # pass's ping finds it, and stat says ok.
+        fresh_redis.restart()
+        assert wait_until(lambda: c.stat().remote.state == "closed", timeout=30)  # type: ignore[union-attr]
+        assert cli_main(["stat", "--address", d.address]) == 0
+        assert "remote   ok" in capsys.readouterr().out

@@ -130,6 +130,16 @@ def test_breaker_opens_after_failures_probes_after_cooldown_and_closes_on_succes
     assert b.success() is False
 
 
+def test_breaker_trip_opens_at_once_counts_one_outage_and_probes_after_cooldown():
+    now = [0.0]
+    b = Breaker(failures=3, cooldown_s=2.0, clock=lambda: now[0])
+    assert b.trip() is True and b.state == OPEN and b.opened_count == 1 and not b.allow()
+    assert b.trip() is False and b.opened_count == 1  # already open: not a second outage
+    now[0] = 2.0
+    assert b.state == HALF_OPEN and b.allow()
+    assert b.success() is True and b.state == CLOSED
+
+
 def test_breaker_success_resets_the_failure_count():
     b = Breaker(failures=2, cooldown_s=1.0, clock=lambda: 0.0)
     b.failure()
