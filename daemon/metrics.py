@@ -6,7 +6,12 @@ Primitives:
   histograms below; the per-tier gauges are read from ``stat_fn()`` at scrape time, so the
   engine needs no hook to keep them current.
 - Recording functions the servicer and the engine call: ``parked``, ``restored``, ``moved``,
-  ``evicted``, ``checksum_failure``, ``lease_expired``, ``error``.
+  ``evicted``, ``checksum_failure``, ``lease_expired``, ``error``, ``looked_up``.
+- The remote tier's state, failures, pending writes and bytes moved, read from
+  ``stat_fn()`` like the tier gauges; ``process_*`` (the process collector) and
+  ``kvpark_build_info{version}``. Counters have no ``*_created`` series, and each
+  labelled counter has its series from the start for every label value it can take
+  (a rate over a series that appears at its first event misses that event).
 - ``Metrics.render() -> bytes``: the text exposition format (what a scrape returns).
 - ``MetricsServer(metrics, listen, token_sha256="")``: ``start()`` serves ``/metrics`` on
   ``listen`` ("host:port", port 0 picks one; "" serves nothing); ``address`` is then the
@@ -31,11 +36,13 @@ import threading
 from typing import Any, Callable, Iterable, Iterator
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest, make_wsgi_app
+from prometheus_client import (CollectorRegistry, Counter, Histogram, Info, ProcessCollector,
+                               disable_created_metrics, generate_latest, make_wsgi_app)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import ThreadingWSGIServer
-from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvpark.proto import VERSION
 from kvpark.proto.errors import StartupError
 from kvpark.proto.types import Stat
 
@@ -51,9 +58,19 @@ NAMES = (
     "kvpark_sequences", "kvpark_leases", "kvpark_tenant_used_bytes", "kvpark_tenant_quota_bytes",
     "kvpark_parks_total", "kvpark_restores_total", "kvpark_park_bytes_total", "kvpark_restore_bytes_total",
     "kvpark_moves_total", "kvpark_evictions_total", "kvpark_checksum_failures_total",
-    "kvpark_lease_expiries_total", "kvpark_errors_total",
+    "kvpark_lease_expiries_total", "kvpark_errors_total", "kvpark_lookup_blocks_total",
     "kvpark_park_seconds", "kvpark_restore_seconds", "kvpark_move_seconds",
+    "kvpark_remote_state", "kvpark_remote_pending_writes", "kvpark_remote_errors_total",
+    "kvpark_remote_refused_total", "kvpark_remote_outages_total", "kvpark_remote_data_loss_total",
+    "kvpark_remote_written_bytes_total", "kvpark_remote_read_bytes_total", "kvpark_build_info",
 )
+
+# Every value each labelled counter can take, so each series exists from the start.
+TRANSPORTS = ("inline", "shm", "cuda_ipc")
+ERROR_CODES = ("INVALID_ARGUMENT", "NOT_FOUND", "ALREADY_EXISTS", "FAILED_PRECONDITION", "RESOURCE_EXHAUSTED",
+               "DATA_LOSS", "UNAUTHENTICATED", "PERMISSION_DENIED", "UNAVAILABLE", "DEADLINE_EXCEEDED",
+               "CANCELLED", "INTERNAL", "UNKNOWN")
+REMOTE_STATES = ("closed", "half_open", "open")
 
 
 class _TierCollector(Collector):
@@ -97,16 +114,39 @@ class _TierCollector(Collector):
                     t_quota.add_metric([ts.name, tier], n)
             yield t_used
             yield t_quota
+        r = st.remote
+        if r is not None:
+            state = GaugeMetricFamily("kvpark_remote_state", "The remote tier's circuit breaker: 1 for the state it "
+                                      "is in (closed = healthy; open = failing fast)", labels=["state"])
+            for name in REMOTE_STATES:
+                state.add_metric([name], 1.0 if r.state == name else 0.0)
+            yield state
+            yield GaugeMetricFamily("kvpark_remote_pending_writes", "Copies to the remote tier queued or running",
+                                    value=r.pending_writes)
+            for name, help_, v in (
+                    ("kvpark_remote_errors", "Remote calls that failed", r.errors),
+                    ("kvpark_remote_refused", "Remote calls refused at once by the open breaker", r.refused),
+                    ("kvpark_remote_outages", "Times the remote tier's breaker opened", r.outages),
+                    ("kvpark_remote_data_loss", "Remote values that failed their checks (deleted)", r.data_loss),
+                    ("kvpark_remote_written_bytes", "Bytes written to the remote tier", r.bytes_written),
+                    ("kvpark_remote_read_bytes", "Bytes read from the remote tier", r.bytes_read)):
+                yield CounterMetricFamily(name, help_, value=v)
 
 
 class Metrics:
     def __init__(self, stat_fn: Callable[[], Stat] | None = None) -> None:
+        # No ``*_created`` series beside each counter: a second series per counter that no
+        # dashboard reads. The switch is the client library's, process-wide; the daemon
+        # owns its process.
+        disable_created_metrics()
         self.registry = CollectorRegistry()
         r = self.registry
         self._parks = Counter("kvpark_parks", "Committed parks", ["transport"], registry=r)
         self._restores = Counter("kvpark_restores", "Completed restores", ["transport"], registry=r)
-        self._park_bytes = Counter("kvpark_park_bytes", "Payload bytes parked", registry=r)
-        self._restore_bytes = Counter("kvpark_restore_bytes", "Payload bytes restored", registry=r)
+        self._park_bytes = Counter("kvpark_park_bytes", "Payload bytes parked", ["transport"], registry=r)
+        self._restore_bytes = Counter("kvpark_restore_bytes", "Payload bytes restored", ["transport"], registry=r)
+        self._lookups = Counter("kvpark_lookup_blocks", "Blocks asked for by prefix lookups: hit (in the cached "
+                                "prefix) or miss", ["result"], registry=r)
         self._moves = Counter("kvpark_moves", "Copies between tiers (promotions and demotions)", ["src", "dst"],
                               registry=r)
         self._evictions = Counter("kvpark_evictions", "Sequences removed from a tier to make room", ["tier"],
@@ -123,8 +163,32 @@ class Metrics:
                                     ["transport"], buckets=_SECONDS_BUCKETS, registry=r)
         self._move_s = Histogram("kvpark_move_seconds", "Copy duration between tiers", ["src", "dst"],
                                  buckets=_SECONDS_BUCKETS, registry=r)
+        ProcessCollector(registry=r)
+        Info("kvpark_build", "The daemon's version", registry=r).info({"version": VERSION})
+        # Every known label value from the start (a series appearing at its first event
+        # makes rate() miss that event and dashboards show gaps).
+        for t in TRANSPORTS:
+            for c in (self._parks, self._restores, self._park_bytes, self._restore_bytes):
+                c.labels(t)
+            self._park_s.labels(t)
+            self._restore_s.labels(t)
+        for code in ERROR_CODES:
+            self._errors.labels(code)
+        for result in ("hit", "miss"):
+            self._lookups.labels(result)
         if stat_fn is not None:
             self.watch(stat_fn)
+
+    def known_tiers(self, names: Iterable[str]) -> None:
+        """The daemon's tiers (``remote`` included when it has one): the eviction series
+        of each, and the move series of each ordered pair, exist from now on."""
+        names = list(names)
+        for t in names:
+            self._evictions.labels(t)
+            for u in names:
+                if u != t:
+                    self._moves.labels(t, u)
+                    self._move_s.labels(t, u)
 
     def watch(self, stat_fn: Callable[[], Stat]) -> None:
         """Export the per-tier gauges from ``stat_fn()`` at every scrape."""
@@ -132,13 +196,18 @@ class Metrics:
 
     def parked(self, transport: str, nbytes: int, seconds: float) -> None:
         self._parks.labels(transport).inc()
-        self._park_bytes.inc(nbytes)
+        self._park_bytes.labels(transport).inc(nbytes)
         self._park_s.labels(transport).observe(seconds)
 
     def restored(self, transport: str, nbytes: int, seconds: float) -> None:
         self._restores.labels(transport).inc()
-        self._restore_bytes.inc(nbytes)
+        self._restore_bytes.labels(transport).inc(nbytes)
         self._restore_s.labels(transport).observe(seconds)
+
+    def looked_up(self, hits: int, misses: int) -> None:
+        """A prefix lookup: ``hits`` blocks in the prefix found, ``misses`` after it."""
+        self._lookups.labels("hit").inc(hits)
+        self._lookups.labels("miss").inc(misses)
 
     def moved(self, src: str, dst: str, seconds: float) -> None:
         self._moves.labels(src, dst).inc()

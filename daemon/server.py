@@ -165,6 +165,7 @@ class Daemon:
             # /metrics (loopback by default, the operator's) shows every tenant's row, named,
             # only when the operator asks for it (metrics.tenant_labels).
             named = self.config.metrics.tenant_labels
+            self.metrics.known_tiers([*engine.stat().tiers, *(["remote"] if engine.remote is not None else [])])
             self.metrics.watch(lambda: dataclasses.replace(
                 engine.stat(), tenants=tuple(tenants.all_stats()) if named else ()))
             if self.config.server.data_channel:

@@ -387,6 +387,8 @@ class Servicer:
         ids = list(req.seq_ids)
         present = eng.present(ids)
         prefix = next((i for i, p in enumerate(present) if not p), len(present))
+        if self.metrics is not None:  # the hit rate a prefix cache is judged by
+            self.metrics.looked_up(prefix, len(ids) - prefix)
         out = pb.LookupResponse(prefix=prefix, present=present)
         if req.HasField("acquire") and prefix > req.acquire.skip:
             a = req.acquire
