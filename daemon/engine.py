@@ -31,9 +31,9 @@ other daemons: ``remote_tier.py``). A sequence of a tenant that is not trusted_l
 memory copies in the private tier only, wherever a park, restore or prefetch asks to
 put it; every other sequence never has one there (``placement.py``). A sequence may
 hold copies in several tiers at once: committed data is immutable, so copies are
-identical. An id this daemon does not hold
-is looked up in the remote tier's manifests (``info``, ``restore``, ``prefetch``,
-``drop``; ``present`` only asks whether it exists); an unreachable Redis is a miss.
+identical. An id this daemon does not hold is looked up in the remote tier's manifests
+(``info``, ``restore``, ``prefetch``, ``drop``; ``present`` only asks whether it
+exists); an unreachable Redis is a miss.
 
 Invariants and locks:
 - A sequence is visible only after commit; a failed or abandoned park frees its slots.

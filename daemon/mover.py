@@ -21,8 +21,9 @@ Primitives:
   ``to`` (disk blocks are verified on the way; a disk sequence bound for the device is
   staged through host). A sequence whose copies belong in the private tier goes there
   instead, whatever ``to`` says (``placement.py``): every promotion, batched or not,
-  passes through this choice, so none puts such a sequence in memory a client maps. With ``lease``, the copy is leased in the same step that finds
-  it ready, so a demotion cannot take it away in between; True when leased.
+  passes through this choice, so none puts such a sequence in memory a client maps.
+  With ``lease``, the copy is leased in the same step that finds it ready, so a
+  demotion cannot take it away in between; True when leased.
 - ``promote_batch(seqs, to)``: the memory-resident ones among ``seqs`` in one copy job
   (a restore of many blocks); what does not fit now is left to ``promote``.
 - ``demote(victim, tier, jobs=None) -> bool``: move one copy down a tier; ``victim`` is
