@@ -6,7 +6,9 @@ never held across disk I/O. It guards the sequence table, reference counts, ever
 lease table shares it; see ``leases.py``).
 
 Primitives:
-- ``Catalog(tiers)``; ``load(manifests)`` rebuilds the index from disk manifests.
+- ``Catalog(tiers, eviction, placement)``; ``load(manifests)`` rebuilds the index from
+  disk manifests; ``placement`` says which memory tiers each sequence's copies may be in
+  (``placement.py``), for the mover and the readers, and ``check`` asserts it.
 - ``lock``; ``changed`` (a condition: notified whenever memory may have become
   available: a free, a reader leaving, a copy ending) and ``version`` (bumped with each
   such notice, so a waiter sees what happened while it was not waiting); ``wake`` (the
@@ -57,13 +59,15 @@ from kvpark.tiers.memory import MemTier
 
 from .evict_order import DISK, EvictionOrder, meta
 from .model import MEM_TIERS, NS_SEP, Generations, Lease, ParkSpec, Seq, verified
+from .placement import Placement
 
-_RANK = {"device": 0, "host": 1, "disk": 2, "remote": 3}
+_RANK = {"device": 0, "host": 1, "private": 1, "disk": 2, "remote": 3}
 
 
 class Catalog:
-    def __init__(self, tiers: dict[str, MemTier], eviction: str = "lru") -> None:
+    def __init__(self, tiers: dict[str, MemTier], eviction: str = "lru", placement: Placement | None = None) -> None:
         self.tiers = tiers
+        self.placement = placement if placement is not None else Placement()
         # Each tier's eviction order, kept as copies come and go and sequences are read:
         # victims are found among the coldest few, not by sorting the index.
         self.order = EvictionOrder(eviction, tiers)
@@ -496,6 +500,8 @@ class Catalog:
             assert not s.dropped and s.moving == 0, f"{s.seq_id}: dropped={s.dropped} moving={s.moving}"
             assert s.res or s.on_disk or s.on_remote, f"{s.seq_id}: no copy anywhere"
             assert set(s.res) <= set(MEM_TIERS)
+            for t in s.res:
+                assert self.placement.allowed(s.seq_id, t), f"{s.seq_id}: a copy in the {t} tier"
             for t, n in s.readers.items():
                 assert n == readers.get((id(s), t), 0), f"{s.seq_id}: {n} readers on {t}"
             for r in s.refs:

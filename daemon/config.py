@@ -2,7 +2,7 @@
 
 Primitives:
 - ``Config`` and its sections (``ServerConfig``, ``DeviceTierConfig``, ``HostTierConfig``,
-  ``DiskTierConfig``, ``RemoteTierConfig``, ``PolicyConfig``, ``LeaseConfig``,
+  ``PrivateTierConfig``, ``DiskTierConfig``, ``RemoteTierConfig``, ``PolicyConfig``, ``LeaseConfig``,
   ``CopyConfig``, ``MetricsConfig``); each field carries its default and description.
 - ``TenantConfig``: one ``[tenants.<name>]`` table (``token_sha256`` or ``token_file``,
   ``quota = { device, host, disk }``, ``trusted_local``); ``Config.tenants`` maps names to them.
@@ -133,6 +133,15 @@ class HostTierConfig:
 
 
 @dataclass(frozen=True)
+class PrivateTierConfig:
+    capacity: int = _f(0, "daemon-private host memory holding the sequences of tenants that are not trusted_local "
+                       "(no client can map it: never a file, never offered by Hello); 0 = auto: a quarter of "
+                       "tiers.host.capacity. Only a daemon with such a tenant has this tier", size=True)
+    high_watermark: float = _f(0.0, "usage fraction that starts demotion to disk; 0 = policy.high_watermark")
+    low_watermark: float = _f(0.0, "usage fraction demotion brings it down to; 0 = policy.low_watermark")
+
+
+@dataclass(frozen=True)
 class DiskTierConfig:
     path: str = _f("", "LMDB directory; empty = $XDG_DATA_HOME/kvpark (else ~/.local/share/kvpark)")
     capacity: int = _f(64 << 30, "payload bytes the disk tier may hold; LMDB map_size follows it", size=True)
@@ -170,6 +179,7 @@ class RemoteTierConfig:
 class TiersConfig:
     device: DeviceTierConfig = field(default_factory=DeviceTierConfig)
     host: HostTierConfig = field(default_factory=HostTierConfig)
+    private: PrivateTierConfig = field(default_factory=PrivateTierConfig)
     disk: DiskTierConfig = field(default_factory=DiskTierConfig)
     remote: RemoteTierConfig = field(default_factory=RemoteTierConfig)
 
@@ -242,6 +252,11 @@ class Config:
     @property
     def host_capacity(self) -> int:
         return int(self.tiers.host.capacity)  # resolved by load()
+
+    @property
+    def untrusted(self) -> tuple[str, ...]:
+        """The tenants that are not ``trusted_local``: their bytes live in the private tier."""
+        return tuple(name for name, t in self.tenants.items() if not t.trusted_local)
 
     @property
     def disk_capacity(self) -> int:
@@ -454,7 +469,8 @@ def _resolve(cfg: Config) -> Config:
             "policy.low_watermark/high_watermark: need 0 < low < high <= 1, "
             f"got low={pol.low_watermark} high={pol.high_watermark}"
         )
-    for name, t in (("tiers.device", cfg.tiers.device), ("tiers.host", host)):
+    private = _private(cfg, host)
+    for name, t in (("tiers.device", cfg.tiers.device), ("tiers.host", host), ("tiers.private", private)):
         hi = t.high_watermark or pol.high_watermark
         lo = t.low_watermark or pol.low_watermark
         if not 0.0 < lo < hi <= 1.0:
@@ -486,7 +502,20 @@ def _resolve(cfg: Config) -> Config:
     if srv.tls_client_ca and not srv.tls_cert:
         raise ConfigError("server.tls_client_ca: client certificates (mTLS) need server.tls_cert and tls_key too")
     _check_remote(cfg.tiers.remote)
-    return dataclasses.replace(cfg, tiers=TiersConfig(device=dev, host=host, disk=disk, remote=cfg.tiers.remote))
+    return dataclasses.replace(cfg, tiers=TiersConfig(device=dev, host=host, private=private, disk=disk,
+                                                      remote=cfg.tiers.remote))
+
+
+def _private(cfg: Config, host: HostTierConfig) -> PrivateTierConfig:
+    """The private tier's capacity in whole slots: 0 (no tier) unless a tenant is not
+    trusted_local, then the key's value or, for 0, a quarter of the host arena."""
+    p, slot = cfg.tiers.private, host.slot_size
+    if not cfg.untrusted:
+        return dataclasses.replace(p, capacity=0)
+    if p.capacity and p.capacity < slot:
+        raise ConfigError(f"tiers.private.capacity: must hold at least one slot ({slot} bytes), or 0 for auto")
+    cap = p.capacity or max(slot, int(host.capacity) // 4)
+    return dataclasses.replace(p, capacity=cap // slot * slot)
 
 
 def _check_remote(r: RemoteTierConfig) -> None:

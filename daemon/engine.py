@@ -25,11 +25,15 @@ Primitives:
   it when the engine is quiet).
 
 Tiers, fastest first: ``device`` (optional GPU pool, or a CPU stand-in), ``host`` (the
-shared arena), ``disk`` (LMDB), and optionally ``remote`` (Redis, shared with other
-daemons: ``remote_tier.py``). A sequence may hold copies in several tiers at once:
-committed data is immutable, so copies are identical. An id this daemon does not hold
-is looked up in the remote tier's manifests (``info``, ``restore``, ``prefetch``,
-``drop``; ``present`` only asks whether it exists); an unreachable Redis is a miss.
+shared arena), ``private`` (daemon-private memory, only on a daemon with a tenant that
+is not trusted_local), ``disk`` (LMDB), and optionally ``remote`` (Redis, shared with
+other daemons: ``remote_tier.py``). A sequence of a tenant that is not trusted_local has
+memory copies in the private tier only, wherever a park, restore or prefetch asks to
+put it; every other sequence never has one there (``placement.py``). A sequence may
+hold copies in several tiers at once: committed data is immutable, so copies are
+identical. An id this daemon does not hold is looked up in the remote tier's manifests
+(``info``, ``restore``, ``prefetch``, ``drop``; ``present`` only asks whether it
+exists); an unreachable Redis is a miss.
 
 Invariants and locks:
 - A sequence is visible only after commit; a failed or abandoned park frees its slots.
@@ -78,9 +82,10 @@ from .catalog import Catalog
 from .config import Config
 from .leases import LeaseTable
 from .metrics import Metrics
-from .model import MAX_PARTS, MEM_TIERS, Capabilities, Grant, ParkSpec, ReadHandle, Reservation, Seq
+from .model import MAX_PARTS, Capabilities, Grant, ParkSpec, ReadHandle, Reservation, Seq
 from .memory import MemoryTiers
 from .mover import ROOM_WAIT_S, Mover
+from .placement import CLIENT_TIERS, Placement
 from .remote_tier import RemoteTier
 from .window import Windows
 
@@ -130,7 +135,9 @@ class Engine:
         # shm or cuda_ipc, always has its sequence promoted into that tier.)
         pol = config.policy
         self.restore_to = None if not pol.promote_on_restore else "host" if pol.restore_to == "auto" else pol.restore_to
-        self.catalog = Catalog(self.tiers, config.policy.eviction)
+        # Whose copies live in daemon-private memory: the tenants that are not trusted_local.
+        self.placement = Placement(config.untrusted)
+        self.catalog = Catalog(self.tiers, config.policy.eviction, self.placement)
         self.leases = LeaseTable(self.catalog, config.leases, metrics)
         if metrics is not None:
             self.disk.on_corrupt = metrics.checksum_failure
@@ -213,8 +220,9 @@ class Engine:
             raise Unavailable("daemon is shutting down")
 
     def tier_arg(self, tier: str) -> str:
-        """``tier`` if it names an enabled memory tier, else ``InvalidArgument``."""
-        if tier not in MEM_TIERS:
+        """``tier`` if it names an enabled memory tier a client may ask for, else
+        ``InvalidArgument`` (the private tier is chosen by the owner, never asked for)."""
+        if tier not in CLIENT_TIERS:
             raise InvalidArgument(f"tier must be 'device' or 'host', got {tier!r}")
         if tier not in self.tiers:
             raise InvalidArgument(f"the {tier} tier is not enabled on this daemon")
@@ -235,7 +243,7 @@ class Engine:
         """
         spec.validate()
         self.check_open()
-        order = self._landing(inline, tier)
+        order = self.landing(spec, inline, tier)
         if self.windowed(spec, inline, tier):
             # Larger than any tier it may land in: through one window of slots to disk.
             return self.windows.reserve(spec, max(order, key=lambda t: self.tiers[t].alloc.capacity))
@@ -262,16 +270,19 @@ class Engine:
             f"freed too little (disk {self.disk.used}/{self.disk.capacity} bytes used, or sequences leased/pinned)"
         )
 
-    def _landing(self, inline: bool, tier: str | None) -> list[str]:
-        # The memory tiers a park may land in, in order: an inline park bound for the
-        # device may land on host.
+    def landing(self, spec: ParkSpec, inline: bool = False, tier: str | None = None) -> list[str]:
+        """The memory tiers a park may land in, in order: an inline park bound for the
+        device may land on host; a park of a tenant that is not trusted_local lands in
+        the private tier, whatever it asked for."""
         tier = self.tier_arg(tier or self.park_tier)
+        if self.placement.private(spec.owner):
+            return [self.placement.tier(spec.owner, tier)]
         return [tier] if tier == "host" or not inline else [tier, "host"]
 
     def windowed(self, spec: ParkSpec, inline: bool = False, tier: str | None = None) -> bool:
         """Whether ``reserve`` streams this park to disk through windows: it is larger
         than every memory tier it may land in, so it never occupies one."""
-        return spec.total > max(self.tiers[t].alloc.capacity for t in self._landing(inline, tier))
+        return spec.total > max(self.tiers[t].alloc.capacity for t in self.landing(spec, inline, tier))
 
     def _alloc_all(self, tier: str, sizes: list[int]) -> list[Allocation] | None:
         # REQUIRES: index lock. All or nothing.
@@ -373,7 +384,7 @@ class Engine:
     def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None) -> str:
         validate_seq_id(seq_id)
         self.check_open()
-        self.tier_arg(tier)
+        tier = self.placement.tier(seq_id, self.tier_arg(tier))
         reads.adopt(self, [seq_id])
         with self.catalog.lock:
             seq = self.catalog.get(seq_id)

@@ -91,7 +91,8 @@ def write_batch(mover: "Mover", seqs: list[Seq]) -> int:
                 # sequence goes after it (``Mover.write_to_disk``), never before.
                 later.append(s)
                 continue
-            src = "host" if "host" in s.res else "device"
+            src = s.cpu_copy
+            assert src is not None
             cat.copy_begin(s)  # pins the memory copy while we read it
             picked.append((s, src, s.res[src]))
     if not picked:
@@ -144,7 +145,8 @@ def write_one(mover: "Mover", seq: Seq) -> bool:
     with mover.catalog.lock:
         if seq.dropped or seq.on_disk or not seq.res:
             return seq.on_disk
-        src = "host" if "host" in seq.res else "device"
+        src = seq.cpu_copy
+        assert src is not None
         alloc = seq.res[src]
         mover.catalog.copy_begin(seq)  # pins the memory copy while we read it
     written = False

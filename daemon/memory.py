@@ -1,11 +1,17 @@
-"""The daemon's memory tiers: the optional device pool and the shared host arena.
+"""The daemon's memory tiers: the optional device pool, the shared host arena, and the
+private tier.
 
 Primitives:
 - ``MemoryTiers.open(TiersConfig, PolicyConfig)``: the device pool (when enabled; its
-  CUDA IPC handle exported once) and the host arena (stale arena files removed first;
-  page-locked once when the device pool is on a GPU).
+  CUDA IPC handle exported once), the host arena (stale arena files removed first;
+  page-locked once when the device pool is on a GPU) and, when
+  ``tiers.private.capacity`` resolved above 0 (a tenant is not trusted_local), the
+  private tier: daemon-private memory (``kvpark.tiers.private``) that no client maps.
 - ``tiers``: name -> ``MemTier``, fastest first; ``arena``; ``ipc_handle`` (empty
   without a CUDA pool); ``arena_pinned``; ``close()``.
+
+The private tier is never page-locked: its sequences never go to or come from the
+device pool (``placement.py``), so it has no copies that page-locking would speed up.
 """
 
 from __future__ import annotations
@@ -17,19 +23,23 @@ import torch
 from kvpark.proto.errors import StartupError
 from kvpark.tiers import cuda
 from kvpark.tiers.memory import MemTier
+from kvpark.tiers.private import PrivateMemory
 from kvpark.tiers.shm import SharedArena, remove_stale
 
 from .config import PolicyConfig, TiersConfig
+from .placement import PRIVATE
 
 log = logging.getLogger("kvpark.engine")
 
 
 class MemoryTiers:
-    def __init__(self, tiers: dict[str, MemTier], arena: SharedArena, ipc_handle: bytes, arena_pinned: bool) -> None:
+    def __init__(self, tiers: dict[str, MemTier], arena: SharedArena, ipc_handle: bytes, arena_pinned: bool,
+                 private: PrivateMemory | None = None) -> None:
         self.tiers = tiers
         self.arena = arena
         self.ipc_handle = ipc_handle
         self.arena_pinned = arena_pinned
+        self.private = private
 
     @classmethod
     def open(cls, config: TiersConfig, pol: PolicyConfig) -> "MemoryTiers":
@@ -66,10 +76,27 @@ class MemoryTiers:
             log.info("host arena page-locked in %.2fs", took)
         tiers["host"] = MemTier("host", arena.tensor, host.slot_size, host.high_watermark or pol.high_watermark,
                                 host.low_watermark or pol.low_watermark, view=arena.view)
-        return cls(tiers, arena, ipc_handle, took is not None)
+        private = None
+        priv = config.private
+        if priv.capacity:
+            try:
+                private = PrivateMemory.create(priv.capacity, prefault=host.prefault)
+            except BaseException:
+                if took is not None:
+                    cuda.unpin_host(arena.tensor)
+                arena.close(unlink=True)
+                raise
+            tiers[PRIVATE] = MemTier(PRIVATE, private.tensor, host.slot_size,
+                                     priv.high_watermark or pol.high_watermark, priv.low_watermark or pol.low_watermark,
+                                     view=private.view)
+            log.info("private tier: %d MiB of daemon-private memory for tenants that are not trusted_local",
+                     priv.capacity >> 20)
+        return cls(tiers, arena, ipc_handle, took is not None, private)
 
     def close(self) -> None:
         if self.arena_pinned:
             cuda.unpin_host(self.arena.tensor)
         self.tiers.clear()
         self.arena.close(unlink=True)
+        if self.private is not None:
+            self.private.close()

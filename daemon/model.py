@@ -2,7 +2,8 @@
 
 Primitives:
 - ``Tier`` / ``MemTierName`` / ``LeaseKind``: the names the engine speaks, typed;
-  ``MEM_TIERS``: memory tiers, fastest first.
+  ``MEM_TIERS``: memory tiers, fastest first (``private``, host memory no client maps,
+  after ``host``: see ``placement.py``).
   ``NS_SEP``: what joins a tenant's name to the ids it uses (the catalog indexes by it).
 - ``Generations``: the one source of generations: ``next()`` (REQUIRES: the index lock)
   is ``counter << INSTANCE_BITS | instance``; ``seen(gen)`` keeps the counter above
@@ -10,14 +11,16 @@ Primitives:
 - ``ParkSpec``: a park request (tensors, priority, pin, TTL, refs, new blocks, attrs,
   per-tensor digests for end-to-end verification); ``ParkSpec.validate()`` checks
   everything that needs no index; ``ParkSpec.manifest()`` is the disk record it commits
-  as (the digests under the reserved attrs key of ``kvpark.proto.digests``).
+  as (the digests under the reserved attrs key of ``kvpark.proto.digests``);
+  ``ParkSpec.owner``: an id in the park's namespace (a batch park has no id of its own).
 - ``Seq``: a parked sequence in memory: its typed disk record (``Manifest``), ready
   memory copies per tier (``res``), disk presence, readers, and the flags the
   invariants rest on. Slotted, since the index holds one per parked block: the read
   counts (``readers``, changed only through ``add_reader`` / ``drop_reader``) and the
   ``move_lock`` are made on first use. ``Seq.attrs`` is the user's attrs (no digests);
-  ``Seq.xxh3`` the digests. ``verified(comps)``: a payload's digests, part by part.
-- ``TierMap``: a mapping from memory tier name to value in two slots (``Seq.res``),
+  ``Seq.xxh3`` the digests; ``Seq.cpu_copy`` the memory copy a disk or remote write
+  reads. ``verified(comps)``: a payload's digests, part by part.
+- ``TierMap``: a mapping from memory tier name to value in three slots (``Seq.res``),
   fastest tier first; ``ReadCounts``: the same with ``disk`` too (read leases per tier).
 - ``Lease``: a write reservation or a read lease (possibly over several sequences);
   live engine state, never handed to the servicer.
@@ -47,10 +50,10 @@ from kvpark.tiers.arena import Allocation
 from kvpark.tiers import interning
 from kvpark.tiers.disk import Manifest, ReadTxn
 
-Tier = Literal["device", "host", "disk", "remote"]
-MemTierName = Literal["device", "host"]
+Tier = Literal["device", "host", "private", "disk", "remote"]
+MemTierName = Literal["device", "host", "private"]
 LeaseKind = Literal["write", "read"]
-MEM_TIERS: tuple[MemTierName, ...] = ("device", "host")
+MEM_TIERS: tuple[MemTierName, ...] = ("device", "host", "private")
 # What joins a tenant's name to every id it uses ("alice" + NS_SEP + "chat-1"): SYMBOL FOR
 # UNIT SEPARATOR, printable (ids may not hold control characters) and rare in ids.
 NS_SEP = "\u241f"
@@ -111,6 +114,11 @@ class ParkSpec:
     def is_batch(self) -> bool:
         """A park with no sequence of its own: it only creates the blocks it carries."""
         return self.seq_id == "" and bool(self.blocks)
+
+    @property
+    def owner(self) -> str:
+        """An id that names the park's namespace: its own, or (a batch) its first block's."""
+        return self.seq_id or (self.blocks[0].seq_id if self.blocks else "")
 
     @property
     def total(self) -> int:
@@ -175,16 +183,16 @@ class ParkSpec:
 
 
 class TierMap(MutableMapping[str, V]):
-    """A dict keyed by memory tier name (``device``, ``host``) in two slots.
+    """A dict keyed by memory tier name (``device``, ``host``, ``private``) in three slots.
 
     ``Seq.res`` is one of these, and the read counts a ``ReadCounts``: a plain dict costs
     64 bytes empty and 184 with one entry, and a million parked blocks each carry one.
     Iteration goes fastest tier first. Any other key is a ``KeyError``.
     """
 
-    __slots__ = ("device", "host")
-    _keys: frozenset[str] = frozenset(("device", "host"))
-    _order: tuple[str, ...] = ("device", "host")
+    __slots__ = ("device", "host", "private")
+    _keys: frozenset[str] = frozenset(MEM_TIERS)
+    _order: tuple[str, ...] = MEM_TIERS
 
     def __init__(self, items: Mapping[str, V] | None = None) -> None:
         for k in self._order:
@@ -235,8 +243,8 @@ class ReadCounts(TierMap[int]):
     its sequence's disk records under a lease: ``window.py``)."""
 
     __slots__ = ("disk",)
-    _keys = frozenset(("device", "host", "disk"))
-    _order = ("device", "host", "disk")
+    _keys = frozenset((*MEM_TIERS, "disk"))
+    _order = (*MEM_TIERS, "disk")
 
 
 class _Empty(ReadCounts):
@@ -319,6 +327,12 @@ class Seq:
             if t in self.res:
                 return t
         return "remote" if self.on_remote and not self.on_disk else "disk"
+
+    @property
+    def cpu_copy(self) -> str | None:
+        """The memory tier to read this sequence's bytes from on the CPU (a disk or remote
+        write): a host-memory copy before a device one; None without a memory copy."""
+        return next((t for t in ("host", "private", "device") if t in self.res), None)
 
     @property
     def pinned(self) -> bool:
@@ -445,7 +459,7 @@ class Part:
 
     manifest: Manifest
     alloc: Allocation | None
-    tier: str  # "device" | "host" | "disk"
+    tier: str  # "device" | "host" | "private" | "disk"
     seq: "Seq | None" = None
 
 

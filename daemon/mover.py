@@ -19,8 +19,11 @@ Primitives:
   every eviction counted.
 - ``promote(seq, to, make_room, lease=None) -> bool``: bring a copy into memory tier
   ``to`` (disk blocks are verified on the way; a disk sequence bound for the device is
-  staged through host). With ``lease``, the copy is leased in the same step that finds
-  it ready, so a demotion cannot take it away in between; True when leased.
+  staged through host). A sequence whose copies belong in the private tier goes there
+  instead, whatever ``to`` says (``placement.py``): every promotion, batched or not,
+  passes through this choice, so none puts such a sequence in memory a client maps.
+  With ``lease``, the copy is leased in the same step that finds it ready, so a
+  demotion cannot take it away in between; True when leased.
 - ``promote_batch(seqs, to)``: the memory-resident ones among ``seqs`` in one copy job
   (a restore of many blocks); what does not fit now is left to ``promote``.
 - ``demote(victim, tier, jobs=None) -> bool``: move one copy down a tier; ``victim`` is
@@ -125,6 +128,7 @@ class Mover:
     # ------------------------------------------------------------------ promotion
 
     def promote(self, seq: Seq, to: str, make_room: bool, lease: Lease | None = None) -> bool:
+        to = self.catalog.placement.tier(seq.seq_id, to)
         if seq.manifest.block_size != self.slot_size:
             self.fetch_remote(seq)
             return False  # parked under another slot size; served from disk as it is
@@ -149,11 +153,19 @@ class Mover:
                 self.catalog.notify()  # a demotion waiting for this sequence may take it now
 
     def promote_batch(self, seqs: list[Seq], to: str) -> None:
-        """Promote the memory-resident ones among ``seqs`` into ``to`` with one copy job.
+        """Promote the memory-resident ones among ``seqs`` into ``to`` with one copy job
+        (per tier they go to: see ``promote``).
 
         A restore of many blocks would otherwise submit and wait one job per block.
         Disk-only sequences, and any this cannot place, are left to ``promote``.
         """
+        groups: dict[str, list[Seq]] = {}
+        for s in seqs:
+            groups.setdefault(self.catalog.placement.tier(s.seq_id, to), []).append(s)
+        for tier, group in groups.items():
+            self._promote_batch(group, tier)
+
+    def _promote_batch(self, seqs: list[Seq], to: str) -> None:
         with self.catalog.lock:
             uniq = {id(s): s for s in seqs if to not in s.res and s.res and not s.dropped
                     and s.manifest.block_size == self.slot_size}
@@ -256,6 +268,7 @@ class Mover:
             self.catalog.touch(seq, to)
 
     def _alloc_in(self, tier: str, seq: Seq, make_room: bool) -> Allocation | None:
+        assert self.catalog.placement.allowed(seq.seq_id, tier), f"{seq.seq_id!r} may not be in the {tier} tier"
         mem = self.tiers[tier]
         if seq.manifest.nbytes > mem.alloc.capacity:
             return None  # never fits (a windowed park's sequence): it stays where it is, nothing is demoted for it

@@ -4,9 +4,10 @@ for a park out of the tenant's own data only.
 Primitives:
 - ``Quotas(engine)``.
 - ``usage(prefix) -> (sequences, {tier: bytes})`` (REQUIRES: index lock): payload bytes
-  of the tenant's copies in ``device`` and ``host``, and under ``disk`` every byte it has
-  parked (each may land on disk; under write_through they all do); open write leases
-  count as if committed.
+  of the tenant's copies in ``device`` and ``host`` (copies in the private tier are host
+  memory: counted under ``host``), and under ``disk`` every byte it has parked (each may
+  land on disk; under write_through they all do); open write leases count as if
+  committed.
 - ``admit(tenant, prefix, spec, tier)``: before a park of ``spec`` (already namespaced)
   into memory tier ``tier`` (``"disk"`` for a park that streams to disk through windows): for that tier and for disk, if the tenant's usage plus the
   park is over its quota, demote (memory) or drop (disk) the tenant's own coldest
@@ -21,6 +22,11 @@ Primitives:
 - ``make_room(tenant, prefix, tier, need)``: before a promotion of ``need`` bytes into
   ``tier``: the same demotion, so that the promotion fits the quota.
 - ``stat(tenant, prefix) -> TenantStat``.
+
+The ``tier`` these take is the engine's memory tier (or ``"disk"``); the quota it is
+charged to is ``placement.quota_tier(tier)``: a tenant that is not trusted_local has its
+memory copies in the private tier only, and they are charged to its ``host`` quota
+(its ``device`` quota has nothing to count: it never holds device memory).
 
 Quotas are charged on the tier where the bytes land, on every path: a park is admitted
 against the tier it is bound for, and settled on the tier it actually landed in; a
@@ -43,6 +49,7 @@ from . import maintenance
 from .config import QUOTA_TIERS, TenantConfig
 from .evict_order import meta
 from .model import ParkSpec, Seq
+from .placement import quota_tier
 
 if TYPE_CHECKING:
     from .engine import Engine
@@ -67,51 +74,52 @@ class Quotas:
                 continue
             n += 1
             for t in s.res:
-                used[t] += s.manifest.nbytes
+                used[quota_tier(t)] += s.manifest.nbytes
             used["disk"] += s.manifest.nbytes
         for lease in self.engine.leases.open_writes():
             spec = lease.spec
-            if spec is not None and (spec.seq_id or (spec.blocks[0].seq_id if spec.blocks else "")).startswith(prefix):
+            if spec is not None and spec.owner.startswith(prefix):
                 if lease.window is None:  # a windowed park holds only its window, the daemon's
-                    used[lease.tier] += spec.total
+                    used[quota_tier(lease.tier)] += spec.total
                 used["disk"] += spec.total
         return n, used
 
     def admit(self, tenant: TenantConfig, prefix: str, spec: ParkSpec, tier: str) -> None:
         replacing = spec.seq_id if spec.overwrite else ""
         for t in dict.fromkeys((tier, "disk")):
-            quota = tenant.quota.get(t)
+            quota = tenant.quota.get(quota_tier(t))
             if quota is None:
                 continue
             if spec.total > quota:
                 raise ResourceExhausted(f"tenant {tenant.name!r}: a park of {spec.total} bytes is larger than its "
-                                        f"whole {t} quota ({quota} bytes)")
+                                        f"whole {quota_tier(t)} quota ({quota} bytes)")
             self._fit(tenant, prefix, t, spec.total, quota, replacing)
 
     def settle(self, tenant: TenantConfig, prefix: str, tier: str) -> None:
         self.make_room(tenant, prefix, tier, 0)
 
     def make_room(self, tenant: TenantConfig, prefix: str, tier: str, need: int) -> None:
-        quota = tenant.quota.get(tier)
+        quota = tenant.quota.get(quota_tier(tier))
         if quota is not None and tier != "disk":
             if need > quota:
-                raise ResourceExhausted(f"tenant {tenant.name!r}: {need} bytes are more than its whole {tier} quota "
-                                        f"({quota} bytes)")
+                raise ResourceExhausted(f"tenant {tenant.name!r}: {need} bytes are more than its whole "
+                                        f"{quota_tier(tier)} quota ({quota} bytes)")
             self._fit(tenant, prefix, tier, need, quota, "")
 
     def _fit(self, tenant: TenantConfig, prefix: str, tier: str, need: int, quota: int, replacing: str) -> None:
         eng = self.engine
         tried: set[int] = set()
+        charged = quota_tier(tier)
         while True:
             with eng.catalog.lock:
-                used = self.usage(prefix, replacing)[1][tier]
+                used = self.usage(prefix, replacing)[1][charged]
                 if used + need <= quota:
                     return
                 victims = [v for v in self._order(prefix, tier) if id(v) not in tried and v.seq_id != replacing]
             if not victims:
                 verb = "dropped" if tier == "disk" else "demoted"
                 raise ResourceExhausted(
-                    f"tenant {tenant.name!r} is over its {tier} quota ({quota} bytes): {used} used, {need} more "
+                    f"tenant {tenant.name!r} is over its {charged} quota ({quota} bytes): {used} used, {need} more "
                     f"needed, and none of its own data can be {verb} (pinned, being read, or shared blocks in use)")
             victim = victims[0]
             tried.add(id(victim))

@@ -56,7 +56,9 @@ def acquire(engine: "Engine", seq_ids: str | list[str], need: str | None = None,
     ``need`` forces a memory tier (shm: host, cuda_ipc: device); otherwise each part
     is served from its fastest CPU-readable copy, or from disk. A payload of at most
     ``inline_max`` bytes is served that way even with ``need`` (the caller sends it
-    inline), so it never goes host -> device -> host. With ``expect_layout``, every
+    inline), so it never goes host -> device -> host. A sequence whose copies belong in
+    the private tier is promoted and served there, whatever ``need`` or
+    ``policy.restore_to`` say (``placement.py``). With ``expect_layout``, every
     named sequence must carry ``attrs["layout"]`` equal to it. ``stream``: the lease
     is held by this call's stream (no deadline).
     """
@@ -115,11 +117,11 @@ def _acquire_once(engine: "Engine", ids: list[str], need: str | None, stream: bo
             engine.catalog.touch(c)  # its place in each tier's eviction order
         if need is not None and sum(c.manifest.nbytes for c in comps) <= inline_max:
             need = None
-        big = (need is not None and len(comps) == 1 and need not in comps[0].res
-               and engine.windows.needed(comps[0].manifest.nbytes, need))
+        one = engine.placement.tier(comps[0].seq_id, need) if need is not None and len(comps) == 1 else None
+        big = one is not None and one not in comps[0].res and engine.windows.needed(comps[0].manifest.nbytes, one)
     if big:
-        assert need is not None
-        return engine.windows.open_read(tops, comps[0], need)
+        assert one is not None
+        return engine.windows.open_read(tops, comps[0], one)
     want = need or engine.restore_to
     if want not in engine.tiers:
         want = None  # restore_to = "device" on a daemon whose device tier did not come up
@@ -142,6 +144,9 @@ def _acquire_once(engine: "Engine", ids: list[str], need: str | None, stream: bo
 
 
 def acquire_part(engine: "Engine", seq: Seq, need: str | None, want: str | None, lease: Lease) -> Part:
+    place = engine.placement
+    need = place.tier(seq.seq_id, need) if need else None
+    want = place.tier(seq.seq_id, want) if want else None
     with engine.catalog.lock:
         part = lease_part(seq, need, want, lease, final=False)
     if part is not None:
@@ -176,7 +181,7 @@ def lease_part(seq: Seq, need: str | None, want: str | None, lease: Lease, final
             )
         tiers: tuple[str, ...] = (need,)
     else:
-        tiers = ("host", "device")  # streams read CPU memory best
+        tiers = ("host", "private", "device")  # streams read CPU memory best
     for t in tiers:
         if t in seq.res:
             seq.add_reader(t)

@@ -96,7 +96,7 @@ def copy_to_remote(mover: "Mover", seq: Seq) -> None:
     with mover.catalog.lock:
         if seq.dropped or seq.on_remote:
             return
-        src = next((t for t in ("host", "device") if t in seq.res), None)
+        src = seq.cpu_copy
         if src is None and not seq.on_disk:
             return
         alloc = seq.res[src] if src is not None else None

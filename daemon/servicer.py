@@ -282,7 +282,7 @@ class Servicer:
             dc, spec = self._channel(), _spec(req.header)
             r = eng.reserve(spec, inline=True)
             if r.window_size:
-                # Larger than the host tier: parked window by window, which the gRPC
+                # Larger than its memory tier: parked window by window, which the gRPC
                 # stream does; the client falls back to it.
                 eng.release(r.lease_id)
                 raise TransportUnavailable("a windowed park goes over the gRPC stream, not the data channel")

@@ -29,7 +29,10 @@ means a prefix hit, a dedup and the time a lookup takes only ever reflect the ca
 own blocks. Lease ids are 128-bit random capabilities issued to the caller; a commit of
 another tenant's write lease is refused all the same. Tenants not ``trusted_local`` get
 no arena and no device pool: Hello offers them inline only, and Reserve and Acquire
-(the shm / cuda_ipc calls) are refused with PERMISSION_DENIED.
+(the shm / cuda_ipc calls) are refused with PERMISSION_DENIED. Nor are their bytes ever
+in either: the engine keeps their memory copies in the private tier (``placement.py``),
+charged to their ``host`` quota; ``TenantView.tiers`` are the memory tiers a tenant's
+copies may be in.
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ from . import flush as flushing
 from .auth import current_tenant
 from .config import TenantConfig
 from .leases import gone, write_gone, write_idle
-from .model import MEM_TIERS, NS_SEP, Capabilities, Grant, ParkSpec, ReadHandle, Reservation
+from .model import NS_SEP, Capabilities, Grant, ParkSpec, ReadHandle, Reservation
+from .placement import CLIENT_TIERS, PRIVATE, quota_tier
 from .quota import Quotas
 
 if TYPE_CHECKING:
@@ -143,6 +147,9 @@ class TenantView:
         self.quotas = quotas
         self.prefix = tenant.name + SEP
         self.max_seq_id_len = MAX_SEQ_ID_BYTES - len(self.prefix.encode())
+        # The memory tiers this tenant's copies may be in: what no client maps, unless it
+        # is trusted with every other trusted_local tenant's bytes anyway.
+        self.tiers: tuple[str, ...] = CLIENT_TIERS if tenant.trusted_local else (PRIVATE,)
 
     # ------------------------------------------------------------------ names
 
@@ -188,7 +195,7 @@ class TenantView:
         with _scrubbed(self.prefix):
             spec = self._spec(spec)
             spec.validate()  # before any room is made for it
-            landing = tier or self.engine.park_tier
+            landing = self.engine.landing(spec, inline, tier)[0]  # the private tier, for an untrusted tenant
             if self.engine.windowed(spec, inline, tier):
                 landing = "disk"  # through windows of slots straight to disk: no memory quota is used
             with self.quotas.lock(self.tenant.name):
@@ -240,8 +247,8 @@ class TenantView:
 
     def _settle(self) -> None:
         """Bring the tenant back within its memory quotas after a promotion."""
-        for tier in MEM_TIERS:
-            if tier in self.tenant.quota and tier in self.engine.tiers:
+        for tier in self.tiers:
+            if quota_tier(tier) in self.tenant.quota and tier in self.engine.tiers:
                 with self.quotas.lock(self.tenant.name):
                     try:
                         self.quotas.settle(self.tenant, self.prefix, tier)
@@ -276,13 +283,14 @@ class TenantView:
     def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None) -> str:
         with _scrubbed(self.prefix):
             sid = self._ns(seq_id)
-            if tier in self.tenant.quota and tier in self.engine.tiers:
+            to = self.engine.placement.tier(sid, self.engine.tier_arg(tier))  # where the engine will put it
+            if quota_tier(to) in self.tenant.quota and to in self.engine.tiers:
                 # Room within the quota first: a promotion never takes the tenant over it.
                 info = self.engine.info(sid)
                 with self.engine.catalog.lock:
-                    there = tier in self.engine.catalog.get(sid).res
+                    there = to in self.engine.catalog.get(sid).res
                 with self.quotas.lock(self.tenant.name):
-                    self.quotas.make_room(self.tenant, self.prefix, tier, 0 if there else info.nbytes)
+                    self.quotas.make_room(self.tenant, self.prefix, to, 0 if there else info.nbytes)
             out = self.engine.prefetch(sid, tier, wait=wait, timeout=timeout)
             if wait:
                 self._settle()  # a promotion through a faster tier leaves the tenant within each

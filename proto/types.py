@@ -14,7 +14,9 @@ from .layout import TensorMeta
 class SeqInfo:
     seq_id: str
     nbytes: int
-    tier: str  # fastest tier holding all of it: "device" | "host" | "disk" | "remote"
+    # Fastest tier holding all of it: "device" | "host" | "private" (the daemon-private
+    # memory of tenants that are not trusted_local) | "disk" | "remote".
+    tier: str
     num_tensors: int
     tensors: tuple[TensorMeta, ...] = ()
     priority: int = 0
@@ -62,7 +64,8 @@ class RemoteStat:
 @dataclass(frozen=True, slots=True)
 class TenantStat:
     """One tenant's usage. ``used``/``quota``: tier -> bytes; "disk" counts every byte the
-    tenant has parked (each may land on disk); a tier missing from ``quota`` is unlimited."""
+    tenant has parked (each may land on disk); "host" counts its copies in the private tier
+    too (host memory); a tier missing from ``quota`` is unlimited."""
 
     name: str
     sequences: int = 0

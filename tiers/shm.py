@@ -41,6 +41,8 @@ import torch
 
 from kvpark.proto.errors import StartupError
 
+from .private import anonymous
+
 log = logging.getLogger(__name__)
 
 _NAME = re.compile(r"^kvpark-(\d+)-[0-9a-f]+\.arena$")
@@ -176,8 +178,7 @@ class SharedArena:
 
     @staticmethod
     def _private(size: int, prefault: bool) -> mmap.mmap:
-        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | (
-            mmap.MAP_POPULATE if prefault and hasattr(mmap, "MAP_POPULATE") else 0))
+        return anonymous(size, prefault)
 
     @classmethod
     def open(cls, path: str, size: int) -> "SharedArena":

@@ -46,7 +46,7 @@ SUBSET = [
     "tests/daemon/test_integrity_commit.py", "tests/daemon/test_attack_findings.py",
     "tests/daemon/test_remote_tombstones.py", "tests/daemon/test_tomb_attacks.py",
     "tests/client/test_bad_input.py", "tests/client/test_transport.py", "tests/client/test_cut_short.py",
-    "tests/client/test_verify.py",
+    "tests/client/test_verify.py", "tests/security/test_private_memory.py",
 ]
 # The subset's tests that start child processes (daemons, clients) and may kill them.
 SPAWNING = ["tests/tiers/test_remote_promises.py", "tests/daemon/test_remote_tombstones.py",

@@ -191,3 +191,11 @@ def test_stat_shows_the_callers_tenant_row(daemon: Callable[..., Daemon], capsys
     monkeypatch.setenv("KVPARK_TOKEN", "tb")
     rc, out, _ = run(capsys, "stat", "--address", d.address)
     assert rc == 0 and "0 sequence(s)" in out and "tenant bob: 0 sequence(s)" in out
+    # bob is not trusted_local: his copy is in the private tier (charged to his host row),
+    # which stat lists with the other tiers.
+    with Client(d.address, token="tb") as c:
+        c.park("p", [torch.ones(1024)])
+    rc, out, _ = run(capsys, "stat", "--address", d.address)
+    private = next(line for line in out.splitlines() if line.startswith("private "))
+    assert rc == 0 and "4.0 MiB" in private and private.split()[-2] == "1", private
+    assert "tenant bob: 1 sequence(s); device 0 B of unlimited, host 4.0 KiB of unlimited" in out

@@ -177,6 +177,32 @@ def _key_file(path: Path, text: str, mode: int = 0o600) -> Path:
     return path
 
 
+def test_the_private_tier_exists_only_for_tenants_that_are_not_trusted_local(tmp_path: Path) -> None:
+    digest = "ab" * 32
+    base = {"tiers.host.capacity": "64MiB", "tiers.host.shm_dir": ""}
+    trusted = {"tenants.a.token_sha256": digest, "tenants.a.trusted_local": True}
+    untrusted = {"tenants.b.token_sha256": "cd" * 32}
+    # No tenants, or only trusted_local ones: no private tier, whatever its capacity says.
+    assert load(env={}, overrides=base).tiers.private.capacity == 0
+    assert load(env={}, overrides={**base, **trusted, "tiers.private.capacity": "8MiB"}).tiers.private.capacity == 0
+    # A tenant that is not trusted_local: auto is a quarter of the host arena, in whole slots.
+    cfg = load(env={}, overrides={**base, **trusted, **untrusted})
+    assert cfg.untrusted == ("b",) and cfg.tiers.private.capacity == 16 << 20
+    small = load(env={}, overrides={"tiers.host.capacity": "2MiB", "tiers.host.shm_dir": "", **untrusted})
+    assert small.tiers.private.capacity == 1 << 20  # at least one slot
+    odd = load(env={}, overrides={**base, **untrusted, "tiers.private.capacity": 5 * (1 << 20) + 123})
+    assert odd.tiers.private.capacity == 5 << 20
+    with pytest.raises(ConfigError, match="tiers.private.capacity: must hold at least one slot"):
+        load(env={}, overrides={**base, **untrusted, "tiers.private.capacity": "64KiB"})
+    with pytest.raises(ConfigError, match="tiers.private.low_watermark/high_watermark"):
+        load(env={}, overrides={**base, **untrusted, "tiers.private.high_watermark": 0.5,
+                                "tiers.private.low_watermark": 0.6})
+    # The resolved tree reads back the same.
+    again = tmp_path / "again.toml"
+    again.write_text(to_toml(cfg))
+    assert load(again, env={}) == cfg
+
+
 def test_remote_key_files_resolve_into_the_remote_options(tmp_path: Path) -> None:
     cur, old = "ab" * 32, "CD" * 32
     kf = _key_file(tmp_path / "cur.key", cur + "\n")

@@ -191,7 +191,8 @@ def test_host_quota_demotes_the_tenants_own_coldest_and_never_anothers(daemon: C
         assert [t.name for t in st] == ["alice"] and st[0].quota == {"host": 3 * MiB}
         assert st[0].used["host"] <= 3 * MiB and st[0].used["disk"] == 5 * MiB and st[0].sequences == 5
         assert _tiers(a) == {"a0": "disk", "a1": "disk", "a2": "host", "a3": "host", "a4": "host"}
-        assert _tiers(b) == {"b0": "host", "b1": "host"}  # bob's are where they were
+        # bob's are where they were (bob is not trusted_local: in the private tier)
+        assert _tiers(b) == {"b0": "private", "b1": "private"}
         for i in range(5):
             assert torch.equal(a.restore(f"a{i}")[0], blob(MiB, i))
         for i in range(2):
@@ -296,9 +297,11 @@ def test_a_cancelled_restore_stream_of_a_tenant_frees_its_lease(daemon: Callable
 
 
 def test_device_quota_demotes_to_host_on_the_cpu_stand_in(daemon: Callable[..., Daemon]) -> None:
+    # alice: trusted_local (an untrusted tenant never holds device memory), parking inline.
     dev = {"tiers.device.enabled": "true", "tiers.device.device": "cpu", "tiers.device.capacity": "8MiB"}
-    d = daemon(**tenants(**{"bob.quota": {"device": "2MiB"}}), **dev)
-    with Client(d.address, token=TOKENS["bob"]) as b, Client(d.address, token=TOKENS["carol"]) as c:
+    d = daemon(**tenants(**{"alice.quota": {"device": "2MiB"}}), **dev)
+    with Client(d.address, token=TOKENS["alice"], transport="inline") as b, \
+            Client(d.address, token=TOKENS["carol"]) as c:
         c.park("c0", [blob(MiB, 50)])
         for i in range(4):
             b.park(f"b{i}", [blob(MiB, i)])  # inline parks land on the device tier

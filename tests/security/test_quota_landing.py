@@ -26,20 +26,22 @@ def _host(c: Client) -> int:
 
 
 def test_an_inline_park_that_falls_back_to_host_is_charged_on_host(daemon: Callable[..., Daemon]) -> None:
-    d = daemon(**tenants(**QUOTA), **DEV)
+    # carol: trusted_local, parking inline (an untrusted tenant never lands on the device:
+    # see the private-tier tests below).
+    d = daemon(**tenants(**{"carol.quota": {"host": "2MiB"}}), **DEV)
     with Client(d.address, token=TOKENS["alice"], transport="inline") as a, \
-            Client(d.address, token=TOKENS["bob"]) as b:
-        # The device is physically full of alice's pinned sequences: bob's inline parks,
+            Client(d.address, token=TOKENS["carol"], transport="inline") as b:
+        # The device is physically full of alice's pinned sequences: carol's inline parks,
         # bound for the device, land on host.
         for i in range(8):
             assert a.park(f"pin{i}", [blob(MiB, i)], pinned=True).tier == "device"
         for i in range(12):
             b.park(f"b{i}", [blob(MiB, 100 + i)])
-            assert _host(b) <= 2 * MiB, f"after park {i}: {_host(b)} bytes of bob's on host"
+            assert _host(b) <= 2 * MiB, f"after park {i}: {_host(b)} bytes of carol's on host"
         for i in range(12):
             assert torch.equal(b.restore(f"b{i}")[0], blob(MiB, 100 + i))
         for i in range(8):
-            assert a.info(f"pin{i}").tier == "device"  # nothing of alice's moved for bob
+            assert a.info(f"pin{i}").tier == "device"  # nothing of alice's moved for carol
     assert d.engine is not None
     d.engine.check_invariants()
 
@@ -64,7 +66,8 @@ def test_prefetches_make_room_within_the_quota_or_are_refused(daemon: Callable[.
         for i in range(6):
             b.park(f"b{i}", [blob(MiB, i)])
         for i in range(6):
-            assert b.prefetch(f"b{i}", tier="host", wait=True) == "host"
+            # bob is not trusted_local: asked for host, his copy is in the private tier
+            assert b.prefetch(f"b{i}", tier="host", wait=True) == "private"
             assert _host(b) <= 2 * MiB, f"after prefetching b{i}: {_host(b)} bytes of bob's on host"
         # Its host quota held by pinned sequences, nothing of its own can make room.
         b.park("p0", [blob(MiB, 10)], pinned=True)
@@ -75,3 +78,42 @@ def test_prefetches_make_room_within_the_quota_or_are_refused(daemon: Callable[.
         assert _host(b) <= 2 * MiB
         assert torch.equal(b.restore("b0")[0], blob(MiB, 0))  # served all the same, from disk
         assert _host(b) <= 2 * MiB
+
+
+def _private(c: Client) -> int:
+    """Bytes the private tier holds (the daemon's total: bob is its only untrusted tenant)."""
+    return c.stat().tiers["private"].used_bytes
+
+
+def test_an_untrusted_tenants_private_copies_are_charged_to_its_host_quota_on_every_path(
+        daemon: Callable[..., Daemon]) -> None:
+    # bob is not trusted_local: his copies live in the private tier (host memory no client
+    # maps), charged to his host quota, whatever path put them there.
+    d = daemon(**tenants(**QUOTA), **DEV)
+    with Client(d.address, token=TOKENS["bob"]) as b:
+        # Inline parks bound for the device (the park tier here) land in the private tier.
+        for i in range(6):
+            assert b.park(f"b{i}", [blob(MiB, i)]).tier == "private"
+            assert _host(b) <= 2 * MiB and _private(b) <= 2 * MiB, f"after park {i}"
+        assert b.stat().tiers["device"].used_bytes == 0
+        # A park larger than the private tier goes through windows of it, to disk only.
+        b.park("huge", [blob(6 * MiB, 9)])
+        assert _host(b) <= 2 * MiB and _private(b) <= 2 * MiB
+        (row,) = b.stat().tenants
+        assert row.used["disk"] == 12 * MiB
+        # Restores promote from disk into the private tier, within the quota once read.
+        for _ in range(2):
+            for i in range(6):
+                assert torch.equal(b.restore(f"b{i}")[0], blob(MiB, i))
+                assert _host(b) <= 2 * MiB and _private(b) <= 2 * MiB, f"after restoring b{i}"
+        assert torch.equal(b.restore("huge")[0], blob(6 * MiB, 9))
+        # A prefetch asked for the device promotes into the private tier, making room there.
+        for i in range(6):
+            assert b.prefetch(f"b{i}", tier="device", wait=True) == "private"
+            assert _host(b) <= 2 * MiB and _private(b) <= 2 * MiB, f"after prefetching b{i}"
+        assert b.stat().tiers["device"].used_bytes == 0
+    # The operator's /metrics has the private tier with the others.
+    assert d.metrics is not None
+    assert 'kvpark_tier_capacity_bytes{tier="private"} 4.194304e+06' in d.metrics.render().decode()
+    assert d.engine is not None
+    d.engine.check_invariants()
