@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 
+from kvpark.proto import VERSION
 from kvpark.proto.errors import StartupError
 
 from . import logs
@@ -58,6 +60,11 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     logs.setup(cfg.server.log_level, cfg.server.log_format)
     from .server import Daemon  # after logging is set up
+
+    env_keys = sorted(k for k in os.environ if k.startswith("KVPARK__"))
+    log.info("kvpark %s starting; config: %s%s%s", VERSION, args.config or "embedded defaults",
+             f", environment {', '.join(env_keys)}" if env_keys else "",
+             f", --set {', '.join(sorted(overrides))}" if overrides else "")
 
     stop = threading.Event()
 

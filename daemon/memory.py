@@ -60,14 +60,23 @@ class MemoryTiers:
                 # Exported once, not per Hello: each export takes an IPC reference on the
                 # pool's storage that is never given back.
                 ipc_handle = cuda.ipc_handle(pool)
+        elif dev.enabled == "false":
+            log.info("device tier: off (tiers.device.enabled = false)")
+        elif device.type != "cuda":
+            log.info("device tier: off (tiers.device.device = %s is not a GPU)", dev.device)
+        else:
+            log.info("device tier: off (no CUDA device here; tiers.device.enabled = auto)")
 
         removed = remove_stale(host.shm_dir)
         if removed:
             log.info("removed %d stale arena file(s) from %s", len(removed), host.shm_dir)
         cap = int(host.capacity)
         arena = SharedArena.create(host.shm_dir, cap, prefault=host.prefault, group=host.group)
-        log.info("host arena: %d MiB in %d slots of %d KiB, %s (%.2fs to map)", cap >> 20, cap // host.slot_size,
-                 host.slot_size >> 10, arena.path or "private memory", arena.prefault_s)
+        # A slow start is mostly the prefault: say what shortens it.
+        hint = ("; to start faster: tiers.host.prefault = false (page faults then land on first use) or a smaller "
+                "tiers.host.capacity") if host.prefault and arena.prefault_s >= 1.0 else ""
+        log.info("host arena: %d MiB in %d slots of %d KiB, %s (%.2fs to map%s)", cap >> 20, cap // host.slot_size,
+                 host.slot_size >> 10, arena.path or "private memory", arena.prefault_s, hint)
         # Page-locking only pays off for copies to and from a GPU pool; without one it
         # would create a CUDA context for nothing.
         gpu = tiers.get("device")

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from kvpark.proto import VERSION
+
 from kvpark.tiers import cuda
 
 from ..conftest import wait_until
@@ -72,6 +74,9 @@ def test_start_up_logs_the_effective_config(proc) -> None:
     p = proc("--set", "policy.eviction=lfu")
     wait_until(lambda: "tiers ready" in p.output(), timeout=30)
     out = p.output()
+    # The version, where the config came from, and each tier on or off with the reason.
+    assert f"kvpark {VERSION} starting; config: embedded defaults" in out and "--set " in out, out
+    assert "device tier: off (" in out, out
     assert "listening on" in out and "host arena" in out and "to map" in out
     assert "disk tier:" in out and "eviction=lfu" in out and "write=write_back" in out and "disk_full=evict" in out
 
