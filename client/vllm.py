@@ -49,7 +49,8 @@ Extra config keys: ``address`` (default ``$KVPARK_ADDRESS`` or 127.0.0.1:50551),
 ``lookup_timeout_s`` (0.5), ``load_timeout_s`` (10), ``save_timeout_s`` (10),
 ``stage_bytes`` (256 MiB), ``save_queue_bytes`` (2 x ``stage_bytes``: snapshots waiting
 for the saver), ``transport`` ("auto"; the workers' data path, the scheduler always uses
-"inline"), ``cpu_amx_init`` (true).
+"inline"), ``cpu_amx_init`` (true); parsed and checked by ``kvpark.client.vllm_options``
+(a bad value or an unknown key stops the engine's start with ``InvalidArgument``).
 
 On vLLM's CPU platform the worker-role connector asks the kernel for AMX tile permission
 when it starts (``kvpark.client.amx``): vLLM's CPU attention otherwise dies with SIGILL on
@@ -68,7 +69,6 @@ turned into an error.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -91,6 +91,7 @@ from .amx import request_amx_permission
 from .client import Client, Grant
 from .transport import InstanceChanged
 from .keys import extend as extend_keys
+from . import vllm_options as options
 from .vllm_io import (
     STATS,
     BackgroundSaver,
@@ -126,14 +127,8 @@ def _on_cpu_platform() -> bool:
 def _opted_out(request: Any) -> bool:
     """A request sent with ``kv_transfer_params={"kvpark": "off"}`` bypasses kvpark."""
     params = getattr(request, "kv_transfer_params", None)
-    return isinstance(params, dict) and "kvpark" in params and not _flag(params["kvpark"])
+    return isinstance(params, dict) and "kvpark" in params and not options.flag(params["kvpark"])
 
-
-def _flag(value: Any) -> bool:
-    """A boolean extra-config value; JSON configs may carry it as a string."""
-    if isinstance(value, str):
-        return value.strip().lower() not in ("0", "false", "no", "off", "")
-    return bool(value)
 
 
 def layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
@@ -178,18 +173,17 @@ class KVParkMetadata(KVConnectorMetadata):
 class KVParkConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = self._kv_transfer_config.kv_connector_extra_config or {}
-        address = extra.get("address") or os.environ.get("KVPARK_ADDRESS") or "127.0.0.1:50551"
-        transport = str(extra.get("transport", "auto"))
+        opts = options.parse(self._kv_transfer_config.kv_connector_extra_config)
+        transport = opts.transport
         if role == KVConnectorRole.SCHEDULER:
             transport = "inline"  # it only sends lookups: no arena mapping, no CUDA context
-        self._conn = Conn(address, transport)
-        self._lookup_timeout = float(extra.get("lookup_timeout_s", 0.5))
-        self._load_timeout = float(extra.get("load_timeout_s", 10.0))
-        self._save_timeout = float(extra.get("save_timeout_s", 10.0))
-        self._stage_bytes = int(extra.get("stage_bytes", 256 << 20))
+        self._conn = Conn(opts.address, transport)
+        self._lookup_timeout = opts.lookup_timeout_s
+        self._load_timeout = opts.load_timeout_s
+        self._save_timeout = opts.save_timeout_s
+        self._stage_bytes = opts.stage_bytes
         # Snapshots not yet parked may hold this much before a step waits for the saver.
-        self._save_queue_bytes = int(extra.get("save_queue_bytes", 2 * self._stage_bytes))
+        self._save_queue_bytes = opts.save_queue_bytes
         self._saver: BackgroundSaver | None = None
         self.block_size = int(vllm_config.cache_config.block_size)
         try:
@@ -197,7 +191,7 @@ class KVParkConnector(KVConnectorBase_V1):
         except ValueError as e:
             miss("setup", e)
             self.fingerprint = ""
-        if role == KVConnectorRole.WORKER and _on_cpu_platform() and _flag(extra.get("cpu_amx_init", True)):
+        if role == KVConnectorRole.WORKER and _on_cpu_platform() and opts.cpu_amx_init:
             # Before the engine's first forward, which may attend over KV we load.
             count(f"amx.{request_amx_permission()}", 1)
         if role == KVConnectorRole.SCHEDULER and self._kv_transfer_config.kv_load_failure_policy != "recompute":

@@ -21,6 +21,7 @@ Primitives:
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import queue
 import re
@@ -41,6 +42,16 @@ from kvpark.daemon.server import Daemon
 from kvpark.tiers.disk import DiskStore
 from .redis_servers import RedisCluster, RedisServer, have_redis
 from .skip_missing import pytest_make_collect_report  # noqa: F401 (a hook: pytest finds it here)
+
+
+# The vLLM connector's tests run in their own venv (`make test-vllm`); the core run leaves
+# them out instead of listing each as "skipped: could not import vllm".
+_HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+collect_ignore = [] if _HAVE_VLLM else ["vllm"]
+
+
+def pytest_report_header(config: Any) -> str | None:
+    return None if _HAVE_VLLM else "tests/vllm: left out here (no vllm); `make test-vllm` runs them in .venv-vllm"
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
