@@ -304,6 +304,7 @@ def _parser() -> argparse.ArgumentParser:
     conn.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
     sub.add_parser("serve", help="run the daemon (kvpark serve -h for its options)")
     sub.add_parser("config", help="print the config as TOML (kvpark config -h)")
+    sub.add_parser("compact", help="shrink the disk tier's LMDB file, offline (kvpark compact -h)")
     h = sub.add_parser("health", parents=[conn], help="exit 0 when the daemon is serving, 1 otherwise")
     h.set_defaults(fn=_health)
     st = sub.add_parser("stat", parents=[conn], help="tiers and sequences: a summary, --all, --json, --watch")
@@ -332,7 +333,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     try:
-        if argv and argv[0] in ("serve", "config"):
+        if argv and argv[0] in ("serve", "config", "compact"):
             from kvpark.daemon.cli import main as daemon_main  # the daemon's own commands
 
             return daemon_main(argv)

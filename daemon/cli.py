@@ -101,6 +101,29 @@ def _config(args: argparse.Namespace) -> int:
     return 0
 
 
+def _compact(args: argparse.Namespace) -> int:
+    from kvpark.tiers.compact import compact
+
+    path = args.data_dir
+    if not path:
+        overrides = _overrides(args)
+        if overrides is None:
+            return 2
+        try:
+            path = load(args.config, overrides=overrides).tiers.disk.path
+        except ConfigError as e:
+            print(f"kvpark: config error: {e}", file=sys.stderr)
+            return 2
+    print(f"compacting {path} (the daemon must be stopped; this copies every live page once)", flush=True)
+    try:
+        before, after = compact(path)
+    except (StartupError, OSError) as e:
+        print(f"kvpark: {e}", file=sys.stderr)
+        return 2
+    print(f"{path}: data.mdb {before / 2**20:.1f} MiB -> {after / 2**20:.1f} MiB")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="kvpark", description="KV-cache parking daemon")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -117,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--config", help="TOML config file to resolve and print")
     c.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key (repeatable)")
     c.set_defaults(fn=_config)
+    k = sub.add_parser("compact", help="shrink the disk tier's LMDB file to its live pages (daemon stopped)")
+    k.add_argument("--data-dir", help="the disk tier's directory (default: tiers.disk.path of the config)")
+    k.add_argument("--config", help="TOML config file whose tiers.disk.path to compact")
+    k.add_argument("--set", action="append", metavar="KEY=VALUE", help="override a key (repeatable)")
+    k.set_defaults(fn=_compact)
     args = p.parse_args(argv)
     return int(args.fn(args))
 

@@ -48,6 +48,8 @@ Primitives:
   (invariant checks on a quiet store).
 - ``read_txn()``: a read transaction whose ``read_block`` returns zero-copy verified views.
 - ``sweep_orphans() -> int``: delete block records no manifest (or staged write) owns.
+- ``lock_dir(path) -> fd``: the data directory's exclusive lock (one daemon, or one
+  offline tool such as ``compact.py``, per directory).
   ``DiskStore.on_corrupt`` (optional) is called for every record that fails verification;
   ``damaged`` counts the held generations that did (until dropped or replaced).
 - ``update_manifest(m, sync=False) -> bool``: rewrite one generation's manifest (a pin).
@@ -236,7 +238,7 @@ def _usable_dir(path: str) -> None:
         ) from None
 
 
-def _lock_dir(path: str) -> int:
+def lock_dir(path: str) -> int:
     """Hold an exclusive lock on the data directory for this process's lifetime.
 
     LMDB itself lets several processes share an environment, but each kvpark daemon keeps
@@ -313,7 +315,7 @@ class DiskStore:
         self._readers_cv = threading.Condition(threading.Lock())
         self._readers = 0  # read_txn()s open: close() waits for them
         self._closing = False
-        self._lock_fd = _lock_dir(path)
+        self._lock_fd = lock_dir(path)
         data_file = os.path.join(path, "data.mdb")
         existing = os.path.getsize(data_file) if os.path.exists(data_file) else 0
         # Headroom over the payload capacity for LMDB pages, headers and manifests,

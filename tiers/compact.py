@@ -1,0 +1,59 @@
+"""Offline compaction of the disk tier's LMDB file (``kvpark compact``).
+
+LMDB reuses freed pages but never gives them back: after a burst of large sequences is
+dropped, ``data.mdb`` keeps its high-water size. A copy with compaction
+(``mdb_env_copy2(MDB_CP_COMPACT)``) writes only the live pages. It needs the directory to
+itself: the data directory's lock is taken first (a running daemon holds it, and the
+compaction is refused in words), the compact copy is written and fsynced beside the
+original, then renamed over it. An interrupted compaction leaves the original intact
+(and a ``compact.tmp`` directory the next run removes).
+
+Primitives: ``compact(path) -> (bytes_before, bytes_after)``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import lmdb
+
+from kvpark.proto.errors import StartupError
+
+from .disk import lock_dir
+
+_MAX_DBS = 8  # at least what ``DiskStore`` opens
+
+
+def compact(path: str) -> tuple[int, int]:
+    data = os.path.join(path, "data.mdb")
+    if not os.path.exists(data):
+        raise StartupError(f"{path}: no disk tier here (no data.mdb)")
+    try:
+        fd = lock_dir(path)
+    except OSError as e:
+        raise StartupError(f"cannot compact {path}: {e}; stop the daemon first") from None
+    tmp = os.path.join(path, "compact.tmp")
+    try:
+        before = os.path.getsize(data)
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.mkdir(tmp, 0o700)
+        env = lmdb.open(path, readonly=True, max_dbs=_MAX_DBS, subdir=True, lock=False)
+        try:
+            env.copy(tmp, compact=True)
+        finally:
+            env.close()
+        out = os.path.join(tmp, "data.mdb")
+        with open(out, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.chmod(out, os.stat(data).st_mode & 0o777)
+        os.replace(out, data)
+        dfd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(dfd)  # the rename itself is durable before we say it is done
+        finally:
+            os.close(dfd)
+        return before, os.path.getsize(data)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.close(fd)
