@@ -31,7 +31,7 @@ from dataclasses import asdict
 from typing import Any, Callable
 
 from kvpark.proto import VERSION
-from kvpark.proto.errors import KVParkError
+from kvpark.proto.errors import KVParkError, Unavailable
 from kvpark.proto.types import SeqInfo, Stat
 
 from .address import normalize
@@ -70,9 +70,17 @@ def _fail(e: BaseException) -> int:
 
 
 def _client_call(args: argparse.Namespace, fn: Callable[[Client], int]) -> int:
+    address = _address(args)
     try:
-        with Client(args.address, timeout=args.timeout) as c:
+        with Client(address, timeout=args.timeout) as c:
             return fn(c)
+    except Unavailable as e:
+        if "failed to connect" in str(e) or "Connection refused" in str(e):
+            # The usual first-hour case: say what it means and what to do, not gRPC's words.
+            print(f"kvpark: no daemon answers at {address}: is `kvpark serve` running there? (another address: "
+                  f"--address HOST:PORT or $KVPARK_ADDRESS)", file=sys.stderr)
+            return EXIT_ERROR
+        return _fail(e)
     except KVParkError as e:
         return _fail(e)
 

@@ -59,3 +59,16 @@ def test_the_cli_refuses_a_url_in_one_line(capsys: pytest.CaptureFixture[str]) -
         assert main([*cmd, "--address", "http://127.0.0.1:1"]) != 0
         err = capsys.readouterr().err.strip()
         assert len(err.splitlines()) == 1 and "not http://" in err, err
+
+
+def test_no_daemon_is_said_in_words_with_what_to_do(capsys: pytest.CaptureFixture[str]) -> None:
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for cmd in (["stat"], ["info", "x"], ["drop", "x"], ["flush"]):
+        assert main([*cmd, "--address", f"127.0.0.1:{port}", "--timeout", "5"]) == 1
+        err = capsys.readouterr().err.strip()
+        assert err == (f"kvpark: no daemon answers at 127.0.0.1:{port}: is `kvpark serve` running there? "
+                       "(another address: --address HOST:PORT or $KVPARK_ADDRESS)"), err
