@@ -8,7 +8,14 @@ Primitives:
   the calling thread's calls.
 - Result types ``SeqInfo``, ``Stat``, ``TierStat``.
 - Typed errors: ``KVParkError`` and its subclasses, one per gRPC status code.
+
+``Client`` (and torch with it) is imported at its first use, not with this package: the
+CLI's control commands (``kvpark.client.control``) run without torch.
 """
+
+from __future__ import annotations
+
+from typing import Any
 
 from kvpark.proto.errors import (
     AlreadyExists,
@@ -30,7 +37,15 @@ from kvpark.proto.errors import (
 )
 from kvpark.proto.types import SeqInfo, Stat, TierStat
 
-from .client import DEFAULT_ADDRESS, Client
+from .control import DEFAULT_ADDRESS
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Client":
+        from .client import Client
+
+        return Client
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 __all__ = [
     "Client", "DEFAULT_ADDRESS", "SeqInfo", "Stat", "TierStat",

@@ -35,7 +35,7 @@ from kvpark.proto.errors import KVParkError, Unavailable
 from kvpark.proto.types import SeqInfo, Stat
 
 from .address import normalize
-from .client import DEFAULT_ADDRESS, Client, tls_from_env
+from .control import DEFAULT_ADDRESS, Control, tls_from_env
 from .rpc import open_channel
 
 EXIT_ERROR = 1
@@ -69,10 +69,10 @@ def _fail(e: BaseException) -> int:
     return EXIT_ERROR
 
 
-def _client_call(args: argparse.Namespace, fn: Callable[[Client], int]) -> int:
+def _client_call(args: argparse.Namespace, fn: Callable[[Control], int]) -> int:
     address = _address(args)
     try:
-        with Client(address, timeout=args.timeout) as c:
+        with Control(address, timeout=args.timeout) as c:
             return fn(c)
     except Unavailable as e:
         if "failed to connect" in str(e) or "Connection refused" in str(e):
@@ -171,11 +171,11 @@ def _stat(args: argparse.Namespace) -> int:
     if args.watch is not None:
         return _watch(args)
 
-    def run(c: Client) -> int:
+    def run(c: Control) -> int:
         st, seqs = c.stat(), c.list()
         now = time.time()
         if args.json:
-            out = {"version": c.server.server_version, "address": c.address, **_summary(st, seqs),
+            out = {"version": c.server_version(), "address": c.address, **_summary(st, seqs),
                    "tiers": {k: asdict(v) for k, v in st.tiers.items()},
                    "remote": asdict(st.remote) if st.remote is not None else None,
                    "tenants": [asdict(t) for t in st.tenants],
@@ -220,7 +220,7 @@ def _watch(args: argparse.Namespace) -> int:
                       str(ts.evictions), d_used, d_ev)
         return Group(t)
 
-    def run(c: Client) -> int:
+    def run(c: Control) -> int:
         prev: tuple[float, Stat] | None = None
         n = 0
         with Live(refresh_per_second=4, transient=False) as live:
@@ -242,7 +242,7 @@ def _watch(args: argparse.Namespace) -> int:
 
 
 def _info(args: argparse.Namespace) -> int:
-    def run(c: Client) -> int:
+    def run(c: Control) -> int:
         s = c.info(args.seq_id)
         now = time.time()
         d = _seq_json(s, now)
@@ -270,7 +270,7 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _drop(args: argparse.Namespace) -> int:
-    def run(c: Client) -> int:
+    def run(c: Control) -> int:
         if not c.drop(args.seq_id):
             print(f"kvpark: no parked sequence {args.seq_id!r}", file=sys.stderr)
             return EXIT_ERROR
@@ -283,7 +283,7 @@ def _drop(args: argparse.Namespace) -> int:
 def _pin(args: argparse.Namespace) -> int:
     pinned = args.cmd == "pin"
 
-    def run(c: Client) -> int:
+    def run(c: Control) -> int:
         s = c.pin(args.seq_id, pinned)
         print(f"{'pinned' if s.pinned else 'unpinned'} {s.seq_id} (in {s.tier})")
         return 0
@@ -292,7 +292,7 @@ def _pin(args: argparse.Namespace) -> int:
 
 
 def _flush(args: argparse.Namespace) -> int:
-    def run(c: Client) -> int:
+    def run(c: Control) -> int:
         n = c.flush()
         print(f"{n} sequence(s) written to disk")
         return 0

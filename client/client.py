@@ -65,11 +65,12 @@ from kvpark.proto import VERSION, convert
 from kvpark.proto import packed as packing
 from kvpark.proto.errors import InvalidArgument, LeaseExpired, TransportUnavailable, Unavailable
 from kvpark.proto.layout import TensorMeta, validate_seq_id
-from kvpark.proto.types import SeqInfo, Stat
+from kvpark.proto.types import SeqInfo
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.tiers import cuda
 
 from .address import normalize
+from .control import DEFAULT_ADDRESS, TOKEN_ENV, ControlCalls, tls_from_env
 from .payload import as_tensors, byte_view, check_into
 from .rpc import Rpc
 from . import verify as verifying
@@ -78,18 +79,6 @@ from .uses import Uses
 from .transport import (SMALL_POOL_BYTES, TRANSPORTS, CudaIpc, InstanceChanged, Restoring, Shm, Target, Transport,
                         negotiate)
 
-DEFAULT_ADDRESS = "127.0.0.1:50551"
-TOKEN_ENV = "KVPARK_TOKEN"  # the bearer token when ``token`` is not given
-TLS_CA_ENV = "KVPARK_TLS_CA"  # the CA bundle file when ``tls_ca`` is not given
-TLS_CERT_ENV, TLS_KEY_ENV = "KVPARK_TLS_CERT", "KVPARK_TLS_KEY"  # the client certificate and key (mTLS)
-
-
-def tls_from_env(tls_ca: str | bytes | None = None, tls_cert: str | bytes | None = None,
-                 tls_key: str | bytes | None = None) -> dict[str, str | bytes | None]:
-    """The TLS files given, else the ``KVPARK_TLS_*`` environment's."""
-    return {"tls_ca": tls_ca if tls_ca is not None else os.environ.get(TLS_CA_ENV) or None,
-            "tls_cert": tls_cert if tls_cert is not None else os.environ.get(TLS_CERT_ENV) or None,
-            "tls_key": tls_key if tls_key is not None else os.environ.get(TLS_KEY_ENV) or None}
 TRANSPORT_NAMES = ("auto", *TRANSPORTS)
 T = TypeVar("T")
 
@@ -127,7 +116,7 @@ def _header(seq_id: str, tensors: Sequence[torch.Tensor], packed: bool = False) 
                          nbytes=sum(m.nbytes for m in metas))
 
 
-class Client:
+class Client(ControlCalls):
     def __init__(self, address: str | None = None, *, token: str | None = None, timeout: float | None = None,
                  transport: str = "auto", tls_ca: str | bytes | None = None, tls_cert: str | bytes | None = None,
                  tls_key: str | bytes | None = None, verify: bool | None = None) -> None:
@@ -519,27 +508,3 @@ class Client:
         # The daemon enforces ``timeout``; the RPC deadline only guards against a hung daemon.
         # (``inf`` waits as long as it takes, with no RPC deadline either.)
         return self._call(self.rpc.prefetch, req, None if timeout is None else timeout + 5.0).tier
-
-    def drop(self, seq_id: str, *, timeout: float | None = None) -> bool:
-        validate_seq_id(seq_id)
-        return bool(self._call(self.rpc.drop, pb.DropRequest(seq_id=seq_id), timeout).dropped)
-
-    def info(self, seq_id: str, *, timeout: float | None = None) -> SeqInfo:
-        validate_seq_id(seq_id)
-        return convert.info_from_pb(self._call(self.rpc.info, pb.InfoRequest(seq_id=seq_id), timeout))
-
-    def list(self, *, timeout: float | None = None) -> list[SeqInfo]:
-        return [convert.info_from_pb(i) for i in self._call(self.rpc.list, pb.ListRequest(), timeout).sequences]
-
-    def stat(self, *, timeout: float | None = None) -> Stat:
-        return convert.stat_from_pb(self._call(self.rpc.stat, pb.StatRequest(), timeout))
-
-    def pin(self, seq_id: str, pinned: bool = True, *, timeout: float | None = None) -> SeqInfo:
-        """Pin ``seq_id`` (never demoted below the tier it is in), or unpin it."""
-        validate_seq_id(seq_id)
-        req = pb.PinRequest(seq_id=seq_id, pinned=pinned)
-        return convert.info_from_pb(self._call(self.rpc.pin, req, timeout))
-
-    def flush(self, *, timeout: float | None = None) -> int:
-        """Write every sequence that is only in memory to disk now; returns how many were written."""
-        return int(self._call(self.rpc.flush, pb.FlushRequest(), timeout).written)

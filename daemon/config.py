@@ -478,12 +478,15 @@ def _resolve(cfg: Config) -> Config:
     dev = cfg.tiers.device
     if pol.restore_to == "device" and dev.enabled == "false":
         raise ConfigError('policy.restore_to: "device" needs tiers.device.enabled = "auto" or "true"')
-    try:
-        import torch
+    # The usual forms are checked without torch (``kvpark config`` runs without it); any
+    # other string is torch's to judge.
+    if not re.fullmatch(r"(cpu|cuda|xpu|mps|meta)(:\d+)?", dev.device):
+        try:
+            import torch
 
-        torch.device(dev.device)
-    except (RuntimeError, TypeError) as e:
-        raise ConfigError(f"tiers.device.device: {dev.device!r} is not a torch device ({e})") from None
+            torch.device(dev.device)
+        except (RuntimeError, TypeError) as e:
+            raise ConfigError(f"tiers.device.device: {dev.device!r} is not a torch device ({e})") from None
     if cfg.leases.ttl_s <= 0:
         raise ConfigError(f"leases.ttl_s: must be > 0, got {cfg.leases.ttl_s}")
     if cfg.server.max_workers < 2:

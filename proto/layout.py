@@ -7,7 +7,8 @@ layer's) bytes are reachable without reading the others.
 
 Primitives:
 - ``TensorMeta``: dtype name, shape and byte size of one tensor.
-- ``DTYPES``: dtype name -> item size, for every dtype this torch build has.
+- ``DTYPES``: dtype name -> item size, for every dtype this torch build has (torch is
+  imported at its first use, not with this module: the CLI reads infos without torch).
 - ``validate_tensors(metas, declared_nbytes)``: raise ``InvalidArgument`` unless consistent.
 - ``validate_seq_id(seq_id)``: raise ``InvalidArgument`` for empty, overlong or control-char ids.
 - ``payload_offsets(metas) -> list[int]``.
@@ -22,12 +23,14 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import TYPE_CHECKING, Iterator, Mapping, Sequence
 
-import torch
 import xxhash
 
 from .errors import InvalidArgument
+
+if TYPE_CHECKING:
+    import torch
 
 MAX_SEQ_ID_BYTES = 256
 MAX_TENSORS = 1 << 16
@@ -42,6 +45,8 @@ _CANDIDATES = (
 
 
 def _dtype_table() -> dict[str, int]:
+    import torch
+
     table: dict[str, int] = {}
     for name in _CANDIDATES:
         dt = getattr(torch, name, None)
@@ -50,7 +55,30 @@ def _dtype_table() -> dict[str, int]:
     return table
 
 
-DTYPES: dict[str, int] = _dtype_table()
+class _Dtypes(Mapping[str, int]):
+    """``_dtype_table()``, built at the first lookup (importing torch then)."""
+
+    _table: dict[str, int] | None = None
+
+    def _get(self) -> dict[str, int]:
+        if self._table is None:
+            self._table = _dtype_table()
+        return self._table
+
+    def __getitem__(self, name: str) -> int:
+        return self._get()[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._get()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+
+DTYPES: Mapping[str, int] = _Dtypes()
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -61,6 +89,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    import torch
+
     if name not in DTYPES:
         raise InvalidArgument(f"unsupported dtype {name!r}; supported: {', '.join(sorted(DTYPES))}")
     return getattr(torch, name)

@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import math
 import struct
-from typing import Sequence
-
-import torch
+from typing import TYPE_CHECKING, Sequence
 
 from .errors import InvalidArgument
 from .layout import DTYPES, MAX_DIMS, MAX_TENSORS, TensorMeta, dtype_name
+
+if TYPE_CHECKING:  # torch only where tensors are handled: the CLI reads infos without it
+    import torch
 
 VERSION = 1
 # Append only: a code's meaning is part of the wire contract.

@@ -17,8 +17,6 @@ from __future__ import annotations
 import logging
 import mmap
 
-import torch
-
 log = logging.getLogger(__name__)
 
 
@@ -34,6 +32,8 @@ class PrivateMemory:
         self._mm = mm
         self.size = size
         self.view = memoryview(mm)
+        import torch  # here, not at the top: ``anonymous`` is imported where torch is not (the CLI)
+
         self.tensor = torch.frombuffer(mm, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
 
     @classmethod
@@ -41,6 +41,8 @@ class PrivateMemory:
         return cls(anonymous(size, prefault), size)
 
     def close(self) -> None:
+        import torch
+
         self.tensor = torch.empty(0, dtype=torch.uint8)
         self.view.release()
         try:

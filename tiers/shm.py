@@ -37,8 +37,6 @@ import re
 import secrets
 import time
 
-import torch
-
 from kvpark.proto.errors import StartupError
 
 from .private import anonymous
@@ -109,6 +107,8 @@ class SharedArena:
         self.path = path
         self.size = size
         self.view = memoryview(mm)
+        import torch  # here, not at the top: config (and so the CLI) uses ``free_bytes`` without torch
+
         self.tensor = torch.frombuffer(mm, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
         self.prefault_s = 0.0
 
@@ -192,6 +192,8 @@ class SharedArena:
         return cls(mm, path, size)
 
     def close(self, unlink: bool = False) -> None:
+        import torch
+
         self.tensor = torch.empty(0, dtype=torch.uint8)
         self.view.release()
         try:
