@@ -251,7 +251,8 @@ class TenantView:
             if quota_tier(tier) in self.tenant.quota and tier in self.engine.tiers:
                 with self.quotas.lock(self.tenant.name):
                     try:
-                        self.quotas.settle(self.tenant, self.prefix, tier)
+                        # Pinned copies too: a promoted pin may not outstay the quota.
+                        self.quotas.settle(self.tenant, self.prefix, tier, pinned=True)
                     except ResourceExhausted:
                         pass  # only copies still being read are left: the last of those reads settles
 

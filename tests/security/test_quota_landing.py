@@ -117,3 +117,27 @@ def test_an_untrusted_tenants_private_copies_are_charged_to_its_host_quota_on_ev
     assert 'kvpark_tier_capacity_bytes{tier="private"} 4.194304e+06' in d.metrics.render().decode()
     assert d.engine is not None
     d.engine.check_invariants()
+
+
+def test_pinned_sequences_restored_from_disk_do_not_outstay_the_quota(daemon: Callable[..., Daemon]) -> None:
+    # bob pins sequences that the quota had sent to disk, then restores them: each
+    # restore promotes a pinned copy into the private tier, which no demotion may take
+    # ("never below the tier it is in"). Unchecked, bob holds the whole private tier (4
+    # MiB) on a 1 MiB host quota, and dave, another tenant that is not trusted_local,
+    # can park nothing at all.
+    d = daemon(**tenants(**{"bob.quota": {"host": "1MiB"}, "carol.trusted_local": False}))
+    with Client(d.address, token=TOKENS["bob"]) as b, Client(d.address, token=TOKENS["carol"]) as dave:
+        seqs = {f"p{i}": blob(MiB, i) for i in range(4)}
+        for sid, t in seqs.items():
+            b.park(sid, [t])
+        for sid in seqs:
+            b.pin(sid)
+        for _ in range(2):
+            for sid, t in seqs.items():
+                assert torch.equal(b.restore(sid)[0], t)
+                assert _host(b) <= MiB, f"after restoring {sid}: {_host(b)} bytes of bob's in memory"
+        assert all(b.info(sid).pinned for sid in seqs)  # still pinned: only their memory copies left
+        assert dave.park("x", [blob(MiB, 9)]).tier == "private"
+        assert torch.equal(dave.restore("x")[0], blob(MiB, 9))
+    assert d.engine is not None
+    d.engine.check_invariants()
