@@ -381,7 +381,10 @@ class Engine:
             return self.remote.forget(gone)
         return None
 
-    def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None) -> str:
+    def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None,
+                 then: Callable[[], None] | None = None) -> str:
+        """Promote ``seq_id`` into ``tier`` (for a private sequence, the private tier); ``then()``
+        once a promotion this started or joined has ended (a tenant's quota settles there)."""
         validate_seq_id(seq_id)
         self.check_open()
         tier = self.placement.tier(seq_id, self.tier_arg(tier))
@@ -392,7 +395,7 @@ class Engine:
             # start (a cold sequence prefetched to a full tier would leave it again at once).
             seq.manifest.last_access = time.time()
             self.catalog.touch(seq)
-        return self.mover.prefetch(seq, tier, wait, timeout)
+        return self.mover.prefetch(seq, tier, wait, timeout, then)
 
     # ------------------------------------------------------------------ queries
 

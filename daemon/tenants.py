@@ -292,7 +292,10 @@ class TenantView:
                     there = to in self.engine.catalog.get(sid).res
                 with self.quotas.lock(self.tenant.name):
                     self.quotas.make_room(self.tenant, self.prefix, to, 0 if there else info.nbytes)
-            out = self.engine.prefetch(sid, tier, wait=wait, timeout=timeout)
+            # Once the promotion lands, the tenant is brought back within its quota: the room
+            # made above is not held for it, so prefetches that do not wait, one after
+            # another, each found that room free and would all land in it.
+            out = self.engine.prefetch(sid, tier, wait=wait, timeout=timeout, then=None if wait else self._settle)
             if wait:
                 self._settle()  # a promotion through a faster tier leaves the tenant within each
             return out

@@ -5,7 +5,8 @@ promote."""
 
 from __future__ import annotations
 
-from typing import Callable
+import time
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 from kvpark.client import Client, ResourceExhausted
 from kvpark.daemon.server import Daemon
 
+from ..conftest import wait_until
 from ..daemon.test_tenants import TOKENS, blob, tenants
 
 MiB = 1 << 20
@@ -141,3 +143,30 @@ def test_pinned_sequences_restored_from_disk_do_not_outstay_the_quota(daemon: Ca
         assert torch.equal(dave.restore("x")[0], blob(MiB, 9))
     assert d.engine is not None
     d.engine.check_invariants()
+
+
+def test_prefetches_that_do_not_wait_leave_the_tenant_within_its_quota(daemon: Callable[..., Daemon]) -> None:
+    # Each prefetch makes room within the quota, then promotes in the background. On a
+    # slow disk, prefetches that do not wait, one after another, each find the room the
+    # earlier ones have not filled yet: unchecked, they all land (3 MiB on a 1 MiB quota).
+    d = daemon(**tenants(**{"bob.quota": {"host": "1MiB"}}))
+    eng = d.engine
+    assert eng is not None
+    promote = eng.mover.promote
+
+    def slow(*args: Any, **kw: Any) -> bool:
+        time.sleep(0.3)  # a disk read that takes its time
+        return promote(*args, **kw)
+
+    eng.mover.promote = slow  # type: ignore[method-assign]
+    with Client(d.address, token=TOKENS["bob"]) as b:
+        seqs = {f"p{i}": blob(MiB, i) for i in range(4)}
+        for sid, t in seqs.items():
+            b.park(sid, [t])
+        for sid in seqs:
+            assert b.prefetch(sid, tier="host") in ("disk", "private")
+        assert wait_until(lambda: not eng.mover.prefetches._futures and _host(b) <= MiB, 10), \
+            f"{_host(b)} bytes of bob's in memory after his prefetches landed"
+        for sid, t in seqs.items():
+            assert torch.equal(b.restore(sid)[0], t)
+    eng.check_invariants()
