@@ -361,6 +361,15 @@ class Tenants:
         self.quotas = Quotas(engine)
         self.views = {name: TenantView(engine, t, self.quotas) for name, t in tenants.items()}
         self.open = OpenView(engine)
+        if self.views:
+            engine.leases.on_expired = self._expired
+
+    def _expired(self, owner: str) -> None:
+        """A read lease on ``owner`` expired unreleased: its tenant's quota settles as after a
+        Release (a reader that never releases must not keep the copies its reads promoted)."""
+        view = self.views.get(owner.split(SEP, 1)[0]) if SEP in owner else None
+        if view is not None:
+            view._settle()
 
     def view(self) -> "OpenView | TenantView":
         if not self.views:

@@ -8,14 +8,16 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
+import grpc
 import pytest
 import torch
 
 from kvpark.client import Client, ResourceExhausted
 from kvpark.daemon.server import Daemon
+from kvpark.proto.v1 import kvpark_pb2 as pb
 
 from ..conftest import wait_until
-from ..daemon.test_tenants import TOKENS, blob, tenants
+from ..daemon.test_tenants import TOKENS, _raw, blob, tenants
 
 MiB = 1 << 20
 DEV = {"tiers.device.enabled": "true", "tiers.device.device": "cpu", "tiers.device.capacity": "8MiB"}
@@ -170,3 +172,26 @@ def test_prefetches_that_do_not_wait_leave_the_tenant_within_its_quota(daemon: C
         for sid, t in seqs.items():
             assert torch.equal(b.restore(sid)[0], t)
     eng.check_invariants()
+
+
+def test_read_leases_that_expire_unreleased_leave_the_tenant_within_its_quota(daemon: Callable[..., Daemon]) -> None:
+    # A restore's promoted copy may be over the quota while it is read; the Release that
+    # ends the read settles it. A reader that never releases (a data-channel Acquire it
+    # never collects) leaves its lease to expire: unchecked, each such Acquire kept a
+    # promoted copy for good (3 MiB on a 1 MiB quota, in a private tier other tenants share).
+    d = daemon(**tenants(**{"bob.quota": {"host": "1MiB"}}), **{"server.data_channel": True, "leases.ttl_s": 1.0})
+    with Client(d.address, token=TOKENS["bob"]) as b, grpc.insecure_channel(d.address) as ch:
+        seqs = {f"p{i}": blob(MiB, i) for i in range(4)}
+        for sid, t in seqs.items():
+            b.park(sid, [t])
+        acquire = _raw(ch, "Acquire", "unary_unary")
+        for sid in seqs:
+            raw = acquire(pb.AcquireRequest(seq_id=sid, data_channel=True).SerializeToString(),
+                          metadata=[("authorization", f"Bearer {TOKENS['bob']}")], timeout=10)
+            assert pb.AcquireResponse.FromString(raw).token  # a lease, and bytes never collected
+        assert wait_until(lambda: b.stat().leases == 0 and _host(b) <= MiB, 10), \
+            f"{_host(b)} bytes of bob's in memory after his read leases expired"
+        for sid, t in seqs.items():
+            assert torch.equal(b.restore(sid)[0], t)
+    assert d.engine is not None
+    d.engine.check_invariants()
