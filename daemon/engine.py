@@ -508,7 +508,8 @@ class Engine:
         a parked shared block; readers equal read leases, and no copy is in flight. The
         index agrees with LMDB: each sequence on disk has its manifest at its generation
         and all its block records, and no record or manifest is left that none owns
-        (``commit.check_disk``).
+        (``commit.check_disk``). No copy, reservation or window of a sequence is in a
+        tier its owner's bytes may not be in (``placement.py``).
         """
         with self.mover.quiet():
             used = self.disk.used - self.disk.staged  # windowed parks under way: not in the index yet
@@ -516,6 +517,8 @@ class Engine:
             with self.catalog.lock:
                 writes, readers, leased = self.leases.held()
                 self.catalog.check(used, writes, readers, leased)
+                for owner, tier in self.leases.slots():  # reservations and windows: placed as copies are
+                    assert self.placement.allowed(owner, tier), f"{owner}: a lease's slots in the {tier} tier"
                 # A disk eviction under write_through leaves memory copies without a disk one.
                 all_on_disk = self.write_through and not self.mover.evictions.get("disk", 0)
                 commit.check_disk(self.catalog.sequences(), scan, self.deletes.held(), all_on_disk)

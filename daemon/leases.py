@@ -36,7 +36,8 @@ Primitives:
   (each after the chunk being copied through it).
 - ``transient()``: whether an open lease may still free room; ``count``; ``held()``;
   ``open_writes()`` (REQUIRES: index lock); ``write_owner(lease_id)``;
-  ``count_owned(prefix)``: open leases on a tenant's sequences (REQUIRES: index lock).
+  ``count_owned(prefix)``: open leases on a tenant's sequences (REQUIRES: index lock);
+  ``slots()``: which sequence's bytes each lease's slots are for, and in which tier.
 - ``gone(lease_id)``, ``write_gone(lease_id)``, ``write_idle(lease_id)``: the errors ``get``,
   ``take_write`` and ``get_write`` raise for a lease that does not exist; a tenant asking
   about another tenant's lease gets exactly these.
@@ -293,6 +294,18 @@ class LeaseTable:
         """Write leases not yet committed or aborted (quota accounting counts them)."""
         # REQUIRES: index lock.
         return [l for l in self._leases.values() if l.kind == "write"]
+
+    def slots(self) -> list[tuple[str, str]]:
+        """``(sequence, tier)`` for every lease holding slots: a write lease's (the sequence or
+        first new block it parks), a windowed restore's window (the sequence it reads)."""
+        # REQUIRES: index lock.
+        out = []
+        for l in self._leases.values():
+            if l.kind == "write" and l.spec is not None:
+                out.append((l.spec.owner, l.window.tier if l.window is not None else l.tier))
+            elif l.window is not None and l.window.alloc is not None and l.window.seq is not None:
+                out.append((l.window.seq.seq_id, l.window.tier))
+        return out
 
     def held(self) -> tuple[list[list[tuple[str, Allocation]]], dict[tuple[int, str], int], list[Seq]]:
         """What open leases hold: write slots per lease, readers per ``(id(seq), tier)``,
