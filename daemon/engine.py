@@ -381,7 +381,10 @@ class Engine:
             return self.remote.forget(gone)
         return None
 
-    def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None) -> str:
+    def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None,
+                 then: Callable[[], None] | None = None) -> str:
+        """Promote ``seq_id`` into ``tier`` (for a private sequence, the private tier); ``then()``
+        once a promotion this started or joined has ended (a tenant's quota settles there)."""
         validate_seq_id(seq_id)
         self.check_open()
         tier = self.placement.tier(seq_id, self.tier_arg(tier))
@@ -392,7 +395,7 @@ class Engine:
             # start (a cold sequence prefetched to a full tier would leave it again at once).
             seq.manifest.last_access = time.time()
             self.catalog.touch(seq)
-        return self.mover.prefetch(seq, tier, wait, timeout)
+        return self.mover.prefetch(seq, tier, wait, timeout, then)
 
     # ------------------------------------------------------------------ queries
 
@@ -505,7 +508,8 @@ class Engine:
         a parked shared block; readers equal read leases, and no copy is in flight. The
         index agrees with LMDB: each sequence on disk has its manifest at its generation
         and all its block records, and no record or manifest is left that none owns
-        (``commit.check_disk``).
+        (``commit.check_disk``). No copy, reservation or window of a sequence is in a
+        tier its owner's bytes may not be in (``placement.py``).
         """
         with self.mover.quiet():
             used = self.disk.used - self.disk.staged  # windowed parks under way: not in the index yet
@@ -513,6 +517,8 @@ class Engine:
             with self.catalog.lock:
                 writes, readers, leased = self.leases.held()
                 self.catalog.check(used, writes, readers, leased)
+                for owner, tier in self.leases.slots():  # reservations and windows: placed as copies are
+                    assert self.placement.allowed(owner, tier), f"{owner}: a lease's slots in the {tier} tier"
                 # A disk eviction under write_through leaves memory copies without a disk one.
                 all_on_disk = self.write_through and not self.mover.evictions.get("disk", 0)
                 commit.check_disk(self.catalog.sequences(), scan, self.deletes.held(), all_on_disk)

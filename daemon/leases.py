@@ -30,11 +30,14 @@ Primitives:
   past its deadline); ``copying(lease)``: a context in which one chunk is copied.
 - ``end(lease, expired_before=None)``, ``release(lease_id) -> bool``: free what a lease
   holds (a windowed park's staged disk blocks too; a windowed restore's window slots).
-- ``reap()``: end every expired lease. ``close()``: end them all (each after the chunk
-  being copied through it).
+- ``reap()``: end every expired lease, then call ``on_expired(owner)`` (when set) once
+  for each sequence that read leases it ended were reading first (outside the index
+  lock: a tenant's quota settles there, as after a Release). ``close()``: end them all
+  (each after the chunk being copied through it).
 - ``transient()``: whether an open lease may still free room; ``count``; ``held()``;
   ``open_writes()`` (REQUIRES: index lock); ``write_owner(lease_id)``;
-  ``count_owned(prefix)``: open leases on a tenant's sequences (REQUIRES: index lock).
+  ``count_owned(prefix)``: open leases on a tenant's sequences (REQUIRES: index lock);
+  ``slots()``: which sequence's bytes each lease's slots are for, and in which tier.
 - ``gone(lease_id)``, ``write_gone(lease_id)``, ``write_idle(lease_id)``: the errors ``get``,
   ``take_write`` and ``get_write`` raise for a lease that does not exist; a tenant asking
   about another tenant's lease gets exactly these.
@@ -46,7 +49,7 @@ import logging
 import secrets
 import time
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 from kvpark.proto.errors import LeaseExpired
 from kvpark.tiers.arena import Allocation
@@ -77,6 +80,9 @@ class LeaseTable:
         self.metrics = metrics
         self.ttl_s = config.ttl_s
         self._leases: dict[str, Lease] = {}
+        # Told which sequence an expired read lease read first (``Tenants``: the owner's quota
+        # settles, since a reader that never released its lease never settles it).
+        self.on_expired: Callable[[str], None] | None = None
 
     @property
     def count(self) -> int:
@@ -238,12 +244,19 @@ class LeaseTable:
     def reap(self) -> None:
         now = time.monotonic()
         with self.catalog.lock:
-            expired = [l for l in self._leases.values() if l.expires_at is not None and l.expires_at < now]
-        for lease in expired:
+            expired = [(l, self.owner(l.lease_id)) for l in self._leases.values()
+                       if l.expires_at is not None and l.expires_at < now]
+        owners: dict[str, None] = {}
+        for lease, owner in expired:
             if self.end(lease, expired_before=now):
                 log.warning("%s lease %s expired; freeing what it held", lease.kind, lease.lease_id[:8])
                 if self.metrics is not None:
                     self.metrics.lease_expired()
+                if lease.kind == "read" and owner:
+                    owners[owner] = None
+        if self.on_expired is not None:
+            for owner in owners:
+                self.on_expired(owner)
 
     def close(self) -> None:
         with self.catalog.lock:
@@ -281,6 +294,18 @@ class LeaseTable:
         """Write leases not yet committed or aborted (quota accounting counts them)."""
         # REQUIRES: index lock.
         return [l for l in self._leases.values() if l.kind == "write"]
+
+    def slots(self) -> list[tuple[str, str]]:
+        """``(sequence, tier)`` for every lease holding slots: a write lease's (the sequence or
+        first new block it parks), a windowed restore's window (the sequence it reads)."""
+        # REQUIRES: index lock.
+        out = []
+        for l in self._leases.values():
+            if l.kind == "write" and l.spec is not None:
+                out.append((l.spec.owner, l.window.tier if l.window is not None else l.tier))
+            elif l.window is not None and l.window.alloc is not None and l.window.seq is not None:
+                out.append((l.window.seq.seq_id, l.window.tier))
+        return out
 
     def held(self) -> tuple[list[list[tuple[str, Allocation]]], dict[tuple[int, str], int], list[Seq]]:
         """What open leases hold: write slots per lease, readers per ``(id(seq), tier)``,

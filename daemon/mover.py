@@ -322,9 +322,11 @@ class Mover:
                 self.catalog.release_dropped(seq)
             raise
 
-    def prefetch(self, seq: Seq, tier: str, wait: bool = False, timeout: float | None = None) -> str:
-        """Promote ``seq`` into ``tier`` in the background, or wait for it (``prefetch.py``)."""
-        return self.prefetches.prefetch(seq, tier, wait, timeout)
+    def prefetch(self, seq: Seq, tier: str, wait: bool = False, timeout: float | None = None,
+                 then: Callable[[], None] | None = None) -> str:
+        """Promote ``seq`` into ``tier`` in the background, or wait for it; ``then()`` once
+        the promotion has ended (``prefetch.py``)."""
+        return self.prefetches.prefetch(seq, tier, wait, timeout, then)
 
     # ------------------------------------------------------------------ demotion
 

@@ -6,15 +6,17 @@ version an overwrite replaced meanwhile is retried as the version now indexed (t
 never absent); only a drop is ``NotFound``. A sequence larger than the tier stays on disk
 (restores stream it): a waited prefetch says so (``ResourceExhausted``).
 
-Primitives: ``Prefetches(mover)``; ``prefetch(seq, tier, wait, timeout) -> str`` (the
-tier it is in after); ``close()`` (queued prefetches cancelled, running ones finish).
+Primitives: ``Prefetches(mover)``; ``prefetch(seq, tier, wait, timeout, then=None) -> str``
+(the tier it is in after; ``then()`` is called once the promotion it started or joined
+has ended, on the prefetch thread, unless shutdown cancelled it); ``close()`` (queued
+prefetches cancelled, running ones finish).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from kvpark.proto.errors import DeadlineExceeded, NotFound, ResourceExhausted
 
@@ -35,7 +37,8 @@ class Prefetches:
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def prefetch(self, seq: Seq, tier: str, wait: bool = False, timeout: float | None = None, _tries: int = 8) -> str:
+    def prefetch(self, seq: Seq, tier: str, wait: bool = False, timeout: float | None = None,
+                 then: Callable[[], None] | None = None, _tries: int = 8) -> str:
         cap = self.mover.tiers[tier].alloc.capacity
         if seq.manifest.nbytes > cap:
             if wait:
@@ -52,6 +55,8 @@ class Prefetches:
                 fut = self._pool.submit(self.mover.promote, seq, tier, True)
                 self._futures[key] = fut
                 fut.add_done_callback(lambda f, k=key: self._done(k, f))
+        if then is not None:  # outside the index lock: a future already done calls it at once, here
+            fut.add_done_callback(lambda f: self._then(f, then))
         if wait:
             try:
                 fut.result(timeout=timeout)
@@ -67,9 +72,17 @@ class Prefetches:
                 if now is seq and tier not in seq.res:
                     raise ResourceExhausted(f"no room in the {tier} tier for {seq.seq_id!r} (leased or pinned data)")
             if now is not seq:  # overwritten meanwhile, never absent: prefetch the version now indexed
-                return self.prefetch(now, tier, wait, timeout, _tries - 1)
+                return self.prefetch(now, tier, wait, timeout, then, _tries - 1)
         with self.mover.catalog.lock:
             return seq.tier
+
+    def _then(self, fut: concurrent.futures.Future[None], then: Callable[[], None]) -> None:
+        if fut.cancelled() or self.mover.closed:
+            return
+        try:
+            then()
+        except Exception:  # noqa: BLE001 - a prefetch thread must not die of it
+            log.exception("after a prefetch")
 
     def _done(self, key: tuple[str, str, int], fut: concurrent.futures.Future[None]) -> None:
         with self.mover.catalog.lock:

@@ -14,11 +14,17 @@ Primitives:
   sequences, by the eviction policy, until it fits; ``ResourceExhausted`` naming the
   tenant and the quota when its own data cannot make the room. Another tenant's data is
   never touched. The caller serialises admits of one tenant (``lock(name)``).
-- ``settle(tenant, prefix, tier)``: after bytes landed in memory tier ``tier`` other than
-  where they were admitted (an inline park's device->host fallback) or were promoted
-  there (a restore, a prefetch): demote the tenant's own coldest sequences until it is
-  within its ``tier`` quota again; ``ResourceExhausted`` when its own data cannot make
-  the room (all pinned, being read or written). The caller holds ``lock(name)``.
+- ``settle(tenant, prefix, tier, pinned=False)``: after bytes landed in memory tier
+  ``tier`` other than where they were admitted (an inline park's device->host fallback)
+  or were promoted there (a restore, a prefetch): demote the tenant's own coldest
+  sequences until it is within its ``tier`` quota again; ``ResourceExhausted`` when its
+  own data cannot make the room (being read or written; pinned, unless ``pinned``).
+  After a promotion the caller passes ``pinned``: a pinned sequence on disk that a
+  restore promoted would otherwise stay in memory for good, past the quota (a pin is
+  "never demoted below the tier it is in"), and a tenant pinning and restoring its
+  sequences one by one would fill the tier with copies no demotion may take, to the
+  exclusion of every other tenant; its pins hold within its quota, the pinned ones
+  demoted last, coldest first. The caller holds ``lock(name)``.
 - ``make_room(tenant, prefix, tier, need)``: before a promotion of ``need`` bytes into
   ``tier``: the same demotion, so that the promotion fits the quota.
 - ``stat(tenant, prefix) -> TenantStat``.
@@ -95,18 +101,19 @@ class Quotas:
                                         f"whole {quota_tier(t)} quota ({quota} bytes)")
             self._fit(tenant, prefix, t, spec.total, quota, replacing)
 
-    def settle(self, tenant: TenantConfig, prefix: str, tier: str) -> None:
-        self.make_room(tenant, prefix, tier, 0)
+    def settle(self, tenant: TenantConfig, prefix: str, tier: str, pinned: bool = False) -> None:
+        self.make_room(tenant, prefix, tier, 0, pinned)
 
-    def make_room(self, tenant: TenantConfig, prefix: str, tier: str, need: int) -> None:
+    def make_room(self, tenant: TenantConfig, prefix: str, tier: str, need: int, pinned: bool = False) -> None:
         quota = tenant.quota.get(quota_tier(tier))
         if quota is not None and tier != "disk":
             if need > quota:
                 raise ResourceExhausted(f"tenant {tenant.name!r}: {need} bytes are more than its whole "
                                         f"{quota_tier(tier)} quota ({quota} bytes)")
-            self._fit(tenant, prefix, tier, need, quota, "")
+            self._fit(tenant, prefix, tier, need, quota, "", pinned)
 
-    def _fit(self, tenant: TenantConfig, prefix: str, tier: str, need: int, quota: int, replacing: str) -> None:
+    def _fit(self, tenant: TenantConfig, prefix: str, tier: str, need: int, quota: int, replacing: str,
+             pinned: bool = False) -> None:
         eng = self.engine
         tried: set[int] = set()
         charged = quota_tier(tier)
@@ -115,7 +122,7 @@ class Quotas:
                 used = self.usage(prefix, replacing)[1][charged]
                 if used + need <= quota:
                     return
-                victims = [v for v in self._order(prefix, tier) if id(v) not in tried and v.seq_id != replacing]
+                victims = [v for v in self._order(prefix, tier, pinned) if id(v) not in tried and v.seq_id != replacing]
             if not victims:
                 verb = "dropped" if tier == "disk" else "demoted"
                 raise ResourceExhausted(
@@ -133,13 +140,20 @@ class Quotas:
             else:
                 eng.mover.demote(victim, tier)
 
-    def _order(self, prefix: str, tier: str) -> list[Seq]:
-        """The tenant's own sequences that may leave ``tier``, coldest first. REQUIRES: index lock."""
+    def _order(self, prefix: str, tier: str, pinned: bool = False) -> list[Seq]:
+        """The tenant's own sequences that may leave ``tier``, coldest first (with ``pinned``,
+        then its pinned copies there that nobody reads, coldest first). REQUIRES: index lock."""
         cat = self.engine.catalog
         name = self.engine.config.policy.eviction
         if tier != "disk":
             pool = cat.in_namespace(prefix)
             metas = cat.evictable(tier, among=pool)
+            if pinned:
+                free = {m.seq_id for m in metas}
+                held = [meta(s, tier) for s in pool if s.pinned and s.seq_id not in free and tier in s.res
+                        and not s.dropped and not s.readers.get(tier) and not s.moving]
+                by_id = {s.seq_id: s for s in pool}
+                return [by_id[sid] for sid in policy.demotion_order(name, metas) + policy.demotion_order(name, held)]
         else:
             pool = [s for s in cat.in_namespace(prefix)
                     if not s.pinned and not any(s.readers.values()) and not s.moving

@@ -251,7 +251,8 @@ class TenantView:
             if quota_tier(tier) in self.tenant.quota and tier in self.engine.tiers:
                 with self.quotas.lock(self.tenant.name):
                     try:
-                        self.quotas.settle(self.tenant, self.prefix, tier)
+                        # Pinned copies too: a promoted pin may not outstay the quota.
+                        self.quotas.settle(self.tenant, self.prefix, tier, pinned=True)
                     except ResourceExhausted:
                         pass  # only copies still being read are left: the last of those reads settles
 
@@ -291,7 +292,10 @@ class TenantView:
                     there = to in self.engine.catalog.get(sid).res
                 with self.quotas.lock(self.tenant.name):
                     self.quotas.make_room(self.tenant, self.prefix, to, 0 if there else info.nbytes)
-            out = self.engine.prefetch(sid, tier, wait=wait, timeout=timeout)
+            # Once the promotion lands, the tenant is brought back within its quota: the room
+            # made above is not held for it, so prefetches that do not wait, one after
+            # another, each found that room free and would all land in it.
+            out = self.engine.prefetch(sid, tier, wait=wait, timeout=timeout, then=None if wait else self._settle)
             if wait:
                 self._settle()  # a promotion through a faster tier leaves the tenant within each
             return out
@@ -357,6 +361,15 @@ class Tenants:
         self.quotas = Quotas(engine)
         self.views = {name: TenantView(engine, t, self.quotas) for name, t in tenants.items()}
         self.open = OpenView(engine)
+        if self.views:
+            engine.leases.on_expired = self._expired
+
+    def _expired(self, owner: str) -> None:
+        """A read lease on ``owner`` expired unreleased: its tenant's quota settles as after a
+        Release (a reader that never releases must not keep the copies its reads promoted)."""
+        view = self.views.get(owner.split(SEP, 1)[0]) if SEP in owner else None
+        if view is not None:
+            view._settle()
 
     def view(self) -> "OpenView | TenantView":
         if not self.views:

@@ -23,7 +23,9 @@ import pytest
 import torch
 
 from kvpark.client import Client
+from kvpark.daemon.model import NS_SEP, ParkSpec
 from kvpark.daemon.server import Daemon
+from kvpark.proto.layout import TensorMeta
 
 from ..daemon.test_tenants import TOKENS, tenants
 
@@ -160,3 +162,25 @@ def test_a_windowed_park_of_an_untrusted_tenant_never_passes_through_shared_memo
             arena.close()
     assert d.engine is not None
     d.engine.check_invariants()
+
+
+def test_check_invariants_catches_a_reservation_of_an_untrusted_tenant_in_shared_memory(
+        daemon: Callable[..., Daemon]) -> None:
+    # The engine's own check of F3: an open reservation or window holds a sequence's bytes
+    # as much as a copy does, so one in a tier its owner may not be in is caught too.
+    d = daemon(**tenants())
+    eng = d.engine
+    assert eng is not None
+    own = eng.reserve(ParkSpec("bob" + NS_SEP + "r", (TensorMeta("uint8", (4096,), 4096),), 4096), inline=True)
+    assert own.tier == "private"
+    eng.check_invariants()  # its own reservation, where it belongs
+    with eng.catalog.lock:  # a bug's reservation: bob's bytes bound for the arena
+        a = eng.tiers["host"].alloc.alloc(4096)
+        assert a is not None
+        bad = eng.leases.issue_write(ParkSpec("bob" + NS_SEP + "x", (TensorMeta("uint8", (4096,), 4096),), 4096),
+                                     "host", [a])
+    with pytest.raises(AssertionError, match="a lease's slots in the host tier"):
+        eng.check_invariants()
+    eng.release(bad.lease_id)
+    eng.release(own.lease_id)
+    eng.check_invariants()

@@ -5,15 +5,19 @@ promote."""
 
 from __future__ import annotations
 
-from typing import Callable
+import time
+from typing import Any, Callable
 
+import grpc
 import pytest
 import torch
 
 from kvpark.client import Client, ResourceExhausted
 from kvpark.daemon.server import Daemon
+from kvpark.proto.v1 import kvpark_pb2 as pb
 
-from ..daemon.test_tenants import TOKENS, blob, tenants
+from ..conftest import wait_until
+from ..daemon.test_tenants import TOKENS, _raw, blob, tenants
 
 MiB = 1 << 20
 DEV = {"tiers.device.enabled": "true", "tiers.device.device": "cpu", "tiers.device.capacity": "8MiB"}
@@ -115,5 +119,79 @@ def test_an_untrusted_tenants_private_copies_are_charged_to_its_host_quota_on_ev
     # The operator's /metrics has the private tier with the others.
     assert d.metrics is not None
     assert 'kvpark_tier_capacity_bytes{tier="private"} 4.194304e+06' in d.metrics.render().decode()
+    assert d.engine is not None
+    d.engine.check_invariants()
+
+
+def test_pinned_sequences_restored_from_disk_do_not_outstay_the_quota(daemon: Callable[..., Daemon]) -> None:
+    # bob pins sequences that the quota had sent to disk, then restores them: each
+    # restore promotes a pinned copy into the private tier, which no demotion may take
+    # ("never below the tier it is in"). Unchecked, bob holds the whole private tier (4
+    # MiB) on a 1 MiB host quota, and dave, another tenant that is not trusted_local,
+    # can park nothing at all.
+    d = daemon(**tenants(**{"bob.quota": {"host": "1MiB"}, "carol.trusted_local": False}))
+    with Client(d.address, token=TOKENS["bob"]) as b, Client(d.address, token=TOKENS["carol"]) as dave:
+        seqs = {f"p{i}": blob(MiB, i) for i in range(4)}
+        for sid, t in seqs.items():
+            b.park(sid, [t])
+        for sid in seqs:
+            b.pin(sid)
+        for _ in range(2):
+            for sid, t in seqs.items():
+                assert torch.equal(b.restore(sid)[0], t)
+                assert _host(b) <= MiB, f"after restoring {sid}: {_host(b)} bytes of bob's in memory"
+        assert all(b.info(sid).pinned for sid in seqs)  # still pinned: only their memory copies left
+        assert dave.park("x", [blob(MiB, 9)]).tier == "private"
+        assert torch.equal(dave.restore("x")[0], blob(MiB, 9))
+    assert d.engine is not None
+    d.engine.check_invariants()
+
+
+def test_prefetches_that_do_not_wait_leave_the_tenant_within_its_quota(daemon: Callable[..., Daemon]) -> None:
+    # Each prefetch makes room within the quota, then promotes in the background. On a
+    # slow disk, prefetches that do not wait, one after another, each find the room the
+    # earlier ones have not filled yet: unchecked, they all land (3 MiB on a 1 MiB quota).
+    d = daemon(**tenants(**{"bob.quota": {"host": "1MiB"}}))
+    eng = d.engine
+    assert eng is not None
+    promote = eng.mover.promote
+
+    def slow(*args: Any, **kw: Any) -> bool:
+        time.sleep(0.3)  # a disk read that takes its time
+        return promote(*args, **kw)
+
+    eng.mover.promote = slow  # type: ignore[method-assign]
+    with Client(d.address, token=TOKENS["bob"]) as b:
+        seqs = {f"p{i}": blob(MiB, i) for i in range(4)}
+        for sid, t in seqs.items():
+            b.park(sid, [t])
+        for sid in seqs:
+            assert b.prefetch(sid, tier="host") in ("disk", "private")
+        assert wait_until(lambda: not eng.mover.prefetches._futures and _host(b) <= MiB, 10), \
+            f"{_host(b)} bytes of bob's in memory after his prefetches landed"
+        for sid, t in seqs.items():
+            assert torch.equal(b.restore(sid)[0], t)
+    eng.check_invariants()
+
+
+def test_read_leases_that_expire_unreleased_leave_the_tenant_within_its_quota(daemon: Callable[..., Daemon]) -> None:
+    # A restore's promoted copy may be over the quota while it is read; the Release that
+    # ends the read settles it. A reader that never releases (a data-channel Acquire it
+    # never collects) leaves its lease to expire: unchecked, each such Acquire kept a
+    # promoted copy for good (3 MiB on a 1 MiB quota, in a private tier other tenants share).
+    d = daemon(**tenants(**{"bob.quota": {"host": "1MiB"}}), **{"server.data_channel": True, "leases.ttl_s": 1.0})
+    with Client(d.address, token=TOKENS["bob"]) as b, grpc.insecure_channel(d.address) as ch:
+        seqs = {f"p{i}": blob(MiB, i) for i in range(4)}
+        for sid, t in seqs.items():
+            b.park(sid, [t])
+        acquire = _raw(ch, "Acquire", "unary_unary")
+        for sid in seqs:
+            raw = acquire(pb.AcquireRequest(seq_id=sid, data_channel=True).SerializeToString(),
+                          metadata=[("authorization", f"Bearer {TOKENS['bob']}")], timeout=10)
+            assert pb.AcquireResponse.FromString(raw).token  # a lease, and bytes never collected
+        assert wait_until(lambda: b.stat().leases == 0 and _host(b) <= MiB, 10), \
+            f"{_host(b)} bytes of bob's in memory after his read leases expired"
+        for sid, t in seqs.items():
+            assert torch.equal(b.restore(sid)[0], t)
     assert d.engine is not None
     d.engine.check_invariants()
