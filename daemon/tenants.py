@@ -270,8 +270,14 @@ class TenantView:
             self._trusted("the shm / cuda_ipc restore path")
         ids = [seq_ids] if isinstance(seq_ids, str) else list(seq_ids)
         with _scrubbed(self.prefix):
-            h = self.engine.acquire([self._ns(s) for s in ids], need=need, stream=stream,
-                                    expect_layout=expect_layout, inline_max=inline_max)
+            try:
+                h = self.engine.acquire([self._ns(s) for s in ids], need=need, stream=stream,
+                                        expect_layout=expect_layout, inline_max=inline_max)
+            except KVParkError:
+                # A restore of several ids that failed part way (a drop racing it, a corrupt
+                # block) may have promoted the ones before: no Release will come to settle them.
+                self._settle()
+                raise
         return dataclasses.replace(h, info=self._out(h.info, ",".join(ids)))
 
     def grant(self, handle: ReadHandle) -> Grant:

@@ -195,3 +195,35 @@ def test_read_leases_that_expire_unreleased_leave_the_tenant_within_its_quota(da
             assert torch.equal(b.restore(sid)[0], t)
     assert d.engine is not None
     d.engine.check_invariants()
+
+
+def test_a_restore_of_several_ids_that_fails_part_way_leaves_the_tenant_within_its_quota(
+        daemon: Callable[..., Daemon]) -> None:
+    # A restore of several ids promotes them one after another; one that fails (here a
+    # corrupt block on disk, DATA_LOSS) ends the call with no lease, so no Release comes to
+    # settle the copies promoted before it: they stayed in memory over the quota for good.
+    from kvpark.client import DataLoss
+    from kvpark.tiers.disk import HEADER
+
+    d = daemon(**tenants(**{"bob.quota": {"host": "1MiB"}}))
+    e = d.engine
+    assert e is not None
+    with Client(d.address, token=TOKENS["bob"], transport="inline") as b:
+        seqs = {f"p{i}": blob(MiB, i) for i in range(4)}
+        for sid, t in seqs.items():
+            b.park(sid, [t])
+        b.flush()
+        for s in e.catalog.sequences():  # all on disk only, so the restore promotes each
+            if s.tier == "private":
+                e.mover.demote(s.seq_id, "private")
+        assert _host(b) == 0
+        db = e.disk.env.open_db(b"blocks")
+        with e.disk.env.begin(write=True) as txn:
+            key = next(k for k, _ in txn.cursor(db=db) if b"p3\x00" in k)
+            raw = bytearray(txn.get(key, db=db))
+            raw[HEADER.size + 10] ^= 0x01
+            txn.put(key, bytes(raw), db=db)
+        with pytest.raises(DataLoss):
+            b.restore_many(["p0", "p1", "p2", "p3"])
+        assert _host(b) <= MiB, f"{_host(b)} bytes of bob's in memory after a restore that failed part way"
+    e.check_invariants()
