@@ -1,5 +1,6 @@
 # Fresh machine: `make serve` runs the daemon on the embedded default config;
-# `make test` runs every test (the core suite, then the vLLM connector suite in its own venv);
+# `make test` runs every test (the core suite, the vLLM connector suite in its own venv, then
+# the wheel check: the package built and installed into a fresh venv);
 # `make mutate` runs a bounded mutation pass (docs/testing.md).
 # Each creates the virtual environments and installs what it needs.
 PY ?= python3
@@ -10,7 +11,7 @@ SERVE_STAMP := $(VENV)/.serve-installed
 VLLM_VENV := .venv-vllm
 VSTAMP := $(VLLM_VENV)/.installed
 
-.PHONY: serve test test-core test-vllm install bench bench-plot proto clean mutate
+.PHONY: serve test test-core test-vllm wheel-check install bench bench-plot proto clean mutate
 
 # What the daemon needs and nothing more: torch, grpc, protobuf, lmdb, prometheus-client.
 $(SERVE_STAMP): pyproject.toml
@@ -49,11 +50,16 @@ install: $(STAMP)
 serve: $(SERVE_STAMP)
 	$(BIN)/kvpark serve $(ARGS)
 
-test: test-core test-vllm
+test: test-core test-vllm wheel-check
 
 # The remote tier's tests start their own redis-server processes (.ci/run installs it).
 test-core: $(STAMP)
 	$(BIN)/pytest -q
+
+# The package as a user installs it: sdist and wheel built with no warning, the wheel in a
+# fresh venv, kvpark --version, kvpark serve and a park/restore from outside the checkout.
+wheel-check: $(STAMP)
+	tools/wheel_check.sh
 
 test-vllm: $(VSTAMP)
 	HF_HUB_OFFLINE=1 $(VLLM_VENV)/bin/pytest -q tests/vllm
