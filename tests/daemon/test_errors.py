@@ -124,12 +124,21 @@ STREAMS = {
 }
 
 
+# What the refusal says, where the chunk itself is at fault: it is refused as it arrives,
+# naming the fault (not later, at the commit, as a byte count that does not add up).
+WORDS = {
+    "chunk overruns": "chunk [0, 9) overruns the declared 8 bytes",
+    "chunk out of order": "chunk at offset 4, expected 0",
+}
+
+
 @pytest.mark.parametrize("name", sorted(STREAMS))
 def test_malformed_park_streams(daemon: Callable[..., Daemon], name: str) -> None:
     d = daemon()
     err = raw_park(d.address, STREAMS[name])
     assert isinstance(err, grpc.RpcError), name
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, err.details())
+    assert WORDS.get(name, "") in (err.details() or ""), (name, err.details())
     assert dict(err.trailing_metadata() or ()).get(ERROR_KEY) == "InvalidArgument"
     with Client(d.address) as c:
         assert_clean(c)

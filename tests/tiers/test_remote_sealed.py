@@ -15,8 +15,10 @@ from kvpark.tiers.remote import (
     TENANT_SEP,
     RemoteOptions,
     RemoteStore,
+    Sealer,
     encode_chunk,
     encode_manifest,
+    key_id,
 )
 
 from ..conftest import wait_until
@@ -249,3 +251,9 @@ def test_a_reseal_never_overwrites_a_newer_value(redis_server):
 def test_keys_must_be_32_bytes():
     with pytest.raises(ValueError):
         RemoteStore(RemoteOptions(namespace=_ns_name("k"), keys=(b"short",)))
+    # Every key, not only when the list is empty: a short old key among good ones too.
+    with pytest.raises(ValueError, match="32 bytes each"):
+        Sealer([b"k" * 32, b"short"])
+    with pytest.raises(ValueError, match="32 bytes each"):
+        Sealer([])
+    assert Sealer([b"k" * 32, b"j" * 32]).current == key_id(b"k" * 32)
