@@ -92,6 +92,42 @@ def test_overwrite_that_keeps_its_shared_block(daemon: Callable[..., Daemon], re
         check(d)
 
 
+class _FailsNextWrite(DiskStore):
+    """The next ``write_many`` fails as an LMDB I/O error does (nothing written)."""
+
+    armed = False
+
+    def write_many(self, writes: Sequence[Write], sync: bool = False) -> list[bool]:
+        if _FailsNextWrite.armed:
+            _FailsNextWrite.armed = False
+            import lmdb
+
+            raise self._write_error(lmdb.Error("mdb_txn_commit: Input/output error"))
+        return super().write_many(writes, sync=sync)
+
+
+def test_a_park_that_fails_after_taking_its_refs_gives_back_exactly_its_own(daemon: Callable[..., Daemon]) -> None:
+    # A commit takes a reference on each shared block it names before its disk write;
+    # when the write fails it gives back exactly those. Giving back more let the block go
+    # with its last real user still parked: that user's restore then lost its prefix.
+    _FailsNextWrite.armed = False
+    d = daemon(disk_factory=_FailsNextWrite, **{"policy.write": "write_through"})
+    b = full(3000, 5)
+    with Client(d.address) as c:
+        c.park("s1", [full(100, 1)], refs=["B"], new_blocks={"B": [b]})
+        c.park("s2", [full(100, 2)], refs=["B"])
+        assert c.info("B").refcount == 2
+        _FailsNextWrite.armed = True
+        with pytest.raises(Exception):  # the disk refused the write: Unavailable or ResourceExhausted
+            c.park("s3", [full(100, 3)], refs=["B"])
+        assert c.info("B").refcount == 2
+        c.drop("s2")
+        assert c.info("B").refcount == 1
+        out = c.restore("s1")
+        assert torch.equal(out[0], b) and torch.equal(out[1], full(100, 1))
+        check(d)
+
+
 # ------------------------------------------------------------------ read leases
 
 
