@@ -5,15 +5,20 @@ Primitives:
   (rich, matplotlib) and says so when it is missing.
 - ``run_suite(opts, step) -> Result``: every row, with ``step(label)`` called as each one
   finishes (the progress bar).
-- ``Row``: one measured row: its kind ("limit", "peer" or "kvpark"), what moves the bytes
+- ``Row``: one measured row: its kind ("reference", "peer" or "kvpark"), what moves the bytes
   in ("write": park / upload / SET / put) and out ("read": restore / download / GET / get),
   best and median GB/s of each.
-- ``plot(result, path)``: the PNG, one bar pair per row, coloured by kind.
+- ``plot(result, path)``: the PNG: one bar pair per row, coloured by kind (the legend lists
+  the kinds present), and a second panel with the p50 latency of small parks and restores.
+- ``Latency``: p50 milliseconds of a 4 KiB and a 1 MiB park and restore, per transport.
 
 The payload is N tensors of 1 MiB (64 with ``--quick``, 256 without); GB/s is 1e9 bytes per
 second, best of ``--reps`` timed runs after one untimed. Rows:
-- limits: single-thread ``copy_`` into preallocated tensors (the shm ceiling); a bare gRPC
-  stream of 1 MiB messages (the inline ceiling); raw LMDB put + sync / get (the disk ceiling);
+- references (what the same bytes cost through plain tools; not ceilings: kvpark's own
+  rows may beat them, e.g. its data channel beats one gRPC stream): single-thread ``copy_``
+  into preallocated tensors; one TCP socket on loopback, ``sendall`` / ``recv_into`` (what
+  the data channel rides on); one gRPC stream of 1 MiB messages; LMDB with a put per
+  record and one fsynced commit, and gets;
 - peers: Redis SET / GET through redis-py when a ``redis-server`` binary is on PATH;
 - kvpark: shm and inline park / restore(into) against an in-process daemon; disk:
   write-through parks (acknowledged once on disk) and restores served from disk after a
@@ -41,13 +46,14 @@ from typing import Any, Callable, Sequence
 from kvpark.tiers.cuda import cuda_available
 
 MiB = 1 << 20
-KIND_COLOURS = {"limit": "#9e9e9e", "peer": "#e69f00", "kvpark": "#0072b2"}
+KIND_COLOURS = {"reference": "#9e9e9e", "peer": "#e69f00", "kvpark": "#0072b2"}
+LATENCY_SIZES = ((4 << 10, "4 KiB"), (1 << 20, "1 MiB"))
 
 
 @dataclass
 class Row:
     name: str
-    kind: str  # "limit" | "peer" | "kvpark"
+    kind: str  # "reference" | "peer" | "kvpark"
     write: str  # what the write column measures
     read: str  # what the read column measures
     write_s: list[float] = field(default_factory=list)
@@ -74,15 +80,25 @@ class Options:
 
 
 @dataclass
+class Latency:
+    transport: str
+    size: str
+    park_p50_ms: float
+    restore_p50_ms: float
+
+
+@dataclass
 class Result:
     rows: list[Row]
     meta: dict[str, Any]
     skipped: list[str]
     checks: list[str]
+    latency: list[Latency] = field(default_factory=list)
 
 
 def _steps(cuda: bool) -> int:
-    return 8 + int(cuda)  # copy, bare, lmdb, redis, shm, inline, disk park, disk restore, (cuda_ipc)
+    # copy, socket, gRPC, lmdb, redis, shm, inline, disk park, disk restore, latency, (cuda_ipc)
+    return 10 + int(cuda)
 
 
 def run_suite(opts: Options, step: Callable[[str], None]) -> Result:
@@ -93,7 +109,8 @@ def run_suite(opts: Options, step: Callable[[str], None]) -> Result:
     from kvpark.daemon.config import load
     from kvpark.daemon.server import Daemon
 
-    from .benchkit import BareClient, BareServicer, RedisServer, cpu_model, same, start_bare_server, timed, touch
+    from .benchkit import (BareClient, BareServicer, BareSocket, RedisServer, cpu_model, same, start_bare_server,
+                           timed, touch)
     from .client import Client
 
     torch.set_num_threads(1)
@@ -104,6 +121,7 @@ def run_suite(opts: Options, step: Callable[[str], None]) -> Result:
     nbytes = opts.n * MiB
     reps, warm = opts.reps, 1
     rows: list[Row] = []
+    latency: list[Latency] = []
     skipped: list[str] = []
     checks: list[str] = []
 
@@ -113,31 +131,44 @@ def run_suite(opts: Options, step: Callable[[str], None]) -> Result:
         touch(dst)
 
     # limits ---------------------------------------------------------------------------
-    r = Row("copy_ (1 thread)", "limit", "copy in", "copy out", nbytes=nbytes)
+    r = Row("copy_ (1 thread)", "reference", "copy in", "copy out", nbytes=nbytes)
     scratch = [torch.empty_like(t) for t in src]
     touch(scratch)
     r.write_s = timed(lambda: [d.copy_(s) for d, s in zip(scratch, src)], reps, warm)
     r.read_s = timed(lambda: [d.copy_(s) for d, s in zip(dst, scratch)], reps, warm)
     check("copy_")
     rows.append(r)
-    step("copy_ limit")
+    step("copy_")
+
+    views = [memoryview(t.numpy()) for t in src]
+    dviews = [memoryview(t.numpy()) for t in dst]
+    # What the data channel rides on: one loopback TCP connection, no framing, no copy out.
+    r = Row("one TCP socket (loopback)", "reference", "send", "recv_into", nbytes=nbytes)
+    sock = BareSocket(nbytes)
+    try:
+        sock.sources = views
+        r.write_s = timed(lambda: sock.upload(views), reps, warm)
+        r.read_s = timed(lambda: sock.download(dviews), reps, warm)
+        check("TCP socket")
+    finally:
+        sock.close()
+    rows.append(r)
+    step("TCP socket")
 
     bare = BareServicer(nbytes)
     server, address = start_bare_server(bare)
     bc = BareClient(address)
     try:
-        views = [memoryview(t.numpy()) for t in src]
-        dviews = [memoryview(t.numpy()) for t in dst]
         bare.sources["b"] = views
-        r = Row("bare gRPC stream", "limit", "upload", "download", nbytes=nbytes)
+        r = Row("one gRPC stream", "reference", "upload", "download", nbytes=nbytes)
         r.write_s = timed(lambda: bc.upload(views), reps, warm)
         r.read_s = timed(lambda: bc.download("b", dviews), reps, warm)
-        check("bare gRPC")
+        check("gRPC stream")
         rows.append(r)
     finally:
         bc.close()
         server.stop(0)
-    step("bare gRPC")
+    step("gRPC stream")
 
     tmp = tempfile.mkdtemp(prefix="kvpark-bench-")
     try:
@@ -154,13 +185,14 @@ def run_suite(opts: Options, step: Callable[[str], None]) -> Result:
                 for k, d in zip(keys, dviews):
                     d[:] = txn.get(k)
 
-        r = Row("raw LMDB", "limit", "put + commit", "get", nbytes=nbytes, note="page cache warm on read")
+        r = Row("LMDB, a put per record", "reference", "puts + fsynced commit", "get", nbytes=nbytes,
+                note="page cache warm on read")
         r.write_s = timed(lmdb_put, reps, warm)
         r.read_s = timed(lmdb_get, reps, warm)
-        check("raw LMDB")
+        check("LMDB")
         env.close()
         rows.append(r)
-        step("raw LMDB")
+        step("LMDB")
 
         # peers ------------------------------------------------------------------------
         redis_version = ""
@@ -228,7 +260,10 @@ def run_suite(opts: Options, step: Callable[[str], None]) -> Result:
                         check(f"kvpark {transport}")
                         c.drop(sid)
                         rows.append(r)
+                        if not gpu:
+                            latency += small_latencies(c, transport, 20 if opts.quick else 60)
                     step(f"kvpark {transport}")
+                step("latency")
             # Disk: parks acknowledged only once written; restores read from disk after a
             # restart (the index is rebuilt from disk; nothing is promoted back to host).
             disk_cfg = {**base, "policy.write": "write_through", "policy.promote_on_restore": "false",
@@ -257,7 +292,30 @@ def run_suite(opts: Options, step: Callable[[str], None]) -> Result:
         payload=f"{opts.n} x 1 MiB", nbytes=nbytes, gb="1e9 bytes", statistic="best of reps (median also given)",
         redis_server=redis_version, torch_threads=1, numpy=np.__version__,
     )
-    return Result(rows=rows, meta=meta, skipped=skipped, checks=checks)
+    return Result(rows=rows, meta=meta, skipped=skipped, checks=checks, latency=latency)
+
+
+def small_latencies(c: Any, transport: str, iters: int) -> list[Latency]:
+    """p50 of a park (overwrite) and a restore of one small tensor, per size: what a
+    worker waits for per block, where throughput says nothing."""
+    import torch
+
+    out = []
+    for nbytes, label in LATENCY_SIZES:
+        t = torch.ones(nbytes, dtype=torch.uint8)
+        sid = f"lat-{transport}-{nbytes}"
+        c.park(sid, [t], overwrite=True)
+        park, restore = [], []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            c.park(sid, [t], overwrite=True)
+            park.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            c.restore(sid)
+            restore.append(time.perf_counter() - t0)
+        c.drop(sid)
+        out.append(Latency(transport, label, statistics.median(park) * 1e3, statistics.median(restore) * 1e3))
+    return out
 
 
 def to_json(res: Result) -> dict[str, Any]:
@@ -267,7 +325,8 @@ def to_json(res: Result) -> dict[str, Any]:
         d.update(write_best_gbps=r.gbps(r.write_s), write_median_gbps=r.gbps(r.write_s, best=False),
                  read_best_gbps=r.gbps(r.read_s), read_median_gbps=r.gbps(r.read_s, best=False))
         rows.append(d)
-    return dict(meta=res.meta, rows=rows, skipped=res.skipped, checks=res.checks)
+    return dict(meta=res.meta, rows=rows, skipped=res.skipped, checks=res.checks,
+                latency=[asdict(x) for x in res.latency])
 
 
 def table(res: Result) -> Any:
@@ -277,7 +336,7 @@ def table(res: Result) -> Any:
     for col, just in (("row", "left"), ("kind", "left"), ("write", "left"), ("GB/s", "right"), ("read", "left"),
                       ("GB/s", "right")):
         t.add_column(col, justify=just)  # type: ignore[arg-type]
-    style = {"limit": "dim", "peer": "yellow", "kvpark": "bold cyan"}
+    style = {"reference": "dim", "peer": "yellow", "kvpark": "bold cyan"}
     for r in res.rows:
         cells = []
         for times in (r.write_s, r.read_s):
@@ -294,7 +353,9 @@ def plot(res: Result, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     rows = res.rows
-    fig, ax = plt.subplots(figsize=(9, 0.55 * len(rows) + 1.6), dpi=110)
+    lat = res.latency
+    fig, (ax, lax) = plt.subplots(2, 1, figsize=(9, 0.55 * len(rows) + 1.6 + (2.6 if lat else 0)), dpi=110,
+                                  gridspec_kw={"height_ratios": [max(len(rows), 1), 4 if lat else 0.01]})
     h = 0.38
     for i, r in enumerate(rows):
         y = len(rows) - 1 - i
@@ -307,11 +368,28 @@ def plot(res: Result, path: Path) -> None:
             ax.text(v, y + dy, f" {v:.2f}", va="center", fontsize=8)
     ax.set_yticks(range(len(rows)), [f"{r.name}\n({r.write} / {r.read})" for r in reversed(rows)], fontsize=8)
     ax.set_xlabel("GB/s (1e9 B/s), best of reps; solid = write, hatched = read")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in KIND_COLOURS.values()]
-    ax.legend(handles, list(KIND_COLOURS), loc="lower right", fontsize=8)
+    kinds = [k for k in KIND_COLOURS if any(r.kind == k for r in rows)]  # no empty legend entries
+    handles = [plt.Rectangle((0, 0), 1, 1, color=KIND_COLOURS[k]) for k in kinds]
+    ax.legend(handles, kinds, loc="lower right", fontsize=8)
     ax.set_title(f"kvpark bench, {res.meta['payload']}, {res.meta['date']}\n{res.meta['host_cpu']} "
                  f"({res.meta['cpus']} CPUs)", fontsize=9)
     ax.margins(x=0.15)
+    if lat:
+        labels = [f"{x.transport} {x.size}" for x in lat]
+        ys = range(len(lat))
+        # The axis is inverted (first row on top): park above restore, as in the top panel.
+        lax.barh([y - 0.19 for y in ys], [x.park_p50_ms for x in lat], height=0.38, color=KIND_COLOURS["kvpark"])
+        lax.barh([y + 0.19 for y in ys], [x.restore_p50_ms for x in lat], height=0.38, color=KIND_COLOURS["kvpark"],
+                 hatch="//", edgecolor="white")
+        for y, x in zip(ys, lat):
+            lax.text(x.park_p50_ms, y - 0.19, f" {x.park_p50_ms:.2f}", va="center", fontsize=8)
+            lax.text(x.restore_p50_ms, y + 0.19, f" {x.restore_p50_ms:.2f}", va="center", fontsize=8)
+        lax.set_yticks(list(ys), labels, fontsize=8)
+        lax.invert_yaxis()
+        lax.set_xlabel("latency, ms (p50); solid = park, hatched = restore", fontsize=8)
+        lax.margins(x=0.15)
+    else:
+        lax.axis("off")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -351,7 +429,11 @@ def run(opts: Options) -> int:
     (out if out.is_terminal else Console(width=110)).print(table(res))
     for s in res.skipped:
         print(f"skipped: {s}")
-    print("limit rows: what the machine allows; peer rows: other stores; kvpark rows: kvpark itself")
+    print("reference rows: the same bytes through plain tools (not ceilings); peer rows: other stores; "
+          "kvpark rows: kvpark itself")
+    for lat in res.latency:
+        print(f"latency p50, kvpark {lat.transport}, {lat.size}: park {lat.park_p50_ms:.2f} ms, "
+              f"restore {lat.restore_p50_ms:.2f} ms")
     (opts.out / "bench.json").write_text(json.dumps(to_json(res), indent=2))
     plot(res, opts.out / "bench.png")
     print(f"wrote {opts.out / 'bench.json'} and {opts.out / 'bench.png'}")
