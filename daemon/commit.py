@@ -28,10 +28,11 @@ Primitives:
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from typing import TYPE_CHECKING, Iterable
 
-from kvpark.proto.errors import KVParkError, Unavailable
+from kvpark.proto.errors import KVParkError, ResourceExhausted, Unavailable
 from kvpark.proto.types import SeqInfo
 from kvpark.tiers.disk import Manifest, Scan, Write
 
@@ -133,6 +134,9 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
         for s in mine:
             if engine.disk.holds(s.manifest):
                 engine.deletes.delete_written(s.manifest)
+        hint = engine.remote_down()
+        if hint and isinstance(sys.exc_info()[1], ResourceExhausted):
+            raise ResourceExhausted(f"{sys.exc_info()[1]}; {hint}") from None  # why eviction could not help
         raise
     failed: KVParkError | None = None
     with catalog.lock:

@@ -69,6 +69,7 @@ from kvpark.proto.errors import (
     Unavailable,
 )
 from kvpark.proto.layout import validate_seq_id
+from kvpark.proto.sizes import human
 from kvpark.proto.types import SeqInfo, Stat
 from kvpark.tiers import cuda
 from kvpark.tiers.copy import CopyEngine
@@ -265,10 +266,22 @@ class Engine:
         mem = self.tiers[order[-1]]
         with self.catalog.lock:
             free = mem.alloc.free_bytes
-        raise ResourceExhausted(
-            f"{mem.name} tier cannot take {spec.total} bytes ({free} of {mem.alloc.capacity} free) and demotion "
-            f"freed too little (disk {self.disk.used}/{self.disk.capacity} bytes used, or sequences leased/pinned)"
-        )
+        raise ResourceExhausted(f"{mem.name} tier cannot take {human(spec.total)} ({human(free)} of "
+                                f"{human(mem.alloc.capacity)} free) and demotion freed too little: {self.room_hint()}")
+
+    def room_hint(self) -> str:
+        """Why demotion may not make room, in words: the disk's fill, and the remote tier's
+        state when it is down (then the disk cannot evict into it)."""
+        hint = f"disk {human(self.disk.used)} of {human(self.disk.capacity)} used"
+        down = self.remote_down()
+        return hint + (f"; {down}" if down else "") + "; or the rest is leased or pinned"
+
+    def remote_down(self) -> str:
+        """Words for a capacity error when the remote tier is down (its breaker not
+        closed): the disk cannot evict into it. "" when it is up or there is none."""
+        if self.remote is None or (state := self.remote.store.breaker.state) == "closed":
+            return ""
+        return f"the remote tier is down (circuit {state}), so the disk cannot evict into it (kvpark stat shows it)"
 
     def landing(self, spec: ParkSpec, inline: bool = False, tier: str | None = None) -> list[str]:
         """The memory tiers a park may land in, in order: an inline park bound for the

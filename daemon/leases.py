@@ -249,7 +249,8 @@ class LeaseTable:
         owners: dict[str, None] = {}
         for lease, owner in expired:
             if self.end(lease, expired_before=now):
-                log.warning("%s lease %s expired; freeing what it held", lease.kind, lease.lease_id[:8])
+                log.warning("%s lease %s expired: its client neither finished nor released it within leases.ttl_s "
+                            "(it went away or hangs); freeing what it held", lease.kind, lease.lease_id[:8])
                 if self.metrics is not None:
                     self.metrics.lease_expired()
                 if lease.kind == "read" and owner:

@@ -199,6 +199,9 @@ class Servicer:
         finally:
             if lease is not None:
                 eng.release(lease)
+                if not context.is_active():
+                    # Not an error of ours or of the lease: a Ctrl-C, a killed worker.
+                    log.info("a park was abandoned mid-stream: the client went away; nothing was stored")
 
     @_typed_stream
     def Restore(self, req: pb.RestoreRequest, context: grpc.ServicerContext) -> Iterator[bytes]:

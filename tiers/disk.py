@@ -86,6 +86,7 @@ import xxhash
 
 from kvpark.proto.errors import DataLoss, ResourceExhausted, StartupError, Unavailable
 from kvpark.proto.layout import TensorMeta
+from kvpark.proto.sizes import human
 
 from . import interning
 
@@ -525,8 +526,8 @@ class DiskStore:
             used = self._used
             need = sum(fresh.values())
             if used - freed + need > self.capacity:
-                raise ResourceExhausted(f"disk tier full: {used} of {self.capacity} bytes used, the write needs "
-                                        f"{need}")
+                raise ResourceExhausted(f"disk tier full: {human(used)} of {human(self.capacity)} used, the write "
+                                        f"needs {human(need)}")
             for k, n in fresh.items():
                 self._hold(k, n)
             return set(fresh)
@@ -610,7 +611,8 @@ class DiskStore:
         with self._acct:
             if m.nbytes > self.capacity or self._used + m.nbytes > self.capacity:
                 raise ResourceExhausted(
-                    f"disk tier cannot take a {m.nbytes}-byte sequence: {self._used} of {self.capacity} bytes used")
+                    f"disk tier cannot take a sequence of {human(m.nbytes)}: {human(self._used)} of "
+                    f"{human(self.capacity)} used")
             self._hold(key, m.nbytes)
             self._staged[key] = m.nbytes
         try:

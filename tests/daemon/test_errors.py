@@ -213,3 +213,32 @@ def test_disk_full_gives_resource_exhausted_and_nothing_half_written(
 def test_daemon_down_is_unavailable(tmp_path: object) -> None:
     with pytest.raises(Unavailable):
         Client("127.0.0.1:1", timeout=2)
+
+
+def test_a_client_that_goes_away_mid_park_is_logged_as_exactly_that(
+        daemon: Callable[..., Daemon], caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+    import threading
+
+    caplog.set_level(logging.INFO, logger="kvpark")
+    d = daemon()
+    stop = threading.Event()
+
+    def stream() -> Iterator[bytes]:
+        yield header(nbytes=4 << 20)
+        yield chunk(0, bytes(1 << 20))
+        stop.wait(30)  # the client stops sending, then goes away
+
+    with grpc.insecure_channel(d.address) as ch:
+        call = ch.stream_unary("/kvpark.v1.KVPark/Park", request_serializer=lambda b: b,
+                               response_deserializer=pb.SeqInfo.FromString)
+        fut = call.future(stream(), timeout=30)
+        with Client(d.address) as c:
+            assert wait_until(lambda: c.stat().leases == 1)
+            fut.cancel()
+            stop.set()
+            assert wait_until(lambda: c.stat().leases == 0)
+            assert_clean(c)
+    assert wait_until(lambda: any("abandoned mid-stream: the client went away" in r.getMessage()
+                                  for r in caplog.records))
+    assert not any("LeaseExpired" in r.getMessage() for r in caplog.records)

@@ -273,3 +273,19 @@ def test_a_redis_down_at_start_is_a_warning_and_degraded_until_it_answers(
         assert wait_until(lambda: c.stat().remote.state == "closed", timeout=30)  # type: ignore[union-attr]
         assert cli_main(["stat", "--address", d.address]) == 0
         assert "remote   ok" in capsys.readouterr().out
+
+
+def test_a_park_refused_while_redis_is_down_says_so(daemon: Callable[..., Daemon], fresh_redis: RedisServer) -> None:
+    # Host and disk full, and the disk evicts into Redis: with Redis down nothing can make
+    # room, and the refusal says that it is Redis, not only byte counts.
+    from kvpark.client import ResourceExhausted
+
+    ns = _new_ns()
+    fresh_redis.stop()  # down from the start: the start-up probe finds it so, whatever the timing after
+    d = daemon(**_remote(fresh_redis.url, ns, write="on_evict"),
+               **{"tiers.host.capacity": "2MiB", "tiers.disk.capacity": "2MiB", "policy.write": "write_through"})
+    with Client(d.address, transport="inline") as c:
+        with pytest.raises(ResourceExhausted) as e:
+            for i in range(8):
+                c.park(f"p{i}", [torch.full((1 << 20,), i, dtype=torch.uint8)])
+    assert "the remote tier is down" in str(e.value) and "MiB" in str(e.value), str(e.value)

@@ -93,7 +93,7 @@ def test_staged_writes_are_invisible_until_committed_and_cleaned_after_a_crash(t
 
     s = DiskStore(str(tmp_path), 10_000)
     # 1. Charged up front; a sequence past the capacity is refused naming the sizes.
-    with pytest.raises(ResourceExhausted, match="cannot take a 20000-byte sequence: 0 of 10000"):
+    with pytest.raises(ResourceExhausted, match=r"cannot take a sequence of 19.5 KiB: 0 B of 9.8 KiB used"):
         s.stage_begin(manifest("huge", 1, 20_000))
     m = manifest("seq", 2, 3000)
     s.stage_begin(m)
