@@ -100,9 +100,12 @@ def report(dbs: list[str]) -> None:
     score = 100.0 * killed / judged if judged else 0.0
     print(f"score: {killed}/{judged} killed = {score:.1f}% "
           f"({total['incompetent']} incompetent, {pending} not run)")
-    for item, result in survivors:
+    for item, result in sorted(survivors, key=lambda ir: (str(ir[0].mutations[0].module_path),
+                                                         ir[0].mutations[0].start_pos[0])):
         m = item.mutations[0]
-        print(f"\nSURVIVED {m.module_path}:{m.start_pos[0]} {m.operator_name}\n{result.diff or ''}")
+        ran = (result.output or "").splitlines()[:1]  # tools/mutate_select.py: which tests judged it
+        print(f"\nSURVIVED {m.module_path}:{m.start_pos[0]} {m.operator_name}"
+              f"{' | ' + ran[0].removeprefix('mutate_select: ') if ran else ''}\n{result.diff or ''}")
 
 
 if __name__ == "__main__":

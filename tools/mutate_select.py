@@ -152,8 +152,10 @@ def run() -> int:
         if tests == []:
             print(f"mutate_select: no fast test executes {path}")
             return 0
-        print(f"mutate_select: {path}:{','.join(map(str, lines))}: "
-              + ("the whole subset" if tests is None else f"{len(tests)} test(s)"))
+        what = ("the whole subset" if tests is None else
+                "not run in-process: the test files that start child processes" if tests == SPAWNING else
+                f"{len(tests)} test(s)")
+        print(f"mutate_select: {path}:{','.join(map(str, lines))}: {what}")
     sys.stdout.flush()
     return subprocess.call([*PYTEST, *(SUBSET if tests is None else tests)])
 
