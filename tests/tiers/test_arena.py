@@ -93,3 +93,21 @@ def test_a_granule_freed_in_a_full_slot_is_reused_before_a_new_slot() -> None:
     assert [n for _, n in x.extents] == [MiB, MiB, MiB, 5 * granule + 7] and len(x.full_slots) == 3
     a.free(x)
     assert a.used_bytes == 8 * MiB
+
+
+def test_remove_stale_deletes_only_arena_files_no_live_daemon_holds(tmp_path) -> None:
+    """A daemon that died leaves its arena file; the next start removes it. A live
+    daemon's arena (its flock held) and files that are not arenas stay."""
+    from kvpark.tiers.shm import SharedArena, remove_stale
+
+    live = SharedArena.create(str(tmp_path), 1 << 20, prefault=False)
+    try:
+        stale = tmp_path / "kvpark-999999-0123abcd.arena"
+        stale.write_bytes(b"\0" * 4096)
+        other = tmp_path / "notes.txt"
+        other.write_text("not an arena")
+        removed = remove_stale(str(tmp_path))
+        assert removed == [stale.name]
+        assert not stale.exists() and other.exists() and live.path and (tmp_path / live.path).exists()
+    finally:
+        live.close(unlink=True)
