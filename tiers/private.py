@@ -10,6 +10,8 @@ Primitives:
   at creation when ``prefault`` (as the arena's: no page fault in the hot path).
 - ``PrivateMemory.create(size, prefault)``; ``.tensor`` (one flat ``torch.uint8`` tensor),
   ``.view`` (a writable ``memoryview``), ``.size``, ``.close()``.
+- ``unmap(view, mm, what)``: release a mapping's view and close it, or leave it to the OS
+  while a tensor still references it (the arena's ``close`` uses it too).
 """
 
 from __future__ import annotations
@@ -43,10 +45,15 @@ class PrivateMemory:
     def close(self) -> None:
         import torch
 
-        self.tensor = torch.empty(0, dtype=torch.uint8)
-        self.view.release()
-        try:
-            self._mm.close()
-        except BufferError:
-            # A tensor view still references the mapping; the OS unmaps it at exit.
-            log.debug("private memory still referenced; left to the OS")
+        self.tensor = torch.empty(0, dtype=torch.uint8)  # our own view of it goes first
+        unmap(self.view, self._mm, "private memory")
+
+
+def unmap(view: memoryview, mm: mmap.mmap, what: str) -> None:
+    """Release ``view`` and close ``mm``, unless a tensor view somewhere still references
+    the mapping: then the OS unmaps it at exit (closing it under a live view would crash)."""
+    view.release()
+    try:
+        mm.close()
+    except BufferError:
+        log.debug("%s still referenced; left to the OS", what)

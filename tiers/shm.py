@@ -39,7 +39,7 @@ import time
 
 from kvpark.proto.errors import StartupError
 
-from .private import anonymous
+from .private import anonymous, unmap
 
 log = logging.getLogger(__name__)
 
@@ -194,13 +194,8 @@ class SharedArena:
     def close(self, unlink: bool = False) -> None:
         import torch
 
-        self.tensor = torch.empty(0, dtype=torch.uint8)
-        self.view.release()
-        try:
-            self._mm.close()
-        except BufferError:
-            # A tensor view still references the mapping; the OS unmaps it at exit.
-            log.debug("arena mapping still referenced; left to the OS")
+        self.tensor = torch.empty(0, dtype=torch.uint8)  # our own view of it goes first
+        unmap(self.view, self._mm, "arena mapping")
         if unlink and self.path:
             try:
                 os.unlink(self.path)
