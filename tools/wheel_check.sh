@@ -13,6 +13,9 @@ trap cleanup EXIT
 fail() { echo "wheel-check: FAILED: $*" >&2; exit 1; }
 
 echo "== wheel-check: building the sdist and the wheel"
+# What pyproject's [build-system] asks for, in the venv the build runs in (no isolation).
+"$py" -m pip install -q "setuptools>=69" "build>=1.2" > "$work/pip.log" 2>&1 \
+  || { tail -n 20 "$work/pip.log"; fail "installing setuptools and build failed"; }
 # No isolation: the venv's setuptools builds it, offline, as the editable install did.
 rm -rf "$root/build"  # setuptools' scratch folder: a stale one could carry removed files
 "$py" -m build --no-isolation --outdir "$work/dist" "$root" > "$work/build.log" 2>&1 \
