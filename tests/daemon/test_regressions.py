@@ -165,3 +165,27 @@ def test_get_never_builds_more_than_one_message(daemon: Callable[..., Daemon]) -
         assert not a.inlined and a.lease_id
         c.rpc.release_quietly(a.lease_id)
     d.engine.check_invariants()
+
+
+def test_a_read_lease_past_its_deadline_is_never_taken_over_by_a_transfer(daemon: Callable[..., Daemon]) -> None:
+    """The data channel takes a read lease over for its GET (``LeaseTable.hold``); a lease
+    already past its deadline may be ending in the reaper right now, its slots about to be
+    freed: it must be refused, never revived (a GET would then stream freed slots)."""
+    import time as _time
+
+    d = daemon(**{"leases.ttl_s": 60.0})
+    e = d.engine
+    assert e is not None
+    with Client(d.address) as c:
+        c.park("x", [torch.ones(1024)])
+    h = e.acquire(["x"], need="host")
+    assert h.lease_id
+    live = e.leases.hold(h.lease_id)
+    assert live is not None and live.expires_at is None  # taken over: no longer expires under the reader
+    h2 = e.acquire(["x"], need="host")
+    lease = e.leases._leases[h2.lease_id]
+    lease.expires_at = _time.monotonic() - 1.0  # past its deadline, not yet reaped
+    assert e.leases.hold(h2.lease_id) is None
+    assert lease.expires_at is not None  # not revived
+    e.release(h.lease_id)
+    e.release(h2.lease_id)
