@@ -59,6 +59,8 @@ def test_env_then_overrides(tmp_path: Path) -> None:
         ({"server.chunk_size": "1KiB"}, r"server\.chunk_size: must be between 4KiB and 16MiB"),
         ({"server.chunk_size": "32MiB"}, r"server\.chunk_size: must be between 4KiB and 16MiB"),
         ({"tiers.host.slot_size": "3MiB"}, r"slot_size.*power of two"),
+        ({"tiers.host.slot_size": "32KiB"}, r"slot_size: must be a power of two between 64KiB and 64MiB"),
+        ({"tiers.host.slot_size": "128MiB"}, r"slot_size: must be a power of two between 64KiB and 64MiB"),
         ({"server.max_workers": "many"}, r"server\.max_workers: expected an integer"),
         ({"policy.flush_on_shutdown": "perhaps"}, r"flush_on_shutdown: expected true or false"),
     ],
