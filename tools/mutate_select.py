@@ -14,7 +14,8 @@ The selection errs towards running more, never fewer:
   a background thread between tests) gets the whole subset;
 - a line of a file the subset executes in part, but not this line: a child process
   killed by its test (``SIGKILL`` leaves no coverage data) may have run it, so the tests
-  that start child processes (``SPAWNING``) run;
+  that start child processes (``_spawning()``: the subset files naming ``subprocess`` or
+  the ``proc`` fixture) run;
 - a file the subset never executes, or a line of it no test executes in a file no child
   process imports (``NEVER_IN_CHILDREN``), cannot change what it observes: the mutant
   survives without a run, and the output says so ("no fast test executes ...").
@@ -33,6 +34,7 @@ from __future__ import annotations
 import ast
 import difflib
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -60,12 +62,19 @@ SUBSET = [
     "tests/daemon/test_remote_tier.py", "tests/daemon/test_tenants.py", "tests/daemon/test_arena_safety.py",
     "tests/security",
 ]
-# The subset's tests that start child processes (daemons, clients) and may kill them.
-SPAWNING = ["tests/tiers/test_remote_promises.py", "tests/daemon/test_remote_tombstones.py",
-            "tests/client/test_transport.py", "tests/client/test_cut_short.py"]
-# Client modules no child process of theirs imports (the children are `kvpark serve` and
+def _spawning() -> list[str]:
+    """The subset's test files that start child processes (daemons, clients) and may kill
+    them: those naming ``subprocess`` or the ``proc`` fixture."""
+    files: list[str] = []
+    for entry in SUBSET:
+        for f in sorted(Path(entry).rglob("test_*.py")) if Path(entry).is_dir() else [Path(entry)]:
+            text = f.read_text() if f.exists() else ""
+            if "subprocess" in text or re.search(r"\bproc\b\s*[:(]", text):
+                files.append(str(f))
+    return files
+# Client modules no child process of the subset's tests imports (the children are `kvpark serve` and
 # a plain Client script): a line of these that the subset did not execute in-process is
-# executed nowhere, and the SPAWNING files need not run for it.
+# executed nowhere, and the files that start children need not run for it.
 NEVER_IN_CHILDREN = {"client/bench.py", "client/benchkit.py", "client/cli.py", "client/hf.py", "client/paged.py",
                      "client/vllm.py", "client/vllm_io.py", "client/vllm_options.py", "client/amx.py"}
 PACKAGES = ("daemon", "tiers", "client")
@@ -148,7 +157,7 @@ def select(path: str, lines: list[int], data_file: str) -> list[str] | None:
     if "" in ctx:
         return None
     if not ctx:
-        return [] if path in NEVER_IN_CHILDREN else list(SPAWNING)
+        return [] if path in NEVER_IN_CHILDREN else _spawning()
     return sorted(ctx, key=_order)
 
 
@@ -170,7 +179,7 @@ def run() -> int:
             print(f"mutate_select: no fast test executes {path}:{','.join(map(str, lines))}")
             return 0
         what = ("the whole subset" if tests is None else
-                "not run in-process: the test files that start child processes" if tests == SPAWNING else
+                "not run in-process: the test files that start child processes" if tests == _spawning() else
                 f"{len(tests)} test(s)")
         print(f"mutate_select: {path}:{','.join(map(str, lines))}: {what}")
     sys.stdout.flush()
