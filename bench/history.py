@@ -47,6 +47,8 @@ def main() -> int:
     ap.add_argument("--disk-faults", default="eio,map_full,slow", help="what 'disk' injects")
     ap.add_argument("--write", choices=("write_back", "write_through"), default="write_back")
     ap.add_argument("--no-tenants", action="store_true", help="one namespace instead of two tenants")
+    ap.add_argument("--untrusted", action="store_true", help="the second tenant not trusted_local: its sequences "
+                    "in the daemon's private tier")
     ap.add_argument("--no-data-channel", action="store_true", help="inline clients on gRPC streams, not the "
                                                                    "daemon's data channel")
     ap.add_argument("--remote", action="store_true", help="a real redis-server as the remote tier (faults "
@@ -68,7 +70,7 @@ def main() -> int:
     for seed in range(a.seed, a.seed + a.seeds):
         cfg = HistoryConfig(seconds=a.seconds, seed=seed, clients=a.clients, threads=a.threads, keys=a.keys,
                             tenants=not a.no_tenants, write=a.write, remote=a.remote,
-                            data_channel=not a.no_data_channel,
+                            data_channel=not a.no_data_channel, untrusted=a.untrusted,
                             daemon="proc" if proc else "inproc",
                             faults=faults, disk_faults=tuple(a.disk_faults.split(",")), ops=ops, host=a.host,
                             disk=a.disk or ("256MiB" if proc else "12MiB"),

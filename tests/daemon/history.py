@@ -1014,6 +1014,9 @@ class HistoryConfig:
     disk_faults: tuple[str, ...] = ("eio", "map_full", "slow")  # what FaultyDisk injects ("disk" in faults)
     remote: bool = False  # a real redis-server as the remote tier (what the disk evicts goes there)
     data_channel: bool = True  # False: inline clients move bytes on gRPC streams instead
+    # carol not trusted_local: her sequences live in the private tier (her clients are the
+    # odd ones, which use the inline transport, as an untrusted tenant must)
+    untrusted: bool = False
 
 
 def _daemon_settings(cfg: HistoryConfig, root: Path) -> dict[str, Any]:
@@ -1031,7 +1034,7 @@ def _daemon_settings(cfg: HistoryConfig, root: Path) -> dict[str, Any]:
         import hashlib
         for name, tok in TOKENS.items():
             out[f"tenants.{name}.token_sha256"] = hashlib.sha256(tok.encode()).hexdigest()
-            out[f"tenants.{name}.trusted_local"] = True
+            out[f"tenants.{name}.trusted_local"] = not (cfg.untrusted and name == "carol")
     return out
 
 

@@ -311,9 +311,11 @@ def _print(rep: object) -> None:
 def test_concurrent_history_with_disk_faults_client_kills_and_redis_faults(tmp_path: Path) -> None:
     # Every disk fault: a write transaction fails with EIO or a full map, or stalls. With
     # redis-server installed, the disk evicts to a real Redis that is killed and
-    # restarted empty, and has manifests deleted behind the daemon's back.
+    # restarted empty, and has manifests deleted behind the daemon's back. The second
+    # tenant is not trusted_local: its sequences live in the private tier throughout.
     remote = have_redis() is None
-    cfg = HistoryConfig(seconds=SECONDS, seed=SEED, clients=3, threads=2, tenants=True, write="write_back",
+    cfg = HistoryConfig(seconds=SECONDS, seed=SEED, clients=3, threads=2, tenants=True, untrusted=True,
+                        write="write_back",
                         daemon="inproc", faults=("disk", "client_kill", "redis_kill", "redis_delete"),
                         disk_faults=("eio", "map_full", "slow"), remote=remote, host="4MiB", disk="12MiB",
                         fault_every=(0.7, 2.0))
