@@ -50,6 +50,7 @@ from .servicer import SERVICE, handlers
 from .tenants import Tenants
 
 log = logging.getLogger("kvpark")
+HANDLER_WAIT_S = 30.0  # how long stop() waits for cancelled calls' handler threads to leave
 
 def max_request_bytes(chunk_size: int) -> int:
     """A ParkSmall or a Park stream's chunk carries at most ``chunk_size`` payload bytes;
@@ -128,8 +129,10 @@ class Daemon:
         check_exposure(self.config.server, self.config.tenants, self.config.metrics)
         creds = server_credentials(self.config.server)
         auth = [AuthInterceptor(self.config.tenants, self.metrics)] if self.config.tenants else None
+        self._handlers = ThreadPoolExecutor(max_workers=self.config.server.max_workers,
+                                            thread_name_prefix="kvpark-rpc")
         server = grpc.server(
-            ThreadPoolExecutor(max_workers=self.config.server.max_workers, thread_name_prefix="kvpark-rpc"),
+            self._handlers,
             options=grpc_options(self.config.server.chunk_size),
             interceptors=auth,
         )
@@ -221,6 +224,13 @@ class Daemon:
         if self._health is not None:
             self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        # A cancelled call's handler thread may still be inside the engine (a disk write
+        # of a windowed park, say): the engine closes once they are out, or a bounded
+        # while later (a handler stuck for good must not hold the stop forever).
+        self._handlers.shutdown(wait=False)
+        ends = time.monotonic() + HANDLER_WAIT_S
+        for t in list(getattr(self._handlers, "_threads", ())):
+            t.join(max(0.0, ends - time.monotonic()))
         if self.datachannel is not None:
             self.datachannel.stop()  # after gRPC: no token is issued any more
             self.datachannel = None
