@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 from kvpark.proto import VERSION
 from kvpark.proto.errors import KVParkError, Unavailable
+from kvpark.proto.sizes import human
 from kvpark.proto.types import SeqInfo, Stat
 
 from .address import normalize
@@ -39,14 +40,6 @@ from .control import DEFAULT_ADDRESS, Control, tls_from_env
 from .rpc import open_channel
 
 EXIT_ERROR = 1
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
 
 
 def _duration(s: float) -> str:
@@ -138,17 +131,17 @@ def _print_summary(address: str, st: Stat, seqs: list[SeqInfo]) -> None:
     print(f"{'tier':<8}{'state':<10}{'used':>11}{'capacity':>11}{'use%':>7}{'held':>8}{'evictions':>11}")
     for name, t in st.tiers.items():
         pct = 100.0 * t.used_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
-        print(f"{name:<8}{t.state:<10}{_human(t.used_bytes):>11}{_human(t.capacity_bytes):>11}{pct:>6.1f}%"
+        print(f"{name:<8}{t.state:<10}{human(t.used_bytes):>11}{human(t.capacity_bytes):>11}{pct:>6.1f}%"
               f"{t.sequences:>8}{t.evictions:>11}")
     r = st.remote
     if r is not None:
         state = "ok" if r.state == "closed" else f"DEGRADED (circuit {r.state})"
-        print(f"{'remote':<8} {state}: {r.sequences} sequence(s) known there, {_human(r.bytes_written)} written, "
-              f"{_human(r.bytes_read)} read, {r.pending_writes} pending, {r.errors} error(s), "
+        print(f"{'remote':<8} {state}: {r.sequences} sequence(s) known there, {human(r.bytes_written)} written, "
+              f"{human(r.bytes_read)} read, {r.pending_writes} pending, {r.errors} error(s), "
               f"{r.refused} refused, {r.outages} outage(s), {r.data_loss} bad value(s) deleted")
     for ts in st.tenants:
-        use = [f"{tier} {_human(ts.used.get(tier, 0))} of "
-               + (_human(ts.quota[tier]) if tier in ts.quota else "unlimited") for tier in ("device", "host", "disk")]
+        use = [f"{tier} {human(ts.used.get(tier, 0))} of "
+               + (human(ts.quota[tier]) if tier in ts.quota else "unlimited") for tier in ("device", "host", "disk")]
         print(f"tenant {ts.name}: {ts.sequences} sequence(s); " + ", ".join(use))
     print()
     print("held: sequences and shared blocks with a copy in the tier (one may be in several tiers)")
@@ -163,7 +156,7 @@ def _print_all(seqs: list[SeqInfo], now: float) -> None:
         ttl = _duration(s.expires_at - now) if s.expires_at else "-"
         age = _duration(now - s.created_at) if s.created_at else "-"
         shared = f"x{s.refcount}" if s.shared else ""
-        print(f"{s.seq_id[:width]:<{width}}  {s.tier:<7}{_human(s.nbytes):>11}{'yes' if s.pinned else '':>8}"
+        print(f"{s.seq_id[:width]:<{width}}  {s.tier:<7}{human(s.nbytes):>11}{'yes' if s.pinned else '':>8}"
               f"{ttl:>7}{age:>7}{shared:>8}")
 
 
@@ -213,10 +206,10 @@ def _watch(args: argparse.Namespace) -> int:
             d_used = d_ev = "-"
             if prev is not None and name in prev[1].tiers and now > prev[0]:
                 p, dt = prev[1].tiers[name], now - prev[0]
-                d_used = f"{'+' if ts.used_bytes >= p.used_bytes else '-'}{_human(abs(ts.used_bytes - p.used_bytes) / dt)}"
+                d_used = f"{'+' if ts.used_bytes >= p.used_bytes else '-'}{human(abs(ts.used_bytes - p.used_bytes) / dt)}"
                 d_ev = f"{(ts.evictions - p.evictions) / dt:.1f}"
             t.add_row(name, ts.state, ProgressBar(total=1.0, completed=frac, width=24),
-                      f"{_human(ts.used_bytes)} / {_human(ts.capacity_bytes)}", str(ts.sequences),
+                      f"{human(ts.used_bytes)} / {human(ts.capacity_bytes)}", str(ts.sequences),
                       str(ts.evictions), d_used, d_ev)
         return Group(t)
 
@@ -255,7 +248,7 @@ def _info(args: argparse.Namespace) -> int:
         labels = {"ttl_s": "expires in", "age_s": "age", "last_access": "last access"}
         for k, v in d.items():
             if k == "nbytes":
-                v = f"{v} ({_human(v)})"
+                v = f"{v} ({human(v)})"
             elif k in ("ttl_s", "age_s"):
                 v = "never" if v is None and k == "ttl_s" else "-" if v is None else _duration(v)
             elif k == "last_access":
