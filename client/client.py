@@ -116,6 +116,12 @@ def _header(seq_id: str, tensors: Sequence[torch.Tensor], packed: bool = False) 
                          nbytes=sum(m.nbytes for m in metas))
 
 
+def _tokens_per_block(n: int) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < (1 << 32):
+        raise InvalidArgument(f"tokens_per_block must be an int in [0, 2**32), got {n!r}")
+    return n
+
+
 class Client(ControlCalls):
     def __init__(self, address: str | None = None, *, token: str | None = None, timeout: float | None = None,
                  transport: str = "auto", tls_ca: str | bytes | None = None, tls_cert: str | bytes | None = None,
@@ -390,12 +396,18 @@ class Client(ControlCalls):
         req = pb.LookupRequest(seq_ids=list(seq_ids))
         return list(self._call(self.rpc.lookup, req, timeout).present)
 
-    def lookup(self, seq_ids: Sequence[str], *, timeout: float | None = None) -> int:
-        """How many of ``seq_ids``, from the first, are parked (a prefix lookup)."""
-        return int(self._call(self.rpc.lookup, pb.LookupRequest(seq_ids=list(seq_ids)), timeout).prefix)
+    def lookup(self, seq_ids: Sequence[str], *, tokens_per_block: int = 0, timeout: float | None = None) -> int:
+        """How many of ``seq_ids``, from the first, are parked (a prefix lookup).
+
+        ``tokens_per_block``: how many tokens each id stands for, when the caller knows
+        (a paged adapter's block size); the daemon then counts hit and missed tokens in
+        ``kvpark_lookup_tokens_total`` besides blocks."""
+        req = pb.LookupRequest(seq_ids=list(seq_ids), tokens_per_block=_tokens_per_block(tokens_per_block))
+        return int(self._call(self.rpc.lookup, req, timeout).prefix)
 
     def lookup_acquire(self, seq_ids: Sequence[str], *, skip: int = 0, max_ids: int = 0,
-                       expect_layout: str = "", timeout: float | None = None) -> tuple[int, Grant | None]:
+                       expect_layout: str = "", tokens_per_block: int = 0,
+                       timeout: float | None = None) -> tuple[int, Grant | None]:
         """A prefix lookup that also acquires ``seq_ids[skip:prefix]`` (at most ``max_ids``
         of them when > 0) in the same round trip: inline when they fit the small path,
         else under one lease on the host arena. Returns the prefix and the grant (``None``
@@ -404,7 +416,9 @@ class Client(ControlCalls):
             raise InvalidArgument(f"skip and max_ids must be >= 0, got {skip} and {max_ids}")
         acq = pb.LookupAcquire(skip=skip, max_ids=max_ids, tier="host", expect_layout=expect_layout,
                                inline_max=SMALL_POOL_BYTES)
-        r = self._call(self.rpc.lookup, pb.LookupRequest(seq_ids=list(seq_ids), acquire=acq), timeout)
+        req = pb.LookupRequest(seq_ids=list(seq_ids), acquire=acq,
+                               tokens_per_block=_tokens_per_block(tokens_per_block))
+        r = self._call(self.rpc.lookup, req, timeout)
         if not r.HasField("acquired"):
             return int(r.prefix), None
         a = r.acquired

@@ -169,7 +169,7 @@ def lookup(client: Client, kv_caches: Sequence[torch.Tensor], tokens: Sequence[i
     """How many leading tokens of ``tokens`` are stored (a multiple of block_size)."""
     lay = layout_of(kv_caches)
     keys = block_keys(lay, tokens)
-    return client.lookup(keys) * lay.block_size if keys else 0
+    return client.lookup(keys, tokens_per_block=lay.block_size) * lay.block_size if keys else 0
 
 
 def restore_prefix(client: Client, kv_caches: Sequence[torch.Tensor], tokens: Sequence[int] | torch.Tensor,
@@ -177,7 +177,7 @@ def restore_prefix(client: Client, kv_caches: Sequence[torch.Tensor], tokens: Se
     """Restore the stored prefix of ``tokens`` into ``block_ids``; returns tokens restored."""
     lay = layout_of(kv_caches)
     keys = block_keys(lay, tokens)
-    n = client.lookup(keys) if keys else 0
+    n = client.lookup(keys, tokens_per_block=lay.block_size) if keys else 0
     n = min(n, len(block_ids))  # restore as much of the match as the given blocks hold
     if n == 0:
         return 0

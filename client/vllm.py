@@ -252,11 +252,12 @@ class KVParkConnector(KVConnectorBase_V1):
             with self._conn.bounded(self._lookup_timeout) as client:
                 if self._grant_max > 0:
                     # One round trip: the lookup also acquires the hit (inline when small).
-                    hit, grant = client.lookup_acquire(keys, skip=skip, max_ids=self._grant_max)
+                    hit, grant = client.lookup_acquire(keys, skip=skip, max_ids=self._grant_max,
+                                                        tokens_per_block=self.block_size)
                     if grant is not None:
                         self._grants[rid] = grant
                 else:
-                    hit = client.lookup(keys)
+                    hit = client.lookup(keys, tokens_per_block=self.block_size)
         except Exception as e:  # noqa: BLE001 - never break the engine
             self._conn_error("lookup", e)
             return 0, False

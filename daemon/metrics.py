@@ -58,7 +58,7 @@ NAMES = (
     "kvpark_sequences", "kvpark_leases", "kvpark_tenant_used_bytes", "kvpark_tenant_quota_bytes",
     "kvpark_parks_total", "kvpark_restores_total", "kvpark_park_bytes_total", "kvpark_restore_bytes_total",
     "kvpark_moves_total", "kvpark_evictions_total", "kvpark_checksum_failures_total",
-    "kvpark_lease_expiries_total", "kvpark_errors_total", "kvpark_lookup_blocks_total",
+    "kvpark_lease_expiries_total", "kvpark_errors_total", "kvpark_lookup_blocks_total", "kvpark_lookup_tokens_total",
     "kvpark_park_seconds", "kvpark_restore_seconds", "kvpark_move_seconds",
     "kvpark_remote_state", "kvpark_remote_pending_writes", "kvpark_remote_errors_total",
     "kvpark_remote_refused_total", "kvpark_remote_outages_total", "kvpark_remote_data_loss_total",
@@ -147,6 +147,8 @@ class Metrics:
         self._restore_bytes = Counter("kvpark_restore_bytes", "Payload bytes restored", ["transport"], registry=r)
         self._lookups = Counter("kvpark_lookup_blocks", "Blocks asked for by prefix lookups: hit (in the cached "
                                 "prefix) or miss", ["result"], registry=r)
+        self._lookup_tokens = Counter("kvpark_lookup_tokens", "Tokens asked for by prefix lookups whose caller "
+                                      "said how many tokens a block holds: hit or miss", ["result"], registry=r)
         self._moves = Counter("kvpark_moves", "Copies between tiers (promotions and demotions)", ["src", "dst"],
                               registry=r)
         self._evictions = Counter("kvpark_evictions", "Sequences removed from a tier to make room", ["tier"],
@@ -176,6 +178,7 @@ class Metrics:
             self._errors.labels(code)
         for result in ("hit", "miss"):
             self._lookups.labels(result)
+            self._lookup_tokens.labels(result)
         if stat_fn is not None:
             self.watch(stat_fn)
 
@@ -204,10 +207,14 @@ class Metrics:
         self._restore_bytes.labels(transport).inc(nbytes)
         self._restore_s.labels(transport).observe(seconds)
 
-    def looked_up(self, hits: int, misses: int) -> None:
-        """A prefix lookup: ``hits`` blocks in the prefix found, ``misses`` after it."""
+    def looked_up(self, hits: int, misses: int, tokens_per_block: int = 0) -> None:
+        """A prefix lookup: ``hits`` blocks in the prefix found, ``misses`` after it;
+        ``tokens_per_block`` (0: unknown) counts their tokens as well."""
         self._lookups.labels("hit").inc(hits)
         self._lookups.labels("miss").inc(misses)
+        if tokens_per_block > 0:
+            self._lookup_tokens.labels("hit").inc(hits * tokens_per_block)
+            self._lookup_tokens.labels("miss").inc(misses * tokens_per_block)
 
     def moved(self, src: str, dst: str, seconds: float) -> None:
         self._moves.labels(src, dst).inc()

@@ -391,7 +391,7 @@ class Servicer:
         present = eng.present(ids)
         prefix = next((i for i, p in enumerate(present) if not p), len(present))
         if self.metrics is not None:  # the hit rate a prefix cache is judged by
-            self.metrics.looked_up(prefix, len(ids) - prefix)
+            self.metrics.looked_up(prefix, len(ids) - prefix, req.tokens_per_block)
         out = pb.LookupResponse(prefix=prefix, present=present)
         if req.HasField("acquire") and prefix > req.acquire.skip:
             a = req.acquire

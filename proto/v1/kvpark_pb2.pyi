@@ -330,12 +330,14 @@ class PrefetchResponse(_message.Message):
     def __init__(self, tier: _Optional[str] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("seq_ids", "acquire")
+    __slots__ = ("seq_ids", "acquire", "tokens_per_block")
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     ACQUIRE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
     acquire: LookupAcquire
-    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., acquire: _Optional[_Union[LookupAcquire, _Mapping]] = ...) -> None: ...
+    tokens_per_block: int
+    def __init__(self, seq_ids: _Optional[_Iterable[str]] = ..., acquire: _Optional[_Union[LookupAcquire, _Mapping]] = ..., tokens_per_block: _Optional[int] = ...) -> None: ...
 
 class LookupAcquire(_message.Message):
     __slots__ = ("skip", "max_ids", "tier", "expect_layout", "inline_max")

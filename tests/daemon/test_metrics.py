@@ -10,7 +10,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvpark.client import Client, DataLoss, NotFound
+from kvpark.client import Client, DataLoss, InvalidArgument, NotFound
 from kvpark.daemon.config import ConfigError
 from kvpark.daemon.metrics import NAMES
 from kvpark.daemon.model import ParkSpec
@@ -99,6 +99,7 @@ def test_every_series_exists_from_the_start_with_build_and_process_metrics_and_n
             assert first[(name, (("transport", t),))] == 0
     assert first[("kvpark_errors_total", (("code", "NOT_FOUND"),))] == 0
     assert first[("kvpark_lookup_blocks_total", (("result", "hit"),))] == 0
+    assert first[("kvpark_lookup_tokens_total", (("result", "miss"),))] == 0
     assert first[("kvpark_evictions_total", (("tier", "host"),))] == 0
     assert first[("kvpark_moves_total", (("dst", "disk"), ("src", "host")))] == 0
     assert first[("kvpark_build_info", (("version", VERSION),))] == 1
@@ -114,9 +115,36 @@ def test_prefix_lookups_count_hits_and_misses(daemon: Callable[..., Daemon]) -> 
         # b0 b1 b2 hit, then b3 misses, and b4 after it counts as a miss too (not in the prefix).
         assert c.lookup(["b0", "b1", "b2", "b3", "b4"]) == 3
         assert c.lookup(["x", "b0"]) == 0
+        after = scrape(d)
+        # Blocks only: these callers did not say how many tokens a block holds.
+        assert after[("kvpark_lookup_tokens_total", (("result", "hit"),))] == 0
+        assert after[("kvpark_lookup_tokens_total", (("result", "miss"),))] == 0
+        # 16 tokens a block: 2 hit blocks and 1 miss, then (lookup_acquire) 1 hit and 2 misses.
+        assert c.lookup(["b0", "b1", "y"], tokens_per_block=16) == 2
+        assert c.lookup_acquire(["b2", "z", "b0"], tokens_per_block=16)[0] == 1
+        with pytest.raises(InvalidArgument):
+            c.lookup(["b0"], tokens_per_block=-1)
     after = scrape(d)
-    assert after[("kvpark_lookup_blocks_total", (("result", "hit"),))] == 3
-    assert after[("kvpark_lookup_blocks_total", (("result", "miss"),))] == 4
+    assert after[("kvpark_lookup_blocks_total", (("result", "hit"),))] == 3 + 3
+    assert after[("kvpark_lookup_blocks_total", (("result", "miss"),))] == 4 + 3
+    assert after[("kvpark_lookup_tokens_total", (("result", "hit"),))] == 3 * 16
+    assert after[("kvpark_lookup_tokens_total", (("result", "miss"),))] == 3 * 16
+
+
+def test_the_paged_adapters_lookups_count_tokens(daemon: Callable[..., Daemon]) -> None:
+    from kvpark.client import paged
+
+    d = daemon(**{"metrics.listen": "127.0.0.1:0"})
+    bs = 16
+    kv = [torch.randn(2, 8, bs, 2, 32).to(torch.float16) for _ in range(2)]
+    tokens = list(range(4 * bs))
+    with Client(d.address) as c:
+        paged.park_blocks(c, "s", kv, [0, 1], num_tokens=2 * bs, tokens=tokens[: 2 * bs])
+        assert paged.lookup(c, kv, tokens) == 2 * bs  # 2 of its 4 blocks hit
+    after = scrape(d)
+    hit = after[("kvpark_lookup_tokens_total", (("result", "hit"),))]
+    miss = after[("kvpark_lookup_tokens_total", (("result", "miss"),))]
+    assert (hit, miss) == (2 * bs, 2 * bs)
 
 
 def test_the_remote_tier_has_its_series(daemon: Callable[..., Daemon], redis_server) -> None:

@@ -9,13 +9,16 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
+import urllib.request
 import sys
 from pathlib import Path
 from typing import Any, Callable
 
 import pytest
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 
 pytest.importorskip("vllm")
 
@@ -63,9 +66,23 @@ def baseline(model: str) -> dict:
     return engine(model, prompts=[PROMPT, OTHER], rounds=1)["rounds"][0]
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _lookup_tokens(metrics: str) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {s.labels["result"]: s.value for fam in text_string_to_metric_families(text)
+            for s in fam.samples if s.name == "kvpark_lookup_tokens_total"}
+
+
 def test_prefix_hit_after_reset_and_identical_tokens(model: str, baseline: dict,
                                                      proc: Callable[..., Proc]) -> None:
-    d = proc()
+    metrics = f"127.0.0.1:{_free_port()}"
+    d = proc("--set", f"metrics.listen={metrics}")
     out = engine(model, prompts=[PROMPT, OTHER], address=d.address, rounds=2)
     first, second = out["rounds"]
     assert first["tokens"] == baseline["tokens"]
@@ -78,6 +95,9 @@ def test_prefix_hit_after_reset_and_identical_tokens(model: str, baseline: dict,
     assert out["stats"]["grant_loads"] == 2
     # Every block was saved from the background saver, none lost.
     assert out["stats"]["saved_blocks"] >= 3 + 4 and not out["stats"].get("errors.save")
+    # The connector tells the daemon its block size: the hit rate in tokens is one PromQL line.
+    tokens = _lookup_tokens(metrics)
+    assert tokens["hit"] >= 96 + 128 and tokens["miss"] > 0, tokens
 
 
 def test_a_request_sent_with_kvpark_off_is_neither_looked_up_nor_saved(model: str, baseline: dict,
