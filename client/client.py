@@ -63,7 +63,7 @@ import torch
 
 from kvpark.proto import VERSION, convert
 from kvpark.proto import packed as packing
-from kvpark.proto.errors import InvalidArgument, LeaseExpired, TransportUnavailable, Unavailable
+from kvpark.proto.errors import AlreadyExists, InvalidArgument, LeaseExpired, TransportUnavailable, Unavailable
 from kvpark.proto.layout import TensorMeta, validate_seq_id
 from kvpark.proto.types import SeqInfo
 from kvpark.proto.v1 import kvpark_pb2 as pb
@@ -73,6 +73,7 @@ from .address import normalize
 from .control import DEFAULT_ADDRESS, TOKEN_ENV, ControlCalls, tls_from_env
 from .payload import as_tensors, byte_view, check_into
 from .rpc import Rpc
+from .same import stored_as
 from . import verify as verifying
 from .tlsprobe import speaks_tls
 from .uses import Uses
@@ -252,13 +253,18 @@ class Client(ControlCalls):
              attrs: Mapping[str, str] | None = None, refs: Sequence[str] = (),
              new_blocks: Mapping[str, Sequence[torch.Tensor]] | None = None,
              timeout: float | None = None) -> SeqInfo:
-        """Store ``tensors`` under ``seq_id``. Visible to others only once this returns.
+        """Store ``tensors`` under ``seq_id``. Visible once its commit reaches the daemon.
 
         ``priority``: higher is demoted later. ``pinned``: never demoted below the tier it
         lands in. ``ttl_s``: dropped that many seconds after the park. ``attrs``: string
         metadata returned by ``info``. ``refs``: shared blocks the sequence starts with
         (its payload is theirs, then ``tensors``); ``new_blocks`` creates missing ones in
         the same commit (block id -> tensors); existing ones are kept (dedup).
+
+        Without ``overwrite``, an id already parked is ``AlreadyExists`` unless what is
+        parked is this very park (same layout, ``attrs`` and bytes: a retry after an
+        interruption that landed once the commit had reached the daemon); then the stored
+        version's ``SeqInfo`` is returned (``client/same.py`` says how it compares).
         """
         validate_seq_id(seq_id)
         tensors = as_tensors(tensors)
@@ -284,7 +290,15 @@ class Client(ControlCalls):
         if self.verify:
             header.xxh3.extend(verifying.digests(tensors))
         with self.rpc.deadline(timeout):
-            return self._park(header, flats)
+            try:
+                return self._park(header, flats)
+            except AlreadyExists:
+                if overwrite or refs or new_blocks:
+                    raise
+                same = stored_as(self, seq_id, tensors, attrs or {}, list(header.xxh3))
+                if same is None:
+                    raise
+                return same
 
     def park_batch(self, items: Mapping[str, Sequence[torch.Tensor]], *, priority: int = 0,
                    attrs: Mapping[str, str] | None = None, timeout: float | None = None) -> int:
