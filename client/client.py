@@ -63,7 +63,8 @@ import torch
 
 from kvpark.proto import VERSION, convert
 from kvpark.proto import packed as packing
-from kvpark.proto.errors import AlreadyExists, InvalidArgument, LeaseExpired, TransportUnavailable, Unavailable
+from kvpark.proto.errors import (AlreadyExists, InvalidArgument, KVParkError, LeaseExpired, TransportUnavailable,
+                                 Unavailable)
 from kvpark.proto.layout import TensorMeta, validate_seq_id
 from kvpark.proto.types import SeqInfo
 from kvpark.proto.v1 import kvpark_pb2 as pb
@@ -73,7 +74,7 @@ from .address import normalize
 from .control import DEFAULT_ADDRESS, TOKEN_ENV, ControlCalls, tls_from_env
 from .payload import as_tensors, byte_view, check_into
 from .rpc import Rpc
-from .same import stored_as
+from .same import Park, stored_as
 from . import verify as verifying
 from .tlsprobe import speaks_tls
 from .uses import Uses
@@ -262,9 +263,10 @@ class Client(ControlCalls):
         the same commit (block id -> tensors); existing ones are kept (dedup).
 
         Without ``overwrite``, an id already parked is ``AlreadyExists`` unless what is
-        parked is this very park (same layout, ``attrs`` and bytes: a retry after an
-        interruption that landed once the commit had reached the daemon); then the stored
-        version's ``SeqInfo`` is returned (``client/same.py`` says how it compares).
+        parked is this very park (same layout, ``attrs``, ``priority``, ``pinned``, TTL and
+        bytes: a retry after an interruption that landed once the commit had reached the
+        daemon); then the stored version's ``SeqInfo`` is returned (``client/same.py``
+        says how it compares).
         """
         validate_seq_id(seq_id)
         tensors = as_tensors(tensors)
@@ -292,12 +294,18 @@ class Client(ControlCalls):
         with self.rpc.deadline(timeout):
             try:
                 return self._park(header, flats)
-            except AlreadyExists:
+            except AlreadyExists as conflict:
                 if overwrite or refs or new_blocks:
                     raise
-                same = stored_as(self, seq_id, tensors, attrs or {}, list(header.xxh3))
+                try:
+                    same = stored_as(self, seq_id, Park(tensors, attrs or {}, int(priority), pinned, ttl_s,
+                                                        list(header.xxh3)))
+                except KVParkError:
+                    raise  # the compare's own failure (its deadline, a daemon gone): that is the answer
+                except Exception:  # noqa: BLE001 - a local compare that cannot run: the conflict stands
+                    same = None
                 if same is None:
-                    raise
+                    raise conflict from None
                 return same
 
     def park_batch(self, items: Mapping[str, Sequence[torch.Tensor]], *, priority: int = 0,

@@ -52,6 +52,10 @@ TIMEOUT_ENV = "KVPARK_TIMEOUT"
 # real path (shm copies run at GB/s, inline gRPC at hundreds of MB/s on a LAN), so only
 # a stalled daemon or link reaches it.
 FLOOR_RATE = 50e6  # bytes per second
+# A release with less than this left of its caller's deadline is sent without waiting
+# for the reply, and given this long to reach the daemon.
+RELEASE_MIN_S = 0.05
+RELEASE_BEHIND_S = 5.0
 
 
 def resolve_timeout(seconds: float | None) -> float | None:
@@ -159,6 +163,10 @@ class Rpc:
         self.address = address
         self.default_timeout = resolve_timeout(timeout)
         self._local = threading.local()
+        # Releases sent after their caller's deadline, not waited for: held until they end
+        # (a gRPC call whose future is collected is cancelled).
+        self._behind: set[Any] = set()
+        self._behind_lock = threading.Lock()
         self.channel = ch = open_channel(address, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
         self.tls = (tls_ca, tls_cert, tls_key)  # the data channel wraps its socket with the same
         u = lambda name, resp: ch.unary_unary(_SVC + name, request_serializer=_ser,  # noqa: E731
@@ -253,12 +261,34 @@ class Rpc:
             raise translate(e) from None
 
     def release_quietly(self, lease_id: str) -> None:
+        """End a lease, never raising. Within the caller's deadline the reply is waited
+        for; once that deadline is spent (a transfer cut short by it) the release is sent
+        without waiting, so the caller's deadline holds and the daemon still frees the
+        slots now rather than at the lease's TTL."""
         if not lease_id:
             return
+        req = pb.ReleaseRequest(lease_id=lease_id)
+        until = self._until()
+        if until is None or until - time.monotonic() > RELEASE_MIN_S:
+            try:
+                self.call(self.release, req)
+                return
+            except DeadlineExceeded:
+                pass  # spent while it was on its way: send it again, not waited for
+            except KVParkError:
+                return  # the lease TTL frees it anyway
         try:
-            self.call(self.release, pb.ReleaseRequest(lease_id=lease_id))
-        except KVParkError:
-            pass  # the lease TTL frees it anyway
+            f = self.release.future(req, timeout=RELEASE_BEHIND_S)
+        except Exception:  # noqa: BLE001 - a closed channel: the TTL frees it
+            return
+        with self._behind_lock:
+            self._behind.add(f)
+
+        def done(fut: Any) -> None:
+            with self._behind_lock:
+                self._behind.discard(fut)
+
+        f.add_done_callback(done)
 
     def close(self) -> None:
         self.channel.close()
