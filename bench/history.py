@@ -54,6 +54,7 @@ def main() -> int:
     ap.add_argument("--remote", action="store_true", help="a real redis-server as the remote tier (faults "
                                                           "redis_kill, redis_delete)")
     ap.add_argument("--host", default="4MiB", help="host tier capacity")
+    ap.add_argument("--max-dirty-s", type=float, default=0.25, help="write_back: policy.max_dirty_s (0: no bound)")
     ap.add_argument("--disk", default="", help="disk tier capacity (default 12MiB in-process, 256MiB subprocess)")
     ap.add_argument("--without", default="", help=f"comma-separated calls to leave out, of {', '.join(OPS)}")
     ap.add_argument("--tolerate", default="", help=f"comma-separated known bugs, of {', '.join(KNOWN_BUGS)}")
@@ -69,7 +70,7 @@ def main() -> int:
     failed = 0
     for seed in range(a.seed, a.seed + a.seeds):
         cfg = HistoryConfig(seconds=a.seconds, seed=seed, clients=a.clients, threads=a.threads, keys=a.keys,
-                            tenants=not a.no_tenants, write=a.write, remote=a.remote,
+                            tenants=not a.no_tenants, write=a.write, remote=a.remote, max_dirty_s=a.max_dirty_s,
                             data_channel=not a.no_data_channel, untrusted=a.untrusted,
                             daemon="proc" if proc else "inproc",
                             faults=faults, disk_faults=tuple(a.disk_faults.split(",")), ops=ops, host=a.host,

@@ -57,6 +57,7 @@ from kvpark.tiers.arena import Allocation
 from kvpark.tiers.disk import Manifest
 from kvpark.tiers.memory import MemTier
 
+from .dirty import Dirty
 from .evict_order import DISK, EvictionOrder, meta
 from .model import MEM_TIERS, NS_SEP, Generations, Lease, ParkSpec, Seq, verified
 from .placement import Placement
@@ -89,6 +90,9 @@ class Catalog:
         # list without a scan of every tenant's million blocks. Open daemons have none.
         self._spaces: dict[str, dict[str, Seq]] = {}
         self.gens = Generations()
+        # Memory-only sequences, oldest first, for write_back's dirty bounds (set by the
+        # engine; none by default).
+        self.dirty = Dirty()
         self.version = 0  # bumped by every change that may make room (see ``notify``)
         # Whether the disk tier is past its high mark with eviction on (set by the engine):
         # that too wakes the maintenance thread, not only a memory tier past its mark.
@@ -253,6 +257,7 @@ class Catalog:
         if NS_SEP in seq.seq_id:
             self._space_add(seq)
         self.order.track(seq)
+        self.dirty.track(seq)
 
     def _space_add(self, seq: Seq) -> None:
         sid = seq.seq_id

@@ -196,6 +196,13 @@ class PolicyConfig:
     low_watermark: float = _f(0.8, "host usage fraction background demotion brings it down to")
     promote_on_restore: bool = _f(True, "restoring a disk-resident sequence copies it back to host when there is room")
     flush_on_shutdown: bool = _f(True, "a graceful stop writes every host-only sequence to disk first")
+    max_dirty_s: float = _f(30.0, "write_back: a sequence memory-only for longer is written to disk in the "
+                            "background (a stop, or a crash, then loses or drains at most this much); 0 = no bound")
+    max_dirty_bytes: int = _f(1 << 30, "write_back: while more than this is memory-only, the oldest is written to "
+                              "disk in the background; 0 = no bound", size=True)
+    max_dirty_sequences: int = _f(100_000, "write_back: while more sequences than this are memory-only, the "
+                                  "oldest is written to disk in the background (a stop drains about 10k-30k a "
+                                  "second); 0 = no bound")
     restore_to: str = _f("auto", 'tier a restore promotes into before serving: "device", "host", or "auto" '
                          "(the tier the reader copies from: device for cuda_ipc, host for shm and streamed "
                          "or small restores)", choices=("auto", "device", "host"))
@@ -464,6 +471,9 @@ def _resolve(cfg: Config) -> Config:
     if not disk.path:
         disk = dataclasses.replace(disk, path=_default_data_dir())
     pol = cfg.policy
+    if pol.max_dirty_s < 0 or pol.max_dirty_sequences < 0:
+        raise ConfigError(f"policy.max_dirty_s and policy.max_dirty_sequences: must be >= 0 (0 = no bound), got "
+                          f"{pol.max_dirty_s} and {pol.max_dirty_sequences}")
     if not 0.0 < pol.low_watermark < pol.high_watermark <= 1.0:
         raise ConfigError(
             "policy.low_watermark/high_watermark: need 0 < low < high <= 1, "

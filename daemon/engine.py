@@ -81,6 +81,7 @@ from kvpark.tiers.tombs import Tombs
 from . import commit, maintenance, reads
 from .catalog import Catalog
 from .config import Config
+from .dirty import Dirty
 from .leases import LeaseTable
 from .metrics import Metrics
 from .model import MAX_PARTS, Capabilities, Grant, ParkSpec, ReadHandle, Reservation, Seq
@@ -139,6 +140,9 @@ class Engine:
         # Whose copies live in daemon-private memory: the tenants that are not trusted_local.
         self.placement = Placement(config.untrusted)
         self.catalog = Catalog(self.tiers, config.policy.eviction, self.placement)
+        pol = config.policy
+        if pol.write == "write_back":  # write_through has no dirty data
+            self.catalog.dirty = Dirty(pol.max_dirty_s, pol.max_dirty_bytes, pol.max_dirty_sequences)
         self.leases = LeaseTable(self.catalog, config.leases, metrics)
         if metrics is not None:
             self.disk.on_corrupt = metrics.checksum_failure

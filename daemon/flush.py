@@ -14,7 +14,12 @@ on disk wins (``write_many`` skips the stale write).
 Primitives:
 - ``flush(mover, prefix="") -> int``: write them all (with ``prefix``, those of one
   tenant's namespace only); returns how many were written.
-- ``write_batch(mover, seqs) -> int``: one batch, one transaction.
+- ``write_batch(mover, seqs, evict=True) -> int``: one batch, one transaction
+  (``evict=False``: no disk eviction first, and a sequence whose blocks are not on disk
+  is left out, not written after them).
+- ``write_back(mover, room, budget_s) -> int``: one write-back pass under write_back's
+  dirty bounds (``dirty.py``): the oldest memory-only sequences past a bound, in
+  batches, into at most ``room`` bytes of free disk, for about ``budget_s`` seconds.
 - ``write_one(mover, seq) -> bool``: one sequence (``Mover.write_to_disk``), the shared
   blocks it references first.
 """
@@ -72,12 +77,39 @@ def flush(mover: "Mover", prefix: str = "") -> int:
     return done
 
 
-def write_batch(mover: "Mover", seqs: list[Seq]) -> int:
+def write_back(mover: "Mover", room: int, budget_s: float) -> int:
+    """Write back what is past the dirty bounds; returns how many sequences got a disk
+    copy. Only free disk space is used (``room``): nothing is evicted for it."""
+    cat = mover.catalog
+    done, until = 0, time.monotonic() + budget_s
+    while not mover.closed and room > 0 and time.monotonic() < until:
+        with cat.lock:
+            batch = cat.dirty.due(time.time(), room, BATCH, BATCH_BYTES)
+        if not batch:
+            break
+        room -= sum(s.manifest.nbytes for s in batch)
+        try:
+            n = write_batch(mover, batch, evict=False)
+        except KVParkError as e:  # a disk error: the flush at stop (or demotion) still writes them
+            with cat.lock:
+                cat.dirty.requeue(batch)
+            log.warning("write-back: %d sequence(s) not written now: %s", len(batch), e)
+            break
+        with cat.lock:
+            cat.dirty.requeue(s for s in batch if not s.on_disk)  # left out: their blocks first
+        done += n
+        if n == 0:
+            break
+    return done
+
+
+def write_batch(mover: "Mover", seqs: list[Seq], evict: bool = True) -> int:
     """Give each of ``seqs`` a disk copy in one transaction; returns how many got one now."""
     cat = mover.catalog
     with cat.lock:
         need = sum(s.manifest.nbytes for s in seqs if not (s.dropped or s.on_disk or not s.res))
-    mover.evict_disk(need)
+    if evict:
+        mover.evict_disk(need)
     picked: list[tuple[Seq, str, Allocation]] = []
     later: list[Seq] = []
     with cat.lock:
@@ -95,6 +127,8 @@ def write_batch(mover: "Mover", seqs: list[Seq]) -> int:
             assert src is not None
             cat.copy_begin(s)  # pins the memory copy while we read it
             picked.append((s, src, s.res[src]))
+    if not evict:
+        later = []  # written after their blocks, by a later pass (which never evicts for them)
     if not picked:
         return sum(mover.write_to_disk(s) for s in later)
     written: list[bool] = []

@@ -11,7 +11,8 @@ Locks as in ``engine.py``; no disk I/O under the index lock.
 Primitives:
 - ``maintain(engine)``: the maintenance thread: once, sweep block records no manifest owns
   (``DiskStore.sweep_orphans``); then its loop: reap leases, expire, retry
-  failed disk deletes and remote deletes of dropped versions, compact the eviction order, relieve tiers past their high marks.
+  failed disk deletes and remote deletes of dropped versions, compact the eviction order, relieve tiers past their high marks,
+  write back what is past write_back's dirty bounds.
 - ``expire(engine)``: drop versions past their TTL, and shared blocks nobody took up.
 - ``retire(engine, seq) -> list[Seq]`` (REQUIRES: index lock): unlink ``seq`` (and the
   shared blocks it leaves unreferenced); returns what has disk copies to delete.
@@ -70,6 +71,7 @@ def maintain(engine: "Engine") -> None:
             with cat.lock:
                 cat.order.compact()  # touches without evictions leave stale heap entries
             moved = engine.mover.relieve()
+            moved += engine.mover.write_back()  # write_back's dirty bounds
         except Exception:  # the maintenance thread must never die
             log.exception("maintenance pass failed")
         if not moved:

@@ -31,6 +31,8 @@ Primitives:
 - ``await_room(tier, need, exclude, deadline) -> bool``: demote, or wait on the catalog's
   ``changed`` condition for in-flight work to free room.
 - ``relieve() -> int``: one background pass: every tier past its high mark down to its low mark.
+- ``write_back() -> int``: one pass of write_back's dirty bounds (``dirty.py``,
+  ``flush.write_back``), into free disk space only.
 - ``write_to_disk(seq) -> bool`` (the shared blocks it references first); ``flush() -> int``
   (batched: ``flush.py``).
 - ``delete_from_disk(seq)``; ``delete_all(seqs) -> KVParkError | None`` (every one tried);
@@ -80,6 +82,9 @@ log = logging.getLogger("kvpark.mover")
 # How long a park or promotion waits for in-flight work (copies, reads, other
 # reservations) to free room before it gives up with RESOURCE_EXHAUSTED.
 ROOM_WAIT_S = 10.0
+# One write-back pass writes for about this long, so the maintenance thread still reaps
+# leases and expires TTLs on time; it runs again at once while there is more.
+WRITE_BACK_BUDGET_S = 0.5
 
 
 class Mover:
@@ -488,6 +493,16 @@ class Mover:
         """The disk is past its high mark and something can evict from it."""
         return (self.remote is not None or self.disk_evicts) and \
             policy.over_high(self.disk.used, self.disk.capacity, self.disk_high)
+
+    def write_back(self) -> int:
+        """Write back what is past write_back's dirty bounds (``dirty.py``), into free disk
+        space below the disk's low mark only: write-back never evicts, and never starts
+        background disk eviction. Returns how many sequences got a disk copy."""
+        with self.catalog.lock:
+            if not self.catalog.dirty.enabled or self.closed:
+                return 0
+        room = int(self.disk.capacity * self.disk_low) - self.disk.used
+        return flush.write_back(self, room, WRITE_BACK_BUDGET_S)
 
     def write_to_disk(self, seq: Seq) -> bool:
         """Make sure ``seq`` has a disk copy (the shared blocks it references first); its

@@ -1017,6 +1017,9 @@ class HistoryConfig:
     # carol not trusted_local: her sequences live in the private tier (her clients are the
     # odd ones, which use the inline transport, as an untrusted tenant must)
     untrusted: bool = False
+    # write_back's dirty bounds (policy.max_dirty_s): memory-only sequences this old are
+    # written back while clients run, so write-back races every call (0: no bound)
+    max_dirty_s: float = 0.25
 
 
 def _daemon_settings(cfg: HistoryConfig, root: Path) -> dict[str, Any]:
@@ -1025,6 +1028,7 @@ def _daemon_settings(cfg: HistoryConfig, root: Path) -> dict[str, Any]:
         "tiers.host.capacity": cfg.host, "tiers.host.shm_dir": str(root / "shm"),
         "tiers.disk.path": str(root / "disk"), "tiers.disk.capacity": cfg.disk,
         "policy.write": cfg.write, "leases.ttl_s": 4.0,  # the reaper (TTLs) runs every second
+        "policy.max_dirty_s": cfg.max_dirty_s,
     }
     if not cfg.data_channel:
         out["server.data_channel"] = False
