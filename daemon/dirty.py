@@ -26,6 +26,7 @@ Primitives (REQUIRES: index lock, for every call):
 - ``due(now, room, count, nbytes) -> list[Seq]``: take the oldest that are past a bound,
   at most ``count`` sequences and ``nbytes`` (and never more than ``room``) in all.
 - ``requeue(seqs)``: give back those the pass could not write, at the front, in order.
+- ``over(now) -> bool``: whether the oldest memory-only sequence is past a bound.
 - ``bytes``, ``sequences``: what is counted dirty now.
 """
 
@@ -62,6 +63,12 @@ class Dirty:
         return ((self.max_s > 0 and now - seq.manifest.created_at >= self.max_s)
                 or (self.max_bytes > 0 and self.bytes > self.max_bytes)
                 or (self.max_seqs > 0 and len(self._q) > self.max_seqs))
+
+    def over(self, now: float) -> bool:
+        q = self._q
+        while q and clean(q[0]):
+            self.bytes -= q.popleft().manifest.nbytes
+        return bool(q) and self._over(now, q[0])
 
     def due(self, now: float, room: int, count: int, nbytes: int) -> list[Seq]:
         out: list[Seq] = []
