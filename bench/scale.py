@@ -345,7 +345,7 @@ def main(argv: list[str] | None = None) -> int:
         while True:
             with b.engine.catalog.lock:
                 dirty = b.engine.catalog.dirty.sequences
-                if not b.engine.catalog.dirty.over(time.time()) or time.perf_counter() - t0 > 900:
+                if not b.engine.catalog.dirty.over(time.monotonic()) or time.perf_counter() - t0 > 900:
                     break
             time.sleep(0.2)
         result["writeback_wait_s"] = round(time.perf_counter() - t0, 2)

@@ -48,6 +48,7 @@ Primitives:
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable, Iterable
 
 from kvpark.proto.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
@@ -257,7 +258,7 @@ class Catalog:
         if NS_SEP in seq.seq_id:
             self._space_add(seq)
         self.order.track(seq)
-        self.dirty.track(seq)
+        self.dirty.track(seq, time.monotonic())
 
     def _space_add(self, seq: Seq) -> None:
         sid = seq.seq_id
@@ -281,6 +282,7 @@ class Catalog:
     def retire(self, seq: Seq) -> None:
         """Unlink ``seq``; memory is freed now, or by the last reader/copy."""
         seq.dropped = True
+        self.dirty.untrack(seq)
         if self._seqs.get(seq.seq_id) is seq:
             del self._seqs[seq.seq_id]
             self._special.pop(seq, None)

@@ -28,6 +28,7 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import re
 import tomllib
@@ -471,7 +472,7 @@ def _resolve(cfg: Config) -> Config:
     if not disk.path:
         disk = dataclasses.replace(disk, path=_default_data_dir())
     pol = cfg.policy
-    if pol.max_dirty_s < 0 or pol.max_dirty_sequences < 0:
+    if not math.isfinite(pol.max_dirty_s) or pol.max_dirty_s < 0 or pol.max_dirty_sequences < 0:
         raise ConfigError(f"policy.max_dirty_s and policy.max_dirty_sequences: must be >= 0 (0 = no bound), got "
                           f"{pol.max_dirty_s} and {pol.max_dirty_sequences}")
     if not 0.0 < pol.low_watermark < pol.high_watermark <= 1.0:

@@ -63,6 +63,7 @@ class Deletes:
             if not seq.on_disk:
                 return
             seq.on_disk = False
+            self.catalog.dirty.track(seq, time.monotonic())  # a disk eviction of a copy also in memory
             if seq.readers.get("disk") or self._twin(seq.manifest) is not None:
                 # A read lease reads this copy (a restore served from disk that an
                 # overwrite or drop retired after it leased): it reads the version it

@@ -1,4 +1,4 @@
-"""Dirty data under write_back: parked sequences with no disk copy yet, oldest first.
+"""Dirty data under write_back: parked sequences with no disk copy, oldest first.
 
 Under ``policy.write = "write_back"`` a park is acknowledged from memory and reaches the
 disk only when it is demoted, or when the daemon stops (the flush). A daemon holding a
@@ -11,28 +11,29 @@ a stop drains at most that much:
 - ``policy.max_dirty_bytes``, ``policy.max_dirty_sequences``: while more than this is
   memory-only, the oldest is written back.
 
-Write-back only fills free disk space (below the disk's high watermark): it never evicts
+Write-back only fills free disk space (below the disk's low watermark): it never evicts
 from the disk to make room, so it never costs a cold disk-only sequence its place.
 Under pressure the old rules hold unchanged (demotion, and the flush at stop).
 
-The queue is in publish order. A sequence that gets its disk copy some other way (a
-demotion, a flush) or is dropped stays counted until the pass reaches it and lets it go:
-the counts can run high, never low, so a bound is never missed, and the pass moves on
-from such an entry without writing anything.
+The set is exact: a sequence enters when it is published without a disk copy, or when
+it loses its disk copy while it keeps a memory one (disk eviction); it leaves when it
+gets a disk copy (any path) or leaves the index. Its age is counted from the moment it
+entered. ``clean`` is checked again when a sequence is picked, as a guard.
 
 Primitives (REQUIRES: index lock, for every call):
 - ``Dirty(max_s, max_bytes, max_seqs)``; ``enabled``: any bound set.
-- ``track(seq)``: a newly published sequence with no disk copy.
-- ``due(now, room, count, nbytes) -> list[Seq]``: take the oldest that are past a bound,
-  at most ``count`` sequences and ``nbytes`` (and never more than ``room``) in all.
-- ``requeue(seqs)``: give back those the pass could not write, at the front, in order.
-- ``over(now) -> bool``: whether the oldest memory-only sequence is past a bound.
-- ``bytes``, ``sequences``: what is counted dirty now.
+- ``track(seq, now)``: ``seq`` is memory-only now (a no-op when it is not, or is tracked).
+- ``untrack(seq)``: it got a disk copy, or left the index.
+- ``due(now, room, count, nbytes) -> list[Seq]``: take (untrack) the oldest past a bound,
+  at most ``count`` sequences and ``nbytes`` in all; one larger than what is left of
+  ``room`` is passed over (demotion or the stop's flush writes it), not waited on.
+- ``requeue(seqs, now)``: give back those the pass could not write (their age restarts).
+- ``over(now) -> bool``: whether the oldest is past a bound.
+- ``bytes``, ``sequences``: what is memory-only now.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from typing import Iterable
 
 from .model import Seq
@@ -47,50 +48,59 @@ class Dirty:
     def __init__(self, max_s: float = 0.0, max_bytes: int = 0, max_seqs: int = 0) -> None:
         self.max_s, self.max_bytes, self.max_seqs = max_s, max_bytes, max_seqs
         self.enabled = max_s > 0 or max_bytes > 0 or max_seqs > 0
-        self._q: deque[Seq] = deque()
+        self._since: dict[Seq, float] = {}  # insertion order is age order
         self.bytes = 0
 
     @property
     def sequences(self) -> int:
-        return len(self._q)
+        return len(self._since)
 
-    def track(self, seq: Seq) -> None:
-        if self.enabled and not clean(seq):
-            self._q.append(seq)
+    def track(self, seq: Seq, now: float) -> None:
+        if self.enabled and not clean(seq) and seq not in self._since:
+            self._since[seq] = now
             self.bytes += seq.manifest.nbytes
 
-    def _over(self, now: float, seq: Seq) -> bool:
-        return ((self.max_s > 0 and now - seq.manifest.created_at >= self.max_s)
+    def untrack(self, seq: Seq) -> None:
+        if self._since.pop(seq, None) is not None:
+            self.bytes -= seq.manifest.nbytes
+
+    def _bound(self, now: float, since: float, left: int) -> bool:
+        return ((self.max_s > 0 and now - since >= self.max_s)
                 or (self.max_bytes > 0 and self.bytes > self.max_bytes)
-                or (self.max_seqs > 0 and len(self._q) > self.max_seqs))
+                or (self.max_seqs > 0 and left > self.max_seqs))
 
     def over(self, now: float) -> bool:
-        q = self._q
-        while q and clean(q[0]):
-            self.bytes -= q.popleft().manifest.nbytes
-        return bool(q) and self._over(now, q[0])
+        for since in self._since.values():
+            return self._bound(now, since, len(self._since))
+        return False
 
     def due(self, now: float, room: int, count: int, nbytes: int) -> list[Seq]:
         out: list[Seq] = []
-        size = 0
-        q = self._q
-        while q and len(out) < count:
-            s = q[0]
-            n = s.manifest.nbytes
-            if clean(s):
-                q.popleft()
-                self.bytes -= n
-                continue
-            if not self._over(now, s) or size + n > room or (out and size + n > nbytes):
+        gone: list[Seq] = []
+        size, left = 0, len(self._since)
+        for seq, since in self._since.items():
+            if len(out) >= count:
                 break
-            q.popleft()
-            self.bytes -= n
-            out.append(s)
+            n = seq.manifest.nbytes
+            if clean(seq):  # a guard: every path that cleans one untracks it
+                gone.append(seq)
+                self.bytes -= n
+                left -= 1
+                continue
+            if not self._bound(now, since, left):
+                break
+            if size + n > room:
+                continue  # no free disk for this one now: younger ones may fit
+            if out and size + n > nbytes:
+                break
+            out.append(seq)
             size += n
+            self.bytes -= n  # counted out now, so the bounds see what is left
+            left -= 1
+        for seq in gone + out:
+            del self._since[seq]
         return out
 
-    def requeue(self, seqs: Iterable[Seq]) -> None:
-        for s in reversed(list(seqs)):
-            if not clean(s):
-                self._q.appendleft(s)
-                self.bytes += s.manifest.nbytes
+    def requeue(self, seqs: Iterable[Seq], now: float) -> None:
+        for s in seqs:
+            self.track(s, now)

@@ -93,6 +93,9 @@ from .window import Windows
 
 log = logging.getLogger("kvpark.engine")
 
+# How long a pin waits for a disk write that is reading its sequence (see ``pin``).
+PIN_WAIT_S = 10.0
+
 DiskFactory = Callable[..., DiskStore]  # (path, capacity, *, writemap) -> DiskStore
 
 __all__ = ["DiskFactory", "Engine", "MAX_PARTS", "ROOM_WAIT_S"]
@@ -480,6 +483,12 @@ class Engine:
         self.check_open()
         with self.catalog.lock:
             seq = self.catalog.get(seq_id)
+            # A disk write reading this sequence (demotion, flush, write-back) encodes the
+            # manifest as it is then, and marks it on disk only after: pinning in between
+            # would miss both that write and the update below. Wait for it to land.
+            deadline = time.monotonic() + PIN_WAIT_S
+            while seq.moving and not seq.on_disk and time.monotonic() < deadline:
+                self.catalog.changed.wait(deadline - time.monotonic())
             seq.manifest.pinned = pinned
             on_disk, manifest = seq.on_disk, seq.manifest
         if on_disk:

@@ -84,19 +84,22 @@ def write_back(mover: "Mover", room: int, budget_s: float) -> int:
     done, until = 0, time.monotonic() + budget_s
     while not mover.closed and room > 0 and time.monotonic() < until:
         with cat.lock:
-            batch = cat.dirty.due(time.time(), room, BATCH, BATCH_BYTES)
+            if mover.paused:  # someone waits for a quiet engine (check_invariants, a stop)
+                break
+            batch = cat.dirty.due(time.monotonic(), room, BATCH, BATCH_BYTES)
         if not batch:
             break
         room -= sum(s.manifest.nbytes for s in batch)
         try:
             n = write_batch(mover, batch, evict=False)
-        except KVParkError as e:  # a disk error: the flush at stop (or demotion) still writes them
+        except Exception as e:  # noqa: BLE001 - a disk error: the flush at stop (or demotion) still writes them
             with cat.lock:
-                cat.dirty.requeue(batch)
+                cat.dirty.requeue(batch, time.monotonic())
             log.warning("write-back: %d sequence(s) not written now: %s", len(batch), e)
             break
         with cat.lock:
-            cat.dirty.requeue(s for s in batch if not s.on_disk)  # left out: their blocks first
+            # Left out (their blocks first) or refused: memory-only still.
+            cat.dirty.requeue((s for s in batch if not s.on_disk), time.monotonic())
         done += n
         if n == 0:
             break
@@ -145,6 +148,7 @@ def write_batch(mover: "Mover", seqs: list[Seq], evict: bool = True) -> int:
                         stale.append(s)
                     else:
                         s.on_disk = True
+                        cat.dirty.untrack(s)
                         cat.touch(s, "disk")  # its place in the disk's eviction order
                 cat.release_dropped(s)
             # Waiters may demote these now. No version bump: see Mover.write_to_disk.
@@ -195,6 +199,7 @@ def write_one(mover: "Mover", seq: Seq) -> bool:
             stale = seq.dropped  # dropped or overwritten while we wrote
             if written and not stale:
                 seq.on_disk = True
+                mover.catalog.dirty.untrack(seq)
                 mover.catalog.touch(seq, "disk")
             mover.catalog.release_dropped(seq)
             # Waiters may demote it now. No version bump: a write that failed (disk

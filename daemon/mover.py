@@ -116,6 +116,11 @@ class Mover:
             self.catalog.changed.notify_all()
         self.prefetches.close()
 
+    @property
+    def paused(self) -> bool:
+        """Someone holds ``quiet()``: no demotion or write-back starts. REQUIRES: index lock."""
+        return self._paused > 0
+
     @contextmanager
     def quiet(self, timeout: float = 10.0) -> Iterator[None]:
         """Hold off new demotions and wait (up to ``timeout``) for moves in flight to land."""
@@ -499,7 +504,7 @@ class Mover:
         space below the disk's low mark only: write-back never evicts, and never starts
         background disk eviction. Returns how many sequences got a disk copy."""
         with self.catalog.lock:
-            if not self.catalog.dirty.enabled or self.closed:
+            if not self.catalog.dirty.enabled or self.closed or self._paused:
                 return 0
         room = int(self.disk.capacity * self.disk_low) - self.disk.used
         return flush.write_back(self, room, WRITE_BACK_BUDGET_S)
