@@ -61,10 +61,11 @@ import time
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
-from kvpark.proto.errors import DataLoss, KVParkError, NotFound
+from kvpark.proto.errors import DataLoss, KVParkError, NotFound, Unavailable
+from kvpark.proto.sizes import human
 from kvpark.tiers import policy
 from kvpark.tiers.arena import Allocation
-from kvpark.tiers.copy import CopyEngine, CopyJob, runs
+from kvpark.tiers.copy import D2H, H2D, CopyEngine, CopyJob, runs
 from kvpark.tiers.disk import DiskStore
 
 from . import disk_evict, flush, remote_moves
@@ -82,6 +83,17 @@ log = logging.getLogger("kvpark.mover")
 # How long a park or promotion waits for in-flight work (copies, reads, other
 # reservations) to free room before it gives up with RESOURCE_EXHAUSTED.
 ROOM_WAIT_S = 10.0
+# How long a move waits for its copy between memory tiers: far beyond any real copy
+# (64 GiB at PCIe speed), so only a hung device reaches it. The copy's completion still
+# attaches or frees its slots whenever it comes; the waiter gives up with UNAVAILABLE.
+COPY_WAIT_S = 120.0
+
+
+def await_copy(job: CopyJob, timeout: float = COPY_WAIT_S) -> None:
+    """Wait for ``job`` (re-raising its failure); ``Unavailable`` after ``timeout``."""
+    if not job.wait(timeout):
+        raise Unavailable(f"a copy between memory tiers ({human(job.nbytes)}, {job.direction}) did not finish in "
+                          f"{timeout:.0f} s: the device may be hung; the copy's slots are freed if it ever ends")
 # One write-back pass writes for about this long, so the maintenance thread still reaps
 # leases and expires TTLs on time; it runs again at once while there is more.
 WRITE_BACK_BUDGET_S = 0.5
@@ -184,8 +196,25 @@ class Mover:
             return
         locked: list[Seq] = []
         planned: list[tuple[Seq, str, Allocation, Allocation]] = []  # (seq, src tier, src, dst)
-        landed = False
         mem = self.tiers[to]
+        submitted = False
+
+        def finish(landed: bool) -> None:
+            # Once: from the copy's completion when it was submitted (so a wait that gives
+            # up never frees slots a copy still writes), else on the way out below.
+            with self.catalog.lock:
+                for seq, _, _, a in planned:
+                    self.catalog.copy_end(seq)
+                    if landed and not seq.dropped:
+                        seq.res[to] = a
+                        self.catalog.touch(seq, to)
+                    else:
+                        self.catalog.free(to, a)
+                    self.catalog.release_dropped(seq)
+                self.catalog.notify()
+            for seq in locked:
+                self.catalog.unclaim(seq)
+
         try:
             for seq in todo:
                 self.catalog.claim(seq)  # demotion only ever tries these, so no cycle
@@ -208,21 +237,13 @@ class Mover:
             pieces = [(mem.tensor(d, n), self.tiers[src].tensor(o, n))
                       for _, src, src_alloc, dst_alloc in planned
                       for o, d, n in runs(src_alloc.extents, dst_alloc.extents)]
-            self.copy.submit(pieces, restore=True).wait()
-            landed = True
+            job = self.copy.submit(pieces, restore=True, on_done=lambda j: finish(j.error is None),
+                                   direction=H2D if to == "device" else D2H)
+            submitted = True
+            await_copy(job)
         finally:
-            with self.catalog.lock:
-                for seq, _, _, a in planned:
-                    self.catalog.copy_end(seq)
-                    if landed and not seq.dropped:
-                        seq.res[to] = a
-                        self.catalog.touch(seq, to)
-                    else:
-                        self.catalog.free(to, a)
-                    self.catalog.release_dropped(seq)
-                self.catalog.notify()
-            for seq in locked:
-                self.catalog.unclaim(seq)
+            if not submitted:
+                finish(False)
 
     def _promote_locked(self, seq: Seq, to: str, make_room: bool) -> None:
         # REQUIRES: seq.move_lock held.
@@ -238,7 +259,7 @@ class Mover:
                 with self.catalog.lock:
                     self.catalog.free(to, a)
                 raise
-            job.wait()  # the completion path attached the copy (or freed the slots on failure)
+            await_copy(job)  # the completion path attached the copy (or freed the slots on failure)
             return
         t0 = time.perf_counter()
         try:
@@ -324,8 +345,11 @@ class Mover:
 
         s_mem, d_mem = self.tiers[src], self.tiers[dst]
         pieces = [(d_mem.tensor(d, n), s_mem.tensor(s, n)) for s, d, n in runs(src_alloc.extents, dst_alloc.extents)]
+        # The DMA direction is the tiers': a promotion from the device pool to host is
+        # D2H whatever its priority (on a GPU the pieces say so themselves).
+        way = H2D if dst == "device" else D2H if src == "device" else None
         try:
-            return self.copy.submit(pieces, restore=restore, on_done=done)
+            return self.copy.submit(pieces, restore=restore, on_done=done, direction=way)
         except BaseException:
             with self.catalog.lock:
                 self.catalog.copy_end(seq)
@@ -425,7 +449,7 @@ class Mover:
                     if jobs is not None:
                         jobs.append(job)
                         return True
-                    job.wait()
+                    await_copy(job)
                     with self.catalog.lock:
                         return tier not in seq.res
             if not any(t in seq.res for t in MEM_TIERS if t != tier):
@@ -485,8 +509,8 @@ class Mover:
             finally:
                 for job in jobs:  # device copies in flight land before host is relieved
                     try:
-                        job.wait()
-                    except Exception as e:  # noqa: BLE001 - the copy's slots were freed by its completion
+                        await_copy(job)
+                    except Exception as e:  # noqa: BLE001 - the copy's completion frees or attaches its slots
                         log.warning("demotion copy from %s failed: %s", name, e)
         if not self.closed and self.disk_pressure():
             before = self.disk.used

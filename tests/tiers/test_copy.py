@@ -1,11 +1,14 @@
-"""Copy engine: coalesced runs, strict restore-before-demotion priority, completion callbacks."""
+"""Copy engine: coalesced runs, per-direction queues in priority order, duplex, chunks,
+completion callbacks, a close that waits, bounded waits."""
 
 import threading
 
 import pytest
 import torch
 
-from kvpark.tiers.copy import CopyEngine, runs
+from kvpark.tiers.copy import D2H, H2D, CopyEngine, CopyJob, chunked, direction_of, runs
+
+from ..conftest import wait_until
 
 
 def test_runs_coalesce_contiguous_pieces() -> None:
@@ -33,27 +36,123 @@ def test_copies_complete_and_report() -> None:
         eng.close()
 
 
-def test_restores_leave_the_queue_before_demotions() -> None:
-    eng = CopyEngine()
+class Held(torch.Tensor):
+    """A destination whose ``copy_`` waits for ``gate``: a copy that stays in flight
+    (as a long DMA does) until the test lets it land."""
+
     gate = threading.Event()
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func is torch.Tensor.copy_:
+            assert cls.gate.wait(20), "the test never let the held copy land"
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def held(n: int) -> torch.Tensor:
+    Held.gate = threading.Event()
+    return torch.zeros(n, dtype=torch.uint8).as_subclass(Held)
+
+
+def in_flight(eng: CopyEngine, d: str) -> bool:
+    with eng._cv:
+        return eng._inflight[d] > 0
+
+
+def test_a_direction_out_of_budget_holds_only_its_own_queue_in_priority_order() -> None:
+    """D2H is busy with a held copy and has no budget left: queued D2H jobs wait, and
+    leave in priority order (restores first); an H2D job runs meanwhile (duplex)."""
+    eng = CopyEngine(max_inflight_bytes=1)
     order: list[str] = []
     t = torch.zeros(8, dtype=torch.uint8)
     try:
-        # The first job's completion callback runs on the dispatcher and holds it, so
-        # everything submitted meanwhile queues up.
-        first = eng.submit([(t[:1], t[1:2])], restore=False, on_done=lambda j: gate.wait(10))
+        first = eng.submit([(held(8), t)], restore=False, direction=D2H)
+        assert wait_until(lambda: in_flight(eng, D2H))
         jobs = [
-            eng.submit([(t[:1], t[1:2])], restore=False, on_done=lambda j: order.append("demote-1")),
-            eng.submit([(t[:1], t[1:2])], restore=False, on_done=lambda j: order.append("demote-2")),
-            eng.submit([(t[:1], t[1:2])], restore=True, on_done=lambda j: order.append("restore")),
+            eng.submit([(t[:1], t[1:2])], restore=False, direction=D2H, on_done=lambda j: order.append("demote-1")),
+            eng.submit([(t[:1], t[1:2])], restore=False, direction=D2H, on_done=lambda j: order.append("demote-2")),
+            eng.submit([(t[:1], t[1:2])], restore=True, direction=D2H, on_done=lambda j: order.append("restore")),
         ]
-        gate.set()
+        other = eng.submit([(t[2:3], t[3:4])], restore=True, direction=H2D)
+        assert other.wait(10), "an H2D copy waited behind a busy D2H link"
+        assert order == []
+        Held.gate.set()
         for j in [first, *jobs]:
             assert j.wait(10)
         assert order == ["restore", "demote-1", "demote-2"]
     finally:
-        gate.set()
+        Held.gate.set()
         eng.close()
+
+
+def test_a_small_restore_waits_for_one_chunk_of_a_large_demotion_not_all_of_it() -> None:
+    eng = CopyEngine(max_inflight_bytes=1024, chunk_bytes=1024)
+    order: list[str] = []
+    src = torch.arange(16 * 1024, dtype=torch.int64).to(torch.uint8)
+    try:
+        dst = held(16 * 1024)
+        big = eng.submit([(dst, src)], restore=False, direction=D2H, on_done=lambda j: order.append("big"))
+        assert wait_until(lambda: in_flight(eng, D2H))
+        small_dst = torch.zeros(64, dtype=torch.uint8)
+        small = eng.submit([(small_dst, src[:64])], restore=True, direction=D2H,
+                           on_done=lambda j: order.append("small"))
+        Held.gate.set()
+        assert big.wait(10) and small.wait(10)
+        assert order == ["small", "big"]
+        assert torch.equal(dst.as_subclass(torch.Tensor), src) and torch.equal(small_dst, src[:64])
+    finally:
+        Held.gate.set()
+        eng.close()
+
+
+def test_chunks_cut_flat_pieces_into_views_and_keep_the_bytes() -> None:
+    a, b = torch.arange(10_000, dtype=torch.int32), torch.zeros(10_000, dtype=torch.int32)
+    c, d = torch.ones(3, 5), torch.zeros(3, 5)  # not flat: goes whole
+    parts = chunked([(b, a), (d, c)], 4096)
+    assert all(sum(x.numel() * x.element_size() for x, _ in ch) <= 4096 for ch in parts[:-1])
+    assert sum(x.numel() * x.element_size() for ch in parts for x, _ in ch) == 40_000 + 60
+    for ch in parts:
+        for dst, src in ch:
+            dst.copy_(src)
+    assert torch.equal(a, b) and torch.equal(c, d)
+    assert chunked([], 10) == []
+    eng = CopyEngine(chunk_bytes=1 << 20)
+    try:
+        src, dst = torch.randint(0, 255, (10 << 20,), dtype=torch.uint8), torch.zeros(10 << 20, dtype=torch.uint8)
+        assert eng.submit([(dst, src)], restore=True).wait(30)
+        assert torch.equal(dst, src)
+    finally:
+        eng.close()
+
+
+def test_the_direction_comes_from_the_pieces_then_the_hint_then_the_priority() -> None:
+    t = torch.zeros(4)
+    assert direction_of([(t, t)], restore=True) == H2D
+    assert direction_of([(t, t)], restore=False) == D2H
+    assert direction_of([(t, t)], restore=True, hint=D2H) == D2H  # a promotion from the device pool
+    with pytest.raises(ValueError):
+        direction_of([(t, t)], restore=True, hint="sideways")
+
+
+def test_close_waits_for_copies_in_flight() -> None:
+    eng = CopyEngine()
+    job = eng.submit([(held(8), torch.ones(8, dtype=torch.uint8))], restore=False)
+    closer = threading.Thread(target=eng.close)
+    closer.start()
+    closer.join(0.3)
+    assert closer.is_alive() and not job.done()  # the memory it writes must stay mapped
+    Held.gate.set()
+    closer.join(20)
+    assert not closer.is_alive() and job.done()
+
+
+def test_a_wait_on_a_copy_that_never_lands_is_unavailable_not_a_hang() -> None:
+    from kvpark.daemon.mover import await_copy
+    from kvpark.proto.errors import Unavailable
+
+    never = CopyJob([], 1 << 20, restore=True)
+    with pytest.raises(Unavailable, match="did not finish"):
+        await_copy(never, timeout=0.05)
 
 
 def test_a_failed_copy_is_raised_to_the_waiter_and_the_engine_survives() -> None:
