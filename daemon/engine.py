@@ -238,8 +238,10 @@ class Engine:
 
     @property
     def park_tier(self) -> str:
-        """Where inline parks land: the fastest tier."""
-        return "device" if "device" in self.tiers else "host"
+        """Where inline parks land: host, whose bytes the inline path writes from this
+        process anyway, unless ``policy.restore_to = "device"`` asks for the device pool
+        (then a park crosses PCIe once more, and evicts cuda_ipc users' data from it)."""
+        return "device" if "device" in self.tiers and self.config.policy.restore_to == "device" else "host"
 
     # ------------------------------------------------------------------ park
 

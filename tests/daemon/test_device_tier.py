@@ -15,6 +15,8 @@ from ..conftest import run_threads, wait_until
 
 MiB = 1 << 20
 DEV = {"tiers.device.enabled": "true", "tiers.device.device": "cpu", "tiers.device.capacity": "8MiB"}
+# Inline parks land on the device pool only when restore_to says "device".
+ON_DEV = {**DEV, "policy.restore_to": "device"}
 
 
 def blob(i: int, n: int = MiB) -> torch.Tensor:
@@ -22,8 +24,17 @@ def blob(i: int, n: int = MiB) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
 
 
-def test_parks_land_on_the_device_tier(daemon: Callable[..., Daemon]) -> None:
+def test_inline_parks_land_on_host_unless_restore_to_is_device(daemon: Callable[..., Daemon]) -> None:
+    # By default an inline park lands on host: the bytes pass through the daemon's
+    # memory anyway, and the device pool is left to cuda_ipc users.
     d = daemon(**DEV)
+    with Client(d.address, transport="inline") as c:
+        assert c.park("h", [blob(3)]).tier == "host"
+        assert c.stat().tiers["device"].sequences == 0
+
+
+def test_parks_land_on_the_device_tier(daemon: Callable[..., Daemon]) -> None:
+    d = daemon(**ON_DEV)
     with Client(d.address, transport="inline") as c:
         assert c.park("a", [blob(1)]).tier == "device"
         st = c.stat()
@@ -37,7 +48,7 @@ def test_parks_land_on_the_device_tier(daemon: Callable[..., Daemon]) -> None:
 
 def test_pressure_demotes_down_the_chain_bit_exact(daemon: Callable[..., Daemon]) -> None:
     # Step 1: 40 MiB through an 8 MiB device tier and a 16 MiB host tier.
-    d = daemon(**DEV, **{"policy.promote_on_restore": False})
+    d = daemon(**ON_DEV, **{"policy.promote_on_restore": False})
     with Client(d.address, transport="inline") as c:
         for i in range(40):
             c.park(f"s{i:02d}", [blob(i)])
@@ -114,7 +125,7 @@ def test_prefetch_needs_an_enabled_tier(daemon: Callable[..., Daemon]) -> None:
 
 
 def test_pinned_sequences_stay_and_priorities_go_last(daemon: Callable[..., Daemon]) -> None:
-    d = daemon(**DEV)
+    d = daemon(**ON_DEV)
     with Client(d.address, transport="inline") as c:
         c.park("pin", [blob(1)], pinned=True)
         c.park("vip", [blob(2)], priority=9)
@@ -171,7 +182,7 @@ def test_restores_racing_demotions_never_see_half_copied_blocks(daemon: Callable
 
 def test_restore_many_promotes_its_blocks_in_one_copy_job(daemon: Callable[..., Daemon]) -> None:
     # Step 1: eight 256 KiB blocks parked inline land on the (CPU stand-in) device tier.
-    d = daemon(**DEV)
+    d = daemon(**ON_DEV)
     assert d.engine is not None
     blocks = {f"blk{i}": [blob(i, 256 << 10)] for i in range(8)}
     with Client(d.address, transport="inline") as c:

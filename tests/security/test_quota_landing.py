@@ -32,7 +32,7 @@ def _host(c: Client) -> int:
 def test_an_inline_park_that_falls_back_to_host_is_charged_on_host(daemon: Callable[..., Daemon]) -> None:
     # carol: trusted_local, parking inline (an untrusted tenant never lands on the device:
     # see the private-tier tests below).
-    d = daemon(**tenants(**{"carol.quota": {"host": "2MiB"}}), **DEV)
+    d = daemon(**tenants(**{"carol.quota": {"host": "2MiB"}}), **DEV, **{"policy.restore_to": "device"})
     with Client(d.address, token=TOKENS["alice"], transport="inline") as a, \
             Client(d.address, token=TOKENS["carol"], transport="inline") as b:
         # The device is physically full of alice's pinned sequences: carol's inline parks,
