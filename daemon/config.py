@@ -206,7 +206,8 @@ class PolicyConfig:
                                   "second); 0 = no bound")
     restore_to: str = _f("auto", 'tier a restore promotes into before serving: "device", "host", or "auto" '
                          "(the tier the reader copies from: device for cuda_ipc, host for shm and streamed "
-                         "or small restores)", choices=("auto", "device", "host"))
+                         'or small restores); "device" also lands inline parks on the device tier (else they '
+                         "land on host)", choices=("auto", "device", "host"))
 
 
 @dataclass(frozen=True)
