@@ -51,7 +51,7 @@ import threading
 import time
 from typing import Callable, Iterable
 
-from kvpark.proto.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound
+from kvpark.proto.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from kvpark.proto.types import SeqInfo, TierStat
 from kvpark.tiers import policy
 from kvpark.tiers.arena import Allocation
@@ -399,9 +399,14 @@ class Catalog:
         eviction order of that tier (every tier it is in)."""
         self.order.track(seq, tier)
 
-    def claim(self, seq: Seq, blocking: bool = True) -> bool:
-        """Take ``seq``'s move lock, counted for ``busy``. NOT under the index lock."""
-        if not seq.move_lock.acquire(blocking):
+    def claim(self, seq: Seq, blocking: bool = True, timeout: float | None = None) -> bool:
+        """Take ``seq``'s move lock, counted for ``busy``. NOT under the index lock.
+        Blocking with a ``timeout``: ``Unavailable`` when the move holding it has not
+        ended by then (a copy on a hung device holds it until the copy completes)."""
+        if not seq.move_lock.acquire(blocking, timeout if blocking and timeout is not None else -1):
+            if blocking:
+                raise Unavailable(f"sequence {seq.seq_id!r} is held by a move that has not ended in "
+                                  f"{timeout:.0f} s (a hung device?)")
             return False
         with self.lock:
             self._claims += 1

@@ -87,6 +87,10 @@ ROOM_WAIT_S = 10.0
 # (64 GiB at PCIe speed), so only a hung device reaches it. The copy's completion still
 # attaches or frees its slots whenever it comes; the waiter gives up with UNAVAILABLE.
 COPY_WAIT_S = 120.0
+# How long a move waits for another move of the same sequence (its move lock): a
+# promotion reading a large sequence from disk or Redis can take a while, a hung copy
+# holds it for ever.
+MOVE_WAIT_S = 300.0
 
 
 def await_copy(job: CopyJob, timeout: float = COPY_WAIT_S) -> None:
@@ -155,7 +159,7 @@ class Mover:
             self.fetch_remote(seq)
             return False  # parked under another slot size; served from disk as it is
         try:
-            self.catalog.claim(seq)
+            self.catalog.claim(seq, timeout=MOVE_WAIT_S)
             try:
                 if to == "device" and "host" not in seq.res and "device" not in seq.res:
                     self._promote_locked(seq, "host", make_room=False)  # stage via pinned host memory
@@ -217,7 +221,7 @@ class Mover:
 
         try:
             for seq in todo:
-                self.catalog.claim(seq)  # demotion only ever tries these, so no cycle
+                self.catalog.claim(seq, timeout=MOVE_WAIT_S)  # demotion only ever tries these, so no cycle
                 locked.append(seq)
             for seq in todo:
                 # Only what fits now: making room would wait on the move locks this batch
@@ -560,7 +564,7 @@ class Mover:
         """If ``seq`` is known only from the remote tier, bring it onto the local disk."""
         if self.remote is None or not seq.on_remote:
             return
-        self.catalog.claim(seq)
+        self.catalog.claim(seq, timeout=MOVE_WAIT_S)
         try:
             remote_moves.fetch_remote_locked(self, seq)
         finally:

@@ -119,6 +119,9 @@ def chunked(pieces: Sequence[Pair], limit: int) -> list[list[Pair]]:
                 cur, room = [], limit
             continue
         per = max(1, dst.element_size())
+        if cur and room < per:
+            out.append(cur)
+            cur, room = [], limit
         at, total = 0, dst.numel()
         while at < total:
             take = min(total - at, max(1, room // per))
@@ -161,7 +164,7 @@ class CopyJob:
         try:
             if self.on_done is not None:
                 self.on_done(self)
-        except Exception:  # a callback bug must not kill the completion thread
+        except BaseException:  # a callback bug must not kill the completion thread
             log.exception("copy completion callback failed")
         finally:
             self._done.set()
@@ -230,8 +233,8 @@ class CopyEngine:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
-        self._thread.join(CLOSE_WAIT_S)
         deadline = time.monotonic() + CLOSE_WAIT_S
+        self._thread.join(CLOSE_WAIT_S)
         for t in list(self._workers.values()):
             t.join(max(0.0, deadline - time.monotonic()))
 
@@ -340,10 +343,11 @@ class CopyEngine:
             err = None
             try:
                 if ev is None:
-                    for dst, src in chunk:
-                        dst.copy_(src)
+                    if job.error is None:  # a chunk of a job that failed meanwhile is not copied
+                        for dst, src in chunk:
+                            dst.copy_(src)
                 else:
-                    ev.synchronize()
+                    ev.synchronize()  # issued already: a GPU chunk cannot be taken back
             except BaseException as e:  # reported to the waiter, never fatal here
                 err = e
             with self._cv:
