@@ -257,3 +257,35 @@ def test_without_a_cuda_device_the_engine_creates_no_streams() -> None:
         assert not eng.cuda and eng.device is None and not hasattr(eng, "_streams")
     finally:
         eng.close()
+
+
+@pytest.mark.cuda
+def test_cuda_chunked_jobs_in_both_directions_at_once_are_exact() -> None:
+    """A job of several chunks each way on the GPU, D2H and H2D in flight together, and a
+    small restore submitted behind the large one: every byte lands, the small one first."""
+    from kvpark.tiers.cuda import pin_host, unpin_host
+
+    eng = CopyEngine(max_inflight_bytes=64 << 20, device=torch.device("cuda", 0), chunk_bytes=32 << 20)
+    n = 160 << 20
+    host_out, host_in = torch.empty(n, dtype=torch.uint8), torch.randint(0, 255, (n,), dtype=torch.uint8)
+    pin_host(host_out)
+    pin_host(host_in)
+    order: list[str] = []
+    try:
+        dev_src = torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda")
+        dev_dst = torch.empty(n, dtype=torch.uint8, device="cuda")
+        small_dst = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        down = eng.submit([(host_out, dev_src)], restore=False, on_done=lambda j: order.append("down"))
+        up = eng.submit([(dev_dst, host_in)], restore=False, on_done=lambda j: order.append("up"))
+        small = eng.submit([(small_dst, host_in[: 1 << 20])], restore=True, on_done=lambda j: order.append("small"))
+        assert down.direction == D2H and up.direction == H2D and small.direction == H2D
+        for j in (down, up, small):
+            assert j.wait(60)
+        torch.cuda.synchronize()
+        assert torch.equal(host_out, dev_src.cpu()) and torch.equal(dev_dst.cpu(), host_in)
+        assert torch.equal(small_dst.cpu(), host_in[: 1 << 20])
+        assert order.index("small") < order.index("up")  # it passed the large H2D job's later chunks
+    finally:
+        eng.close()
+        unpin_host(host_out)
+        unpin_host(host_in)
