@@ -341,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
         n = sizes[-1]
         # A daemon that has run a while: write-back has caught up with the dirty bounds
         # (nothing past one), so the stop drains only what they leave memory-only.
+        with b.engine.catalog.lock:
+            result["dirty_after_ops"] = b.engine.catalog.dirty.sequences
         t0 = time.perf_counter()
         while True:
             with b.engine.catalog.lock:
@@ -351,8 +353,8 @@ def main(argv: list[str] | None = None) -> int:
         result["writeback_wait_s"] = round(time.perf_counter() - t0, 2)
         result["dirty_at_stop"] = dirty
         if b.engine.catalog.dirty.enabled:
-            print(f"write-back caught up with the dirty bounds in {result['writeback_wait_s']:.1f} s after the "
-                  f"ops; {dirty} sequence(s) left memory-only", flush=True)
+            print(f"{result['dirty_after_ops']} sequence(s) memory-only after the ops; write-back caught up with "
+                  f"the dirty bounds {result['writeback_wait_s']:.1f} s later; {dirty} left memory-only", flush=True)
         t0 = time.perf_counter()
         b.engine.close(flush=not args.no_restart)
         flush_s = time.perf_counter() - t0

@@ -52,11 +52,16 @@ def maintain(engine: "Engine") -> None:
         engine.disk.sweep_orphans()  # block records a crash left without a manifest (no lock held)
     except Exception:  # the maintenance thread must never die
         log.exception("disk tier: the sweep of orphaned block records failed")
+    moved = 0
     while True:
         with cat.lock:
             if engine.closed:
                 return
-            if not cat.over_high():
+            if not moved:
+                # Idle, or nothing could move (disk full, everything leased or pinned):
+                # wait for a wake (a tier past its high mark) or the interval; don't spin.
+                # After a pass that moved something, go again at once: a write-back
+                # or a demotion that is behind catches up at full speed.
                 cat.wake.wait(interval)
             if engine.closed:
                 return
@@ -74,11 +79,6 @@ def maintain(engine: "Engine") -> None:
             moved += engine.mover.write_back()  # write_back's dirty bounds
         except Exception:  # the maintenance thread must never die
             log.exception("maintenance pass failed")
-        if not moved:
-            # Nothing could move (disk full, or everything leased/pinned): back off, don't spin.
-            with cat.lock:
-                if not engine.closed:
-                    cat.wake.wait(interval)
 
 
 def expire(engine: "Engine") -> None:
