@@ -39,6 +39,10 @@ from typing import Iterable
 from .model import Seq
 
 
+# Ages are kept to this precision (the maintenance pass runs about once a second).
+SHARE_S = 0.05
+
+
 def clean(seq: Seq) -> bool:
     """Nothing to write back: dropped, on disk already, or no memory copy to write from."""
     return seq.dropped or seq.on_disk or not seq.res
@@ -50,6 +54,10 @@ class Dirty:
         self.enabled = max_s > 0 or max_bytes > 0 or max_seqs > 0
         self._since: dict[Seq, float] = {}  # insertion order is age order
         self.bytes = 0
+        # The last ``since`` handed out: sequences tracked within SHARE_S of it share the
+        # one float object (a million blocks parked in a burst cost a dict entry each,
+        # not a dict entry and a float).
+        self._stamp = -1.0
 
     @property
     def sequences(self) -> int:
@@ -57,7 +65,9 @@ class Dirty:
 
     def track(self, seq: Seq, now: float) -> None:
         if self.enabled and not clean(seq) and seq not in self._since:
-            self._since[seq] = now
+            if now - self._stamp > SHARE_S:
+                self._stamp = now
+            self._since[seq] = self._stamp
             self.bytes += seq.manifest.nbytes
 
     def untrack(self, seq: Seq) -> None:
