@@ -16,26 +16,8 @@ from kvpark.daemon.server import Daemon
 from kvpark.tiers.copy import D2H
 
 from ..conftest import run_threads, wait_until
-
-MiB = 1 << 20
-DEV = {"tiers.device.enabled": "true", "tiers.device.device": "cpu", "tiers.device.capacity": "8MiB"}
-ON_DEV = {**DEV, "policy.restore_to": "device"}
-
-
-def blob(i: int, n: int = MiB) -> torch.Tensor:
-    g = torch.Generator().manual_seed(i)
-    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
-
-
-class Held(torch.Tensor):
-    gate = threading.Event()
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func is torch.Tensor.copy_:
-            assert cls.gate.wait(60)
-        return super().__torch_function__(func, types, args, kwargs or {})
-
+from ..tiers.test_copy import Held
+from .test_device_tier import DEV, MiB, ON_DEV, blob
 
 def quiet_and_check(d: Daemon) -> None:
     with Client(d.address) as c:

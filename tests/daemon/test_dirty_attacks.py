@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import pytest
 import torch
@@ -15,20 +15,10 @@ from kvpark.daemon.server import Daemon
 from kvpark.tiers.disk import DiskStore, Write
 
 from ..conftest import Proc, wait_until
+from .disk_seams import GatedWrites
+from .test_dirty_bounds import OFF, _sets, on_disk, val
 
 KiB, MiB = 1 << 10, 1 << 20
-OFF = {"policy.max_dirty_s": 0, "policy.max_dirty_bytes": 0, "policy.max_dirty_sequences": 0}
-
-
-def val(i: int, n: int = 64 * KiB) -> torch.Tensor:
-    g = torch.Generator().manual_seed(i)
-    return torch.randint(0, 255, (n,), dtype=torch.uint8, generator=g)
-
-
-def on_disk(d: Daemon, seq_id: str) -> bool:
-    with d.engine.catalog.lock:
-        s = d.engine.catalog.find(seq_id)
-        return s is not None and s.on_disk
 
 
 def dirty_len(d: Daemon) -> int:
@@ -39,10 +29,6 @@ def dirty_len(d: Daemon) -> int:
 def live_dirty(d: Daemon) -> int:
     with d.engine.catalog.lock:
         return sum(1 for s in d.engine.catalog.sequences() if s.res and not s.on_disk)
-
-
-def _sets(settings: dict) -> list[str]:
-    return [x for k, v in settings.items() for x in ("--set", f"{k}={v}")]
 
 
 # ---------------------------------------------------------------- 1. the queue under churn
@@ -127,36 +113,22 @@ def test_check_invariants_while_write_back_drains(daemon: Callable[..., Daemon])
 # ---------------------------------------------------------------- 5. drop / overwrite / TTL while a batch is written
 
 
-class Gated(DiskStore):
-    hold = ""
-    entered = threading.Event()
-    gate = threading.Event()
-
-    def write_many(self, writes: Sequence[Write], sync: bool = False) -> list[bool]:
-        cls = type(self)
-        if cls.hold and any(w.manifest.seq_id.startswith(cls.hold) for w in writes):
-            cls.hold = ""
-            cls.entered.set()
-            assert cls.gate.wait(60)
-        return super().write_many(writes, sync=sync)
-
-
 @pytest.mark.parametrize("how", ["drop", "overwrite", "ttl"])
 def test_a_version_dropped_while_written_back_never_comes_back(daemon: Callable[..., Daemon], tmp_path: Path,
                                                                how: str) -> None:
-    Gated.hold, Gated.entered, Gated.gate = "x", threading.Event(), threading.Event()
+    GatedWrites.hold, GatedWrites.entered, GatedWrites.gate = "x", threading.Event(), threading.Event()
     over = {**OFF, "policy.max_dirty_s": 0.1}
-    d = daemon(disk_factory=Gated, **over)
+    d = daemon(disk_factory=GatedWrites, **over)
     with Client(d.address) as c:
         c.park("x", [val(1)], ttl_s=1.0 if how == "ttl" else None)
-        assert Gated.entered.wait(10)
+        assert GatedWrites.entered.wait(10)
         if how == "drop":
             c.drop("x")
         elif how == "overwrite":
             c.park("x", [val(2)], overwrite=True)
         else:
             time.sleep(1.3)  # the maintenance thread is the one gated: expiry waits for it
-        Gated.gate.set()
+        GatedWrites.gate.set()
         if how == "overwrite":
             assert wait_until(lambda: on_disk(d, "x"), timeout=10)
         time.sleep(1.0)

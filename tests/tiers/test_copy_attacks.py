@@ -11,6 +11,7 @@ import kvpark.tiers.copy as copymod
 from kvpark.tiers.copy import D2D, D2H, H2D, CopyEngine, chunked
 
 from ..conftest import wait_until
+from .test_copy import Held
 
 
 class Boom(torch.Tensor):
@@ -23,16 +24,6 @@ class Boom(torch.Tensor):
         if func is torch.Tensor.copy_:
             assert cls.gate.wait(20)
             raise RuntimeError("boom")
-        return super().__torch_function__(func, types, args, kwargs or {})
-
-
-class Held(torch.Tensor):
-    gate = threading.Event()
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        if func is torch.Tensor.copy_:
-            assert cls.gate.wait(20)
         return super().__torch_function__(func, types, args, kwargs or {})
 
 
