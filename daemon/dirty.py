@@ -18,7 +18,12 @@ Under pressure the old rules hold unchanged (demotion, and the flush at stop).
 The set is exact: a sequence enters when it is published without a disk copy, or when
 it loses its disk copy while it keeps a memory one (disk eviction); it leaves when it
 gets a disk copy (any path) or leaves the index. Its age is counted from the moment it
-entered. ``clean`` is checked again when a sequence is picked, as a guard.
+entered (``Seq.dirty_since``; sequences entering within ``SHARE_S`` of each other share
+one stamp). Membership is that field; the order is a queue of references, in which a
+sequence that left stays as a stale entry until the pass skips it or the queue is
+compacted (when stale entries outnumber live ones): about 16 bytes a dirty sequence,
+against ~70 for a dict entry and a float. ``clean`` is checked again when a sequence is
+picked, as a guard.
 
 Primitives (REQUIRES: index lock, for every call):
 - ``Dirty(max_s, max_bytes, max_seqs)``; ``enabled``: any bound set.
@@ -34,13 +39,15 @@ Primitives (REQUIRES: index lock, for every call):
 
 from __future__ import annotations
 
+from collections import deque
 from typing import Iterable
 
 from .model import Seq
 
-
 # Ages are kept to this precision (the maintenance pass runs about once a second).
 SHARE_S = 0.05
+# The queue is compacted when it holds this many more entries than twice the live ones.
+SLACK = 1024
 
 
 def clean(seq: Seq) -> bool:
@@ -52,63 +59,73 @@ class Dirty:
     def __init__(self, max_s: float = 0.0, max_bytes: int = 0, max_seqs: int = 0) -> None:
         self.max_s, self.max_bytes, self.max_seqs = max_s, max_bytes, max_seqs
         self.enabled = max_s > 0 or max_bytes > 0 or max_seqs > 0
-        self._since: dict[Seq, float] = {}  # insertion order is age order
+        self._q: deque[Seq] = deque()  # age order; entries whose dirty_since is 0 are stale
         self.bytes = 0
-        # The last ``since`` handed out: sequences tracked within SHARE_S of it share the
-        # one float object (a million blocks parked in a burst cost a dict entry each,
-        # not a dict entry and a float).
+        self.sequences = 0
         self._stamp = -1.0
 
-    @property
-    def sequences(self) -> int:
-        return len(self._since)
-
     def track(self, seq: Seq, now: float) -> None:
-        if self.enabled and not clean(seq) and seq not in self._since:
+        if self.enabled and not seq.dirty_since and not clean(seq):
             if now - self._stamp > SHARE_S:
                 self._stamp = now
-            self._since[seq] = self._stamp
+            seq.dirty_since = max(self._stamp, 1e-9)  # never 0.0, which means "not in the set"
+            self._q.append(seq)
             self.bytes += seq.manifest.nbytes
+            self.sequences += 1
 
     def untrack(self, seq: Seq) -> None:
-        if self._since.pop(seq, None) is not None:
+        if seq.dirty_since:
+            seq.dirty_since = 0.0
             self.bytes -= seq.manifest.nbytes
+            self.sequences -= 1
+            if len(self._q) > 2 * self.sequences + SLACK:
+                self._q = deque(s for s in self._q if s.dirty_since)
 
-    def _bound(self, now: float, since: float, left: int) -> bool:
+    def _prune(self) -> None:
+        q = self._q
+        while q and not q[0].dirty_since:
+            q.popleft()
+
+    def _bound(self, now: float, since: float, left: int, nbytes: int) -> bool:
         return ((self.max_s > 0 and now - since >= self.max_s)
-                or (self.max_bytes > 0 and self.bytes > self.max_bytes)
+                or (self.max_bytes > 0 and nbytes > self.max_bytes)
                 or (self.max_seqs > 0 and left > self.max_seqs))
 
     def over(self, now: float) -> bool:
-        for since in self._since.values():
-            return self._bound(now, since, len(self._since))
-        return False
+        self._prune()
+        return bool(self._q) and self._bound(now, self._q[0].dirty_since, self.sequences, self.bytes)
 
     def due(self, now: float, room: int, count: int, nbytes: int) -> list[Seq]:
+        self._prune()
         out: list[Seq] = []
         gone: list[Seq] = []
-        size, left = 0, len(self._since)
-        for seq, since in self._since.items():
+        taken: set[int] = set()  # a sequence that left and came back has two entries
+        size, left, left_bytes = 0, self.sequences, self.bytes
+        for seq in self._q:
             if len(out) >= count:
                 break
+            since = seq.dirty_since
+            if not since or id(seq) in taken:
+                continue  # stale
             n = seq.manifest.nbytes
             if clean(seq):  # a guard: every path that cleans one untracks it
                 gone.append(seq)
-                self.bytes -= n
-                left -= 1
+                taken.add(id(seq))
+                left, left_bytes = left - 1, left_bytes - n
                 continue
-            if not self._bound(now, since, left):
+            if not self._bound(now, since, left, left_bytes):
                 break
             if size + n > room:
                 continue  # no free disk for this one now: younger ones may fit
             if out and size + n > nbytes:
                 break
             out.append(seq)
+            taken.add(id(seq))
             size += n
-            self.bytes -= n  # counted out now, so the bounds see what is left
-            left -= 1
+            left, left_bytes = left - 1, left_bytes - n  # so the bounds see what is left
         for seq in gone + out:
-            del self._since[seq]
+            self.untrack(seq)
+        self._prune()
         return out
 
     def requeue(self, seqs: Iterable[Seq], now: float) -> None:

@@ -271,6 +271,9 @@ class Seq:
     dropped: bool = False
     access_count: int = 0
     promotions: int = 0
+    # write_back's dirty set (``dirty.py``): when this became memory-only (monotonic
+    # seconds); 0.0 while it is not in the set.
+    dirty_since: float = 0.0
     # Made on first use: most of a million parked blocks never move, and a lock is 56
     # bytes and a third of the time of rebuilding one index entry at restart.
     _move_lock: threading.Lock | None = None

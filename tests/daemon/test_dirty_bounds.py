@@ -173,3 +173,30 @@ def test_the_bounds_are_checked_at_start() -> None:
         load(env={}, overrides={"policy.max_dirty_sequences": -5})
     with pytest.raises(ConfigError, match="max_dirty_bytes"):
         load(env={}, overrides={"policy.max_dirty_bytes": "-1MiB"})
+
+
+def test_the_dirty_set_counts_exactly_and_its_queue_stays_compact() -> None:
+    """The set's counts follow every way in and out; stale queue entries (sequences that
+    left, some of which came back) never get picked twice and are compacted away."""
+    from kvpark.daemon.dirty import SLACK, Dirty
+    from kvpark.daemon.model import ParkSpec, Seq
+    from kvpark.proto.layout import TensorMeta
+    from kvpark.tiers.arena import Allocation
+
+    def seq(i: int) -> Seq:
+        spec = ParkSpec(f"s{i}", (TensorMeta("uint8", (100,), 100),), 100)
+        return Seq(manifest=spec.manifest(i + 1, 1 << 20), res={"host": Allocation(1 << 20, (0,), None)})
+
+    d = Dirty(max_s=10.0)
+    seqs = [seq(i) for i in range(3000)]
+    for s in seqs:
+        d.track(s, 1.0)
+    assert (d.sequences, d.bytes) == (3000, 300_000)
+    for s in seqs[:2990]:  # written some other way, or dropped
+        d.untrack(s)
+    assert (d.sequences, d.bytes) == (10, 1000) and len(d._q) <= 2 * 10 + SLACK
+    d.track(seqs[0], 5.0)  # back again (its disk copy evicted): one live entry, not two picks
+    assert not d.due(6.0, 1 << 30, 100, 1 << 30)  # none is 10 s old yet
+    got = d.due(12.0, 1 << 30, 100, 1 << 30)
+    assert got == seqs[2990:] and d.sequences == 1  # the one that came back is 7 s old
+    assert d.due(16.0, 1 << 30, 100, 1 << 30) == [seqs[0]] and (d.sequences, d.bytes) == (0, 0)
