@@ -298,13 +298,14 @@ def test_a_cancelled_restore_stream_of_a_tenant_frees_its_lease(daemon: Callable
 
 def test_device_quota_demotes_to_host_on_the_cpu_stand_in(daemon: Callable[..., Daemon]) -> None:
     # alice: trusted_local (an untrusted tenant never holds device memory), parking inline.
-    dev = {"tiers.device.enabled": "true", "tiers.device.device": "cpu", "tiers.device.capacity": "8MiB"}
+    dev = {"tiers.device.enabled": "true", "tiers.device.device": "cpu", "tiers.device.capacity": "8MiB",
+           "policy.restore_to": "device"}  # inline parks land on the device only then
     d = daemon(**tenants(**{"alice.quota": {"device": "2MiB"}}), **dev)
     with Client(d.address, token=TOKENS["alice"], transport="inline") as b, \
             Client(d.address, token=TOKENS["carol"]) as c:
         c.park("c0", [blob(MiB, 50)])
         for i in range(4):
-            b.park(f"b{i}", [blob(MiB, i)])  # inline parks land on the device tier
+            b.park(f"b{i}", [blob(MiB, i)])  # inline parks land on the device tier (restore_to)
         tiers = _tiers(b)
         assert sum(t == "device" for t in tiers.values()) <= 2 and tiers["b3"] == "device"
         assert b.stat().tenants[0].used["device"] <= 2 * MiB
