@@ -263,6 +263,8 @@ class Engine:
             deadline = time.monotonic() + (ROOM_WAIT_S if t == order[-1] else 0.0)
             while True:
                 with self.catalog.lock:
+                    # A close while this waited for room takes the tiers away: say so, typed.
+                    self.check_open()
                     if not spec.overwrite and self.catalog.find(spec.seq_id) is not None:
                         raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
                     got = self._alloc_all(t, sizes)

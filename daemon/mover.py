@@ -375,6 +375,8 @@ class Mover:
         (a copy, a read, a reservation) will free space before ``deadline``.
         """
         with self.catalog.lock:
+            if self.closed:
+                return False  # shutting down: the tiers are about to go
             seen = self.catalog.version
         if self.make_room(tier, need, exclude):
             return True

@@ -9,6 +9,7 @@ never mocks; syncs by ``SyncObserver``, which overrides only ``sync()`` (``disk_
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -395,3 +396,35 @@ def test_every_eviction_policy_through_a_daemon(daemon: Callable[..., Daemon], e
         with pytest.raises(NotFound):
             c.restore("missing")
         check(d)
+
+
+def test_a_reserve_waiting_for_room_when_the_engine_closes_is_unavailable(daemon: Callable[..., Daemon]) -> None:
+    """A park waiting for room (another reservation holds the tier) while the daemon
+    shuts down gets UNAVAILABLE: before, the close took the tiers away under it and it
+    died with a KeyError (an untyped INTERNAL)."""
+    from kvpark.proto.errors import Unavailable
+
+    MiB = 1 << 20
+    d = daemon(**{"tiers.host.capacity": "4MiB"})
+    eng = d.engine
+    assert eng is not None
+
+    def spec(sid: str) -> ParkSpec:
+        return ParkSpec(sid, (TensorMeta("uint8", (3 * MiB,), 3 * MiB),), 3 * MiB)
+
+    eng.reserve(spec("holder"))  # 3 of 4 MiB held by a reservation nobody commits
+    got: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            eng.reserve(spec("waiter"))
+        except BaseException as e:  # noqa: BLE001
+            got.append(e)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.5)  # the waiter is in its room wait by now (it waits up to 10 s)
+    assert t.is_alive()
+    eng.close(flush=False)
+    t.join(30)
+    assert not t.is_alive() and len(got) == 1 and isinstance(got[0], Unavailable), got
