@@ -90,7 +90,8 @@ def test_odd_tensors_retry_is_success_or_already_exists(daemon: Callable[..., Da
         elif kind.startswith("empty"):
             other = None
         else:
-            t0 = torch.as_tensor(ts[0]).clone()
+            # A writable copy first: torch warns on a view of a read-only array.
+            t0 = torch.as_tensor(np.array(ts[0]) if isinstance(ts[0], np.ndarray) else ts[0]).clone()
             t0.reshape(-1).view(torch.uint8)[0] ^= 1
             other = [t0]
         if other is not None:
