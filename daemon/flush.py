@@ -116,6 +116,10 @@ def write_batch(mover: "Mover", seqs: list[Seq], evict: bool = True) -> int:
     picked: list[tuple[Seq, str, Allocation]] = []
     later: list[Seq] = []
     with cat.lock:
+        if not evict and mover.paused:
+            # Write-back yields to quiet() here too: between its pick and this point
+            # nothing counts it as busy, so a quiet() taken meanwhile would not wait for it.
+            return 0
         batch = {id(s) for s in seqs}
         for s in seqs:
             if s.dropped or s.on_disk or not s.res:
