@@ -59,22 +59,39 @@ class Deletes:
         self._retrying = 0
 
     def delete(self, seq: Seq) -> None:
+        m = seq.manifest
         with self.catalog.lock:
             if not seq.on_disk:
-                return
-            seq.on_disk = False
-            self.catalog.dirty.track(seq, time.monotonic())  # a disk eviction of a copy also in memory
-            if seq.readers.get("disk") or self._twin(seq.manifest) is not None:
-                # A read lease reads this copy (a restore served from disk that an
-                # overwrite or drop retired after it leased): it reads the version it
-                # leased, and the record goes once the lease is over (``retry``).
-                self._later(seq.manifest, seq)
-                return
+                # Not on disk for the index, but a retired version's write may be under
+                # way (its generation held): that write either sees the retirement inside
+                # its transaction (``Write.live``) or published before we looked, and then
+                # its manifest goes now, before the drop is acknowledged, not after the
+                # write's own ``delete_written`` (a crash in between would bring it back).
+                if not seq.dropped or not self.disk.holds(m) or self._twin(m) is not None:
+                    return
+                how = "unpublish"
+            else:
+                seq.on_disk = False
+                self.catalog.dirty.track(seq, time.monotonic())  # a disk eviction of a copy also in memory
+                how = "delete"
+                if seq.readers.get("disk") or self._twin(m) is not None:
+                    # A read lease reads this copy (a restore served from disk that an
+                    # overwrite or drop retired after it leased): it reads the version it
+                    # leased, and the records go once the lease is over (``retry``).
+                    self._later(m, seq)
+                    if self._twin(m) is not None:
+                        return  # the manifest on disk is the twin's version too: it stays
+                    how = "keep"
             self._busy.add((seq.seq_id, seq.gen))
         try:
-            self.disk.delete(seq.manifest)
+            if how == "delete":
+                self.disk.delete(m)
+            else:
+                # The manifest goes now, in its own transaction, the records later (the
+                # reader holds the manifest; a restart sweeps records no manifest owns).
+                self._unpublish(m, keep=how == "keep")
         finally:
-            self._done([seq.manifest])
+            self._done([m])
 
     def delete_all(self, seqs: list[Seq]) -> KVParkError | None:
         first: KVParkError | None = None
@@ -145,6 +162,15 @@ class Deletes:
         with self.catalog.lock:
             self._busy.difference_update((m.seq_id, m.gen) for m in ms)
             self.catalog.changed.notify_all()
+
+    def _unpublish(self, m: Manifest, keep: bool) -> None:
+        """Delete a retired version's manifest, its records left to a later delete (the
+        lease's ``retry``, or the write's ``delete_written``). A failure leaves the manifest
+        to that delete too: logged, not raised, since the records must not go now."""
+        try:
+            self.disk.unpublish(m, keep=keep)
+        except KVParkError as e:
+            log.warning("delete of %r's manifest failed (deleted with its records later): %s", m.seq_id, e)
 
     def _twin(self, m: Manifest) -> Seq | None:
         """The indexed version of ``m``'s id if it has ``m``'s generation (adopted again

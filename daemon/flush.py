@@ -142,7 +142,8 @@ def write_batch(mover: "Mover", seqs: list[Seq], evict: bool = True) -> int:
     stale: list[Seq] = []
     t0 = time.perf_counter()
     try:
-        written = mover.disk.write_many([Write(s.manifest, mover.tiers[src].views(a)) for s, src, a in picked])
+        written = mover.disk.write_many([Write(s.manifest, mover.tiers[src].views(a), live=lambda s=s: not s.dropped)
+                                          for s, src, a in picked])
     finally:
         with cat.lock:
             for k, (s, _, _) in enumerate(picked):
@@ -194,7 +195,7 @@ def write_one(mover: "Mover", seq: Seq) -> bool:
     written = False
     t0 = time.perf_counter()
     try:
-        written = mover.disk.write(seq.manifest, mover.tiers[src].views(alloc))
+        written = mover.disk.write(seq.manifest, mover.tiers[src].views(alloc), live=lambda: not seq.dropped)
         if written:
             mover.moved(src, "disk", t0)
     finally:

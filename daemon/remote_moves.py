@@ -47,7 +47,7 @@ def fetch_remote_locked(mover: "Mover", seq: Seq) -> None:
     m = seq.manifest
     blocks = remote_blocks(mover, seq)
     mover.evict_disk(m.nbytes, exclude=seq)
-    written = mover.disk.write(m, blocks)
+    written = mover.disk.write(m, blocks, live=lambda: not seq.dropped)
     with mover.catalog.lock:
         stale = seq.dropped
         if written and not stale:

@@ -44,6 +44,12 @@ Primitives:
 - ``delete(manifest)``: its generation's blocks, and its manifest if still current.
 - ``release(manifest)``: stop charging its generation, its records left for a later
   ``delete`` (a retired copy a read lease still reads).
+- ``unpublish(manifest, keep=True)``: delete its manifest if still current, in its own
+  transaction, and leave its block records to a later ``delete`` (``keep``: kept from
+  ``sweep_orphans`` too, a read lease reads them). A retired copy is gone from LMDB's
+  view at once, so a crash before its records go never brings it back.
+- ``Write.live`` (and ``write(..., live=)``): asked inside the write transaction; False
+  skips the write (its version was retired while its bytes were read).
 - ``scan() -> Scan``: every manifest, block record and staged generation in LMDB
   (invariant checks on a quiet store).
 - ``read_txn()``: a read transaction whose ``read_block`` returns zero-copy verified views.
@@ -211,6 +217,11 @@ class Write:
     manifest: Manifest
     blocks: Sequence[memoryview]
     replace: Manifest | None = None
+    # Asked inside the write transaction, just before the put: False skips the write (the
+    # version was retired while its bytes were read). A retirement either comes before
+    # this check, or finds the generation held and deletes the manifest in a transaction
+    # that LMDB orders after this one (``unpublish``).
+    live: Callable[[], bool] | None = None
 
 
 def block_key(seq_id: str, gen: int, index: int) -> bytes:
@@ -313,6 +324,9 @@ class DiskStore:
         # is DataLoss until they are dropped or replaced (``damaged``, shown by ``stat``).
         self._damaged: set[tuple[str, int]] = set()
         self._staged: dict[tuple[str, int], int] = {}  # staged generations (also in _held)
+        # (seq_id, key generation) whose manifest ``unpublish`` deleted and whose block
+        # records a reader still reads: ``sweep_orphans`` leaves them to ``delete``.
+        self._kept: set[tuple[str, int]] = set()
         self._readers_cv = threading.Condition(threading.Lock())
         self._readers = 0  # read_txn()s open: close() waits for them
         self._closing = False
@@ -473,8 +487,9 @@ class DiskStore:
         blocks: Sequence[memoryview],
         replace: Manifest | None = None,
         sync: bool = False,
+        live: Callable[[], bool] | None = None,
     ) -> bool:
-        return self.write_many([Write(m, blocks, replace)], sync=sync)[0]
+        return self.write_many([Write(m, blocks, replace, live)], sync=sync)[0]
 
     def write_many(self, writes: Sequence[Write], sync: bool = False) -> list[bool]:
         """Write every sequence in one transaction; at most one fsync. False: a newer generation won."""
@@ -542,6 +557,8 @@ class DiskStore:
         cur = txn.get(m.seq_id.encode(), db=self._manifests)
         if cur is not None and Manifest.decode(cur).gen > m.gen:
             return False  # a later commit of this id is already on disk: this one is stale
+        if w.live is not None and not w.live():
+            return False  # retired while we read its bytes: never published
         for i, view in enumerate(w.blocks):
             assert len(view) == m.block_lengths[i]
             head = HEADER.pack(MAGIC, FORMAT_VERSION, 0, 0, m.fingerprint, len(view), checksum(view))
@@ -572,6 +589,8 @@ class DiskStore:
 
     def delete(self, m: Manifest, sync: bool = False) -> None:
         try:
+            with self._acct:
+                self._kept.discard((m.seq_id, m.key_gen))
             with self.env.begin(write=True) as txn:
                 self._delete_blocks(txn, m)
                 cur = txn.get(m.seq_id.encode(), db=self._manifests)
@@ -593,6 +612,24 @@ class DiskStore:
         (a retired copy that a read still reads: the accounting follows the index)."""
         with self._acct:
             self._forget((m.seq_id, m.gen))
+
+    def unpublish(self, m: Manifest, keep: bool = True, sync: bool = False) -> None:
+        """Delete generation ``m.gen``'s manifest if it is still the one on disk; its block
+        records stay for a later ``delete``. ``keep``: a reader holding ``m`` reads them, so
+        ``sweep_orphans`` leaves them alone too. A restart after this never indexes the
+        version again, and its start-up sweep deletes the records no manifest owns."""
+        if keep:
+            with self._acct:
+                self._kept.add((m.seq_id, m.key_gen))
+        try:
+            with self.env.begin(write=True) as txn:
+                cur = txn.get(m.seq_id.encode(), db=self._manifests)
+                if cur is not None and Manifest.decode(cur).gen == m.gen:
+                    txn.delete(m.seq_id.encode(), db=self._manifests)
+        except lmdb.Error as e:
+            raise self._write_error(e) from None
+        if sync:
+            self.fsync()
 
     # ------------------------------------------------------------------ staged writes
 
@@ -696,6 +733,7 @@ class DiskStore:
         found: list[bytes] = []  # block key prefixes: seq_id | 0x00 | generation
         with self._acct:
             held = set(self._held)  # generations the store holds (a manifest, or a write under way)
+            held |= self._kept  # records a reader reads after their manifest went (``unpublish``)
         with self.env.begin() as txn:
             last = b""
             for k in txn.cursor(db=self._blocks).iternext(keys=True, values=False):

@@ -10,10 +10,14 @@ Primitives:
   fsync started, i.e. what a power cut now would keep), ``syncs`` (how many completed),
   ``wait_durable(seq_id, gen)``.
 - ``GatedWrites``: ``hold`` (a seq_id prefix; "" = none), ``entered`` / ``gate`` events.
+- ``HeldAfterCommit``: ``after_hold`` / ``after_entered`` / ``after_gate``: one write held
+  just after its transaction committed; ``HeldBeforeAndAfter``: both holds on one store.
+- ``crash_image(disk, dst)``: a consistent copy of LMDB now (what a SIGKILL would leave).
 """
 
 from __future__ import annotations
 
+import os
 import threading
 from typing import Sequence
 
@@ -59,3 +63,37 @@ class GatedWrites(DiskStore):
             cls.entered.set()
             assert cls.gate.wait(60), "the test never opened the gate"
         return super().write_many(writes, sync=sync)
+
+
+class HeldAfterCommit(DiskStore):
+    """The first write transaction holding an id starting with ``after_hold`` waits at
+    ``after_gate`` just after it committed (``after_entered`` set): its manifest is in
+    LMDB, and the writer has not yet looked at what happened meanwhile (a drop). Its own
+    names, so a store can be held before (``GatedWrites``) and after the same write."""
+
+    after_hold = ""
+    after_entered = threading.Event()
+    after_gate = threading.Event()
+
+    def write_many(self, writes: Sequence[Write], sync: bool = False) -> list[bool]:
+        cls = type(self)
+        mine = bool(cls.after_hold) and any(w.manifest.seq_id.startswith(cls.after_hold) for w in writes)
+        if mine:
+            cls.after_hold = ""  # one write only
+        done = super().write_many(writes, sync=sync)
+        if mine:
+            cls.after_entered.set()
+            assert cls.after_gate.wait(60), "the test never opened the gate"
+        return done
+
+
+class HeldBeforeAndAfter(GatedWrites, HeldAfterCommit):
+    """One write held before its transaction (``GatedWrites``) and just after its commit."""
+
+
+def crash_image(disk: DiskStore, dst: str) -> str:
+    """A consistent copy of what LMDB holds now: what a SIGKILL at this moment would
+    leave (committed transactions survive the process; nothing else is written)."""
+    os.makedirs(dst, exist_ok=True)
+    disk.env.copy(dst)
+    return dst
