@@ -33,7 +33,7 @@ from typing import Any, Callable
 from kvpark.proto import VERSION
 from kvpark.proto.errors import KVParkError, Unavailable
 from kvpark.proto.sizes import human
-from kvpark.proto.types import SeqInfo, Stat
+from kvpark.proto.types import SeqInfo, Stat, TierStat
 
 from .address import normalize
 from .control import DEFAULT_ADDRESS, Control, tls_from_env
@@ -184,34 +184,45 @@ def _stat(args: argparse.Namespace) -> int:
     return _client_call(args, run)
 
 
+def _watch_rates(ts: TierStat, prev: TierStat | None, dt: float) -> tuple[str, str]:
+    """``stat --watch``'s "used/s" (signed bytes per second) and "evictions/s" of a tier
+    since the previous refresh ``dt`` seconds ago; "-" without one."""
+    if prev is None or dt <= 0:
+        return "-", "-"
+    sign = "+" if ts.used_bytes >= prev.used_bytes else "-"
+    return f"{sign}{human(abs(ts.used_bytes - prev.used_bytes) / dt)}", f"{(ts.evictions - prev.evictions) / dt:.1f}"
+
+
+def _watch_view(address: str, st: Stat, seqs: list[SeqInfo], prev: tuple[float, Stat] | None, now: float) -> Any:
+    """One ``stat --watch`` frame: a row per tier with its fill bar and its rates since
+    ``prev`` (the monotonic time and stat of the frame before). Needs rich."""
+    from rich.console import Group
+    from rich.progress_bar import ProgressBar
+    from rich.table import Table
+
+    s = _summary(st, seqs)
+    t = Table(title=f"kvpark at {address}: {s['sequences']} sequences, {s['shared_blocks']} shared blocks, "
+                    f"{s['leases']} leases", expand=False)
+    for col in ("tier", "state", "use", "used / capacity", "held", "evictions", "used/s", "evictions/s"):
+        t.add_column(col, justify="left" if col in ("tier", "state", "use") else "right")
+    for name, ts in st.tiers.items():
+        frac = ts.used_bytes / ts.capacity_bytes if ts.capacity_bytes else 0.0
+        before = prev[1].tiers.get(name) if prev is not None else None
+        d_used, d_ev = _watch_rates(ts, before, now - prev[0] if prev is not None else 0.0)
+        t.add_row(name, ts.state, ProgressBar(total=1.0, completed=frac, width=24),
+                  f"{human(ts.used_bytes)} / {human(ts.capacity_bytes)}", str(ts.sequences),
+                  str(ts.evictions), d_used, d_ev)
+    return Group(t)
+
+
 def _watch(args: argparse.Namespace) -> int:
     try:
-        from rich.console import Group
         from rich.live import Live
-        from rich.progress_bar import ProgressBar
-        from rich.table import Table
     except ImportError:
         print("kvpark stat --watch needs rich: pip install 'kvpark[ui]'", file=sys.stderr)
         return 2
     period = max(0.1, args.watch)
-
-    def view(address: str, st: Stat, seqs: list[SeqInfo], prev: tuple[float, Stat] | None, now: float) -> Group:
-        s = _summary(st, seqs)
-        t = Table(title=f"kvpark at {address}: {s['sequences']} sequences, {s['shared_blocks']} shared blocks, "
-                        f"{s['leases']} leases", expand=False)
-        for col in ("tier", "state", "use", "used / capacity", "held", "evictions", "used/s", "evictions/s"):
-            t.add_column(col, justify="left" if col in ("tier", "state", "use") else "right")
-        for name, ts in st.tiers.items():
-            frac = ts.used_bytes / ts.capacity_bytes if ts.capacity_bytes else 0.0
-            d_used = d_ev = "-"
-            if prev is not None and name in prev[1].tiers and now > prev[0]:
-                p, dt = prev[1].tiers[name], now - prev[0]
-                d_used = f"{'+' if ts.used_bytes >= p.used_bytes else '-'}{human(abs(ts.used_bytes - p.used_bytes) / dt)}"
-                d_ev = f"{(ts.evictions - p.evictions) / dt:.1f}"
-            t.add_row(name, ts.state, ProgressBar(total=1.0, completed=frac, width=24),
-                      f"{human(ts.used_bytes)} / {human(ts.capacity_bytes)}", str(ts.sequences),
-                      str(ts.evictions), d_used, d_ev)
-        return Group(t)
+    view = _watch_view
 
     def run(c: Control) -> int:
         prev: tuple[float, Stat] | None = None
