@@ -52,13 +52,13 @@ def test_a_watch_frame_shows_each_tier_with_its_rates() -> None:
     seqs = [SeqInfo(seq_id="s", nbytes=1, tier="host", num_tensors=1),
             SeqInfo(seq_id="blk", nbytes=1, tier="host", num_tensors=1, shared=True)]
     out = io.StringIO()
-    Console(file=out, width=200, color_system=None).print(cli._watch_view("here:1", now, seqs, (10.0, before), 14.0))
+    Console(file=out, width=200, color_system=None).print(cli._watch_view("here:1", now, seqs, (5.0, before), 25.0))
     text = out.getvalue()
     assert "kvpark at here:1: 1 sequences, 1 shared blocks, 2 leases" in text
     rows = {c[0].strip(): c for c in map(cells, text.splitlines()) if c and c[0].strip() in ("host", "disk")}
     host = [c.strip() for c in rows["host"]]
-    assert host[:2] == ["host", "ok"] and host[3:] == ["5.0 MiB / 16.0 MiB", "1", "8", "+1.0 MiB", "2.0"]
-    assert [c.strip() for c in rows["disk"]][3:] == ["2.0 MiB / 16.0 MiB", "1", "0", "+512.0 KiB", "0.0"]
+    assert host[:2] == ["host", "ok"] and host[3:] == ["5.0 MiB / 16.0 MiB", "1", "8", "+204.8 KiB", "0.4"]
+    assert [c.strip() for c in rows["disk"]][3:] == ["2.0 MiB / 16.0 MiB", "1", "0", "+102.4 KiB", "0.0"]
     # The bar: 24 cells wide, 5/16 of it drawn (7 full cells and a half).
     assert len(rows["host"][2]) == 24 + 2 and rows["host"][2].strip() == "━" * 7 + "╸"
     first = io.StringIO()
