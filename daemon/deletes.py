@@ -59,6 +59,9 @@ class Deletes:
         self._retrying = 0
 
     def delete(self, seq: Seq) -> None:
+        """Delete ``seq``'s disk copy; raises the disk's typed error when that fails (the
+        records are then queued for ``retry``, or left to the lease or the write that
+        holds them)."""
         m = seq.manifest
         with self.catalog.lock:
             if not seq.on_disk:
@@ -81,15 +84,23 @@ class Deletes:
                     self._later(m, seq)
                     if self._twin(m) is not None:
                         return  # the manifest on disk is the twin's version too: it stays
-                    how = "keep"
+                    how = "unpublish"
             self._busy.add((seq.seq_id, seq.gen))
         try:
             if how == "delete":
                 self.disk.delete(m)
             else:
                 # The manifest goes now, in its own transaction, the records later (the
-                # reader holds the manifest; a restart sweeps records no manifest owns).
-                self._unpublish(m, keep=how == "keep")
+                # lease's ``retry``, or the write's ``delete_written``): a crash in between
+                # never indexes the version again, and the next start sweeps the records.
+                # A failure is the drop's answer (UNAVAILABLE): the manifest then goes with
+                # those records.
+                self.disk.unpublish(m)
+        except KVParkError:
+            if how == "delete":
+                with self.catalog.lock:
+                    self._undeleted.append((m, None))
+            raise
         finally:
             self._done([m])
 
@@ -100,8 +111,6 @@ class Deletes:
                 self.delete(s)
             except KVParkError as e:
                 log.warning("delete of %r from disk failed (retried later): %s", s.seq_id, e)
-                with self.catalog.lock:
-                    self._undeleted.append((s.manifest, None))
                 first = first or e
         return first
 
@@ -163,15 +172,6 @@ class Deletes:
             self._busy.difference_update((m.seq_id, m.gen) for m in ms)
             self.catalog.changed.notify_all()
 
-    def _unpublish(self, m: Manifest, keep: bool) -> None:
-        """Delete a retired version's manifest, its records left to a later delete (the
-        lease's ``retry``, or the write's ``delete_written``). A failure leaves the manifest
-        to that delete too: logged, not raised, since the records must not go now."""
-        try:
-            self.disk.unpublish(m, keep=keep)
-        except KVParkError as e:
-            log.warning("delete of %r's manifest failed (deleted with its records later): %s", m.seq_id, e)
-
     def _twin(self, m: Manifest) -> Seq | None:
         """The indexed version of ``m``'s id if it has ``m``'s generation (adopted again
         from the remote tier after ``m``'s version was retired here). REQUIRES: index lock."""
@@ -184,7 +184,9 @@ class Deletes:
         if twin is not None and twin.on_disk:
             return  # its twin wrote them again: records and charge are the twin's
         self._undeleted.append((m, seq))
-        self.disk.release(m)  # the accounting follows the index now
+        # The accounting follows the index now; a reader's records are kept from the
+        # orphan sweep in the same step (never a moment neither held nor kept).
+        self.disk.release(m, keep=seq is not None)
 
     def held(self) -> set[tuple[str, int]]:
         """(id, key generation) of the records waiting for a retry or for their readers

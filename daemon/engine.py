@@ -551,4 +551,8 @@ class Engine:
                     assert self.placement.allowed(owner, tier), f"{owner}: a lease's slots in the {tier} tier"
                 # A disk eviction under write_through leaves memory copies without a disk one.
                 all_on_disk = self.write_through and not self.mover.evictions.get("disk", 0)
-                commit.check_disk(self.catalog.sequences(), scan, self.deletes.held(), all_on_disk)
+                deleting = self.deletes.held()
+                commit.check_disk(self.catalog.sequences(), scan, deleting, all_on_disk)
+                # Records kept from the orphan sweep for a reader: only while their delete waits.
+                stray = self.disk.kept - deleting
+                assert not stray, f"records kept from the orphan sweep with no delete waiting: {sorted(stray)[:8]}"

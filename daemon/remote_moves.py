@@ -84,8 +84,7 @@ def remote_guard(mover: "Mover", seq: Seq, read: Callable[[], T]) -> T:
         # Shared blocks it was the last user of leave the index; those held here lose
         # their disk copies too (memory went with ``retire``). Their remote copies stay:
         # other daemons' sequences may use them.
-        for s in orphans:
-            mover.delete_from_disk(s)
+        mover.delete_all(orphans)  # every one tried; a failure is logged and retried later
         raise
 
 

@@ -42,11 +42,11 @@ Primitives:
   than the manifest already stored under its id is skipped (False): generations order
   commits, drops and demotions without a lock around the I/O.
 - ``delete(manifest)``: its generation's blocks, and its manifest if still current.
-- ``release(manifest)``: stop charging its generation, its records left for a later
-  ``delete`` (a retired copy a read lease still reads).
-- ``unpublish(manifest, keep=True)``: delete its manifest if still current, in its own
-  transaction, and leave its block records to a later ``delete`` (``keep``: kept from
-  ``sweep_orphans`` too, a read lease reads them). A retired copy is gone from LMDB's
+- ``release(manifest, keep=False)``: stop charging its generation, its records left for a
+  later ``delete`` (a retired copy a read lease still reads; ``keep``: kept from
+  ``sweep_orphans`` too until that ``delete``; ``kept``: which).
+- ``unpublish(manifest)``: delete its manifest if still current, in its own transaction,
+  and leave its block records to a later ``delete``. A retired copy is gone from LMDB's
   view at once, so a crash before its records go never brings it back.
 - ``Write.live`` (and ``write(..., live=)``): asked inside the write transaction; False
   skips the write (its version was retired while its bytes were read).
@@ -477,6 +477,12 @@ class DiskStore:
         with self._acct:
             return len(self._damaged)
 
+    @property
+    def kept(self) -> set[tuple[str, int]]:
+        """(id, key generation) of the records ``release(keep=True)`` keeps from the sweep."""
+        with self._acct:
+            return set(self._kept)
+
     def holds(self, m: Manifest) -> bool:
         with self._acct:
             return (m.seq_id, m.gen) in self._held
@@ -607,20 +613,21 @@ class DiskStore:
         if sync:
             self.fsync()
 
-    def release(self, m: Manifest) -> None:
+    def release(self, m: Manifest, keep: bool = False) -> None:
         """Let go of generation ``m.gen``'s charge now; its records stay until ``delete``
-        (a retired copy that a read still reads: the accounting follows the index)."""
+        (a retired copy that a read still reads: the accounting follows the index).
+        ``keep``: ``sweep_orphans`` leaves them alone too, even once ``unpublish`` has
+        deleted their manifest."""
         with self._acct:
+            if keep:
+                self._kept.add((m.seq_id, m.key_gen))
             self._forget((m.seq_id, m.gen))
 
-    def unpublish(self, m: Manifest, keep: bool = True, sync: bool = False) -> None:
+    def unpublish(self, m: Manifest, sync: bool = False) -> None:
         """Delete generation ``m.gen``'s manifest if it is still the one on disk; its block
-        records stay for a later ``delete``. ``keep``: a reader holding ``m`` reads them, so
-        ``sweep_orphans`` leaves them alone too. A restart after this never indexes the
-        version again, and its start-up sweep deletes the records no manifest owns."""
-        if keep:
-            with self._acct:
-                self._kept.add((m.seq_id, m.key_gen))
+        records stay for a later ``delete`` (a reader holding ``m`` may read them: see
+        ``release(keep=True)``). A restart after this never indexes the version again, and
+        its start-up sweep deletes the records no manifest owns."""
         try:
             with self.env.begin(write=True) as txn:
                 cur = txn.get(m.seq_id.encode(), db=self._manifests)

@@ -19,8 +19,10 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
-from kvpark.client import Client, NotFound
+from kvpark.client import Client, NotFound, Unavailable
+from kvpark.daemon.engine import Engine
 from kvpark.daemon.server import Daemon
+from kvpark.tiers.disk import Manifest
 
 from ..conftest import wait_until
 from .disk_seams import GatedWrites, HeldAfterCommit, HeldBeforeAndAfter, crash_image
@@ -130,3 +132,119 @@ def test_a_drop_acknowledged_during_a_flush_of_the_id_leaves_nothing_a_crash_bri
         assert flushed == [0]
         eng.check_invariants()
     assert_dropped(started_on(daemon, image, **over), "race", kept="other")
+
+
+class FailsOrHoldsUnpublish(HeldBeforeAndAfter):
+    """``unpublish`` of ``fail`` fails once, as a write transaction on a failing disk does;
+    ``unpublish`` of ``pause`` waits at ``paused_gate`` once (``paused`` set)."""
+
+    fail = pause = ""
+    paused = threading.Event()
+    paused_gate = threading.Event()
+
+    def unpublish(self, m: Manifest, sync: bool = False) -> None:
+        cls = type(self)
+        if cls.fail and m.seq_id == cls.fail:
+            cls.fail = ""
+            raise Unavailable(f"injected: the disk tier cannot be written (unpublish of {m.seq_id!r})")
+        if cls.pause and m.seq_id == cls.pause:
+            cls.pause = ""
+            cls.paused.set()
+            assert cls.paused_gate.wait(60), "the test never opened the gate"
+        super().unpublish(m, sync=sync)
+
+
+@pytest.fixture
+def faulty(held: type[HeldBeforeAndAfter]) -> Iterator[type[FailsOrHoldsUnpublish]]:
+    FailsOrHoldsUnpublish.paused.clear()
+    FailsOrHoldsUnpublish.paused_gate.clear()
+    FailsOrHoldsUnpublish.fail = FailsOrHoldsUnpublish.pause = ""
+    yield FailsOrHoldsUnpublish
+    FailsOrHoldsUnpublish.fail = FailsOrHoldsUnpublish.pause = FailsOrHoldsUnpublish.hold = ""
+    FailsOrHoldsUnpublish.after_hold = ""
+    FailsOrHoldsUnpublish.paused_gate.set()
+
+
+def on_disk_only(eng: Engine, c: Client, seq_id: str, v: int) -> None:
+    c.park(seq_id, [full(MiB, v)])
+    c.flush()
+    assert eng.mover.demote(seq_id, "host")
+
+
+def test_a_drop_whose_manifest_delete_fails_under_a_lease_answers_unavailable_and_the_records_go_after(
+        daemon: Callable[..., Daemon], faulty: type[FailsOrHoldsUnpublish], tmp_path: Path) -> None:
+    over = {"policy.promote_on_restore": "false"}
+    d = daemon(disk_factory=faulty, **over)
+    eng = d.engine
+    assert eng is not None
+    with Client(d.address) as c:
+        c.park("other", [full(MiB, 3)])
+        on_disk_only(eng, c, "s", 6)  # "other" flushed with it
+        h = eng.acquire("s", stream=True)
+        assert h.parts[0].tier == "disk" and h.lease is not None
+        faulty.fail = "s"
+        with pytest.raises(Unavailable):
+            c.drop("s")  # not acknowledged: its manifest is still in LMDB
+        assert faulty.fail == ""
+        got = b"".join(bytes(v) for _, views in eng.iter_chunks(h, MiB) for v in views)
+        assert got == b"\x06" * MiB  # the lease still reads what it leased
+        eng.release(h.lease.lease_id)
+        assert wait_until(lambda: eng.deletes.pending == 0)  # manifest and records, after the lease
+        eng.check_invariants()
+        assert c.present(["s"]) == [False]
+    image = crash_image(eng.disk, str(tmp_path / "crash"))
+    assert_dropped(started_on(daemon, image, **over), "s", kept="other")
+
+
+def test_a_drop_during_a_flush_whose_manifest_delete_fails_answers_unavailable(
+        daemon: Callable[..., Daemon], faulty: type[FailsOrHoldsUnpublish], tmp_path: Path) -> None:
+    over = {"policy.flush_on_shutdown": "false"}
+    d = daemon(disk_factory=faulty, **over)
+    eng = d.engine
+    assert eng is not None
+    with Client(d.address) as c:
+        c.park("other", [full(MiB, 3)])
+        assert c.flush() == 1
+        c.park("race", [full(MiB, 1)])
+        faulty.after_hold = faulty.fail = "race"
+        t = threading.Thread(target=c.flush)
+        t.start()
+        assert faulty.after_entered.wait(30), "the flush never committed 'race'"
+        with pytest.raises(Unavailable):
+            c.drop("race")  # the flush published it and its manifest could not go
+        faulty.after_gate.set()
+        t.join(60)
+        assert wait_until(lambda: eng.deletes.pending == 0)
+        eng.check_invariants()
+    image = crash_image(eng.disk, str(tmp_path / "crash"))
+    assert_dropped(started_on(daemon, image, **over), "race", kept="other")
+
+
+def test_a_lease_ending_while_its_drop_deletes_the_manifest_leaves_nothing_kept(
+        daemon: Callable[..., Daemon], faulty: type[FailsOrHoldsUnpublish], tmp_path: Path) -> None:
+    """The lease ends, and the maintenance pass deletes the retired copy, while the drop
+    is between queueing that delete and deleting the manifest: nothing stays kept from the
+    orphan sweep (``check_invariants``), and nothing of it stays on disk."""
+    over = {"policy.promote_on_restore": "false"}
+    d = daemon(disk_factory=faulty, **over)
+    eng = d.engine
+    assert eng is not None
+    with Client(d.address) as c:
+        c.park("other", [full(MiB, 3)])
+        on_disk_only(eng, c, "s", 6)  # "other" flushed with it
+    h = eng.acquire("s", stream=True)
+    assert h.parts[0].tier == "disk" and h.lease is not None
+    faulty.pause = "s"
+    dropped: list[bool] = []
+    t = threading.Thread(target=lambda: dropped.append(eng.drop("s")))
+    t.start()
+    assert faulty.paused.wait(30)
+    eng.release(h.lease.lease_id)
+    eng.mover.retry_deletes()  # the maintenance pass: the lease is over, the records go
+    faulty.paused_gate.set()
+    t.join(30)
+    assert dropped == [True]
+    assert wait_until(lambda: eng.deletes.pending == 0)
+    eng.check_invariants()
+    image = crash_image(eng.disk, str(tmp_path / "crash"))
+    assert_dropped(started_on(daemon, image, **over), "s", kept="other")
