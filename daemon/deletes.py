@@ -138,7 +138,8 @@ class Deletes:
             for m, s in self._undeleted:
                 twin = self._twin(m)
                 if twin is not None and twin.on_disk:
-                    continue  # the records are the twin's now
+                    self.disk.unkeep(m)  # the records are the twin's now: no sweep threat to them
+                    continue
                 (keep if twin is not None or s is not None and s.readers.get("disk") else todo).append((m, s))
             self._undeleted = keep
             self._busy.update((m.seq_id, m.gen) for m, _ in todo)
@@ -186,7 +187,7 @@ class Deletes:
         self._undeleted.append((m, seq))
         # The accounting follows the index now; a reader's records are kept from the
         # orphan sweep in the same step (never a moment neither held nor kept).
-        self.disk.release(m, keep=seq is not None)
+        self.disk.release(m, keep=seq is not None and bool(seq.readers.get("disk")))
 
     def held(self) -> set[tuple[str, int]]:
         """(id, key generation) of the records waiting for a retry or for their readers

@@ -44,7 +44,7 @@ Primitives:
 - ``delete(manifest)``: its generation's blocks, and its manifest if still current.
 - ``release(manifest, keep=False)``: stop charging its generation, its records left for a
   later ``delete`` (a retired copy a read lease still reads; ``keep``: kept from
-  ``sweep_orphans`` too until that ``delete``; ``kept``: which).
+  ``sweep_orphans`` too until that ``delete`` or ``unkeep``; ``kept``: which).
 - ``unpublish(manifest)``: delete its manifest if still current, in its own transaction,
   and leave its block records to a later ``delete``. A retired copy is gone from LMDB's
   view at once, so a crash before its records go never brings it back.
@@ -476,6 +476,11 @@ class DiskStore:
         """Held generations whose record failed verification on a read since start."""
         with self._acct:
             return len(self._damaged)
+
+    def unkeep(self, m: Manifest) -> None:
+        """Stop keeping ``m``'s records from the sweep (another holder owns them now)."""
+        with self._acct:
+            self._kept.discard((m.seq_id, m.key_gen))
 
     @property
     def kept(self) -> set[tuple[str, int]]:
