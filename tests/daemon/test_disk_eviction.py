@@ -135,3 +135,23 @@ def test_disk_churn_with_shared_blocks(daemon: Callable[..., Daemon]) -> None:
         assert torch.equal(out[0], _blob(last))
     with d.engine.mover.quiet():
         d.engine.check_invariants()
+
+
+def test_with_nothing_to_evict_to_eviction_says_it_made_no_room(daemon: Callable[..., Daemon]) -> None:
+    """``policy.disk_full = "refuse"`` and no remote tier: the disk has nowhere to send
+    its coldest, so ``evict_disk`` must answer False (it did not get there) and touch
+    nothing; a True would tell its caller there is room that nobody made."""
+    d = daemon(**{"tiers.host.capacity": "4MiB", "tiers.disk.capacity": "3MiB", "policy.disk_full": "refuse",
+                  "policy.write": "write_through"})
+    assert d.engine is not None and d.engine.remote is None
+    with Client(d.address) as c:
+        for j in range(2):
+            c.park(f"s{j}", [_blob(j, MiB)])
+        used = c.stat().tiers["disk"].used_bytes
+        assert used == 2 * MiB
+        mover = d.engine.mover
+        assert not mover.evict_disk(2 * MiB)  # room for 2 MiB more: only by dropping one
+        assert not mover.evict_disk(0, target=0)
+        assert c.stat().tiers["disk"].used_bytes == used and c.stat().tiers["disk"].evictions == 0
+        assert all(torch.equal(c.restore(f"s{j}")[0], _blob(j, MiB)) for j in range(2))
+    d.engine.check_invariants()

@@ -90,3 +90,16 @@ def test_watermarks() -> None:
 def test_unknown_policy_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="known: arc, lfu, lru, s3fifo"):
         policy.plan_demotion("nope", population(1), 1, 1, 0)
+
+
+def test_arc_with_even_ghost_hits_splits_evenly() -> None:
+    """ARC's target share of the recency list is (g1 + 1) / (g1 + g2 + 2): ghost hits on
+    both lists in equal numbers mean an even split. The recency list holding 60% is over
+    its half, so a recency entry is demoted first; holding 40%, a frequency entry is."""
+    def cands(recent: int, frequent: int) -> list[SeqMeta]:
+        r = [SeqMeta(f"r{i}", 1, float(i), access_count=1, promotions=int(i == 0)) for i in range(recent)]
+        f = [SeqMeta(f"f{i}", 1, float(i), access_count=5, promotions=int(i == 0)) for i in range(frequent)]
+        return r + f
+
+    assert policy.demotion_order("arc", cands(3, 2))[0].startswith("r")
+    assert policy.demotion_order("arc", cands(2, 3))[0].startswith("f")
