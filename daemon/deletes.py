@@ -15,6 +15,8 @@ Primitives:
   lease still reads is deleted after the lease (``retry``), so the read gets the
   version it leased, never a record missing under it.
 - ``delete_all(seqs) -> KVParkError | None``: every one tried; the first failure returned.
+- ``deleting(seq)``: its generation's delete is under way (REQUIRES: index lock); a
+  writer of its disk copy leaves it to a later pass.
 - ``delete_written(m)``: the record of a write that lost to a drop or an overwrite
   while it ran; a failure is retried.
 - ``retry() -> int``: delete again what failed, and what no read lease reads any more
@@ -64,25 +66,31 @@ class Deletes:
         holds them)."""
         m = seq.manifest
         with self.catalog.lock:
+            # Another record of this generation (adopted again from the remote tier after
+            # this one was retired): the records are shared with it. Never the sequence
+            # itself: a disk eviction of a live sequence deletes its records now (its
+            # rewrite waits for that: ``deleting``).
+            twin = self._twin(m)
+            twin = None if twin is seq else twin
             if not seq.on_disk:
                 # Not on disk for the index, but a retired version's write may be under
                 # way (its generation held): that write either sees the retirement inside
                 # its transaction (``Write.live``) or published before we looked, and then
                 # its manifest goes now, before the drop is acknowledged, not after the
                 # write's own ``delete_written`` (a crash in between would bring it back).
-                if not seq.dropped or not self.disk.holds(m) or self._twin(m) is not None:
+                if not seq.dropped or not self.disk.holds(m) or twin is not None:
                     return
                 how = "unpublish"
             else:
                 seq.on_disk = False
                 self.catalog.dirty.track(seq, time.monotonic())  # a disk eviction of a copy also in memory
                 how = "delete"
-                if seq.readers.get("disk") or self._twin(m) is not None:
+                if seq.readers.get("disk") or twin is not None:
                     # A read lease reads this copy (a restore served from disk that an
                     # overwrite or drop retired after it leased): it reads the version it
                     # leased, and the records go once the lease is over (``retry``).
                     self._later(m, seq)
-                    if self._twin(m) is not None:
+                    if twin is not None:
                         return  # the manifest on disk is the twin's version too: it stays
                     how = "unpublish"
             self._busy.add((seq.seq_id, seq.gen))
@@ -103,6 +111,11 @@ class Deletes:
             raise
         finally:
             self._done([m])
+
+    def deleting(self, seq: Seq) -> bool:
+        """Whether ``seq``'s generation is being deleted from disk now: a writer of its disk
+        copy (the same record keys) waits for a later pass. REQUIRES: index lock."""
+        return (seq.seq_id, seq.gen) in self._busy
 
     def delete_all(self, seqs: list[Seq]) -> KVParkError | None:
         first: KVParkError | None = None

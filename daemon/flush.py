@@ -122,8 +122,8 @@ def write_batch(mover: "Mover", seqs: list[Seq], evict: bool = True) -> int:
             return 0
         batch = {id(s) for s in seqs}
         for s in seqs:
-            if s.dropped or s.on_disk or not s.res:
-                continue
+            if s.dropped or s.on_disk or not s.res or mover.deletes.deleting(s):
+                continue  # (a disk eviction deleting its old copy: the same record keys)
             if any((b := cat.find(r)) is not None and not (b.on_disk or b.on_remote or id(b) in batch)
                    for r in s.refs):
                 # A block it references is not on disk and not in this transaction: the
@@ -188,6 +188,8 @@ def write_one(mover: "Mover", seq: Seq) -> bool:
     with mover.catalog.lock:
         if seq.dropped or seq.on_disk or not seq.res:
             return seq.on_disk
+        if mover.deletes.deleting(seq):
+            return False  # its old disk copy (the same record keys) is being deleted: a later pass
         src = seq.cpu_copy
         assert src is not None
         alloc = seq.res[src]

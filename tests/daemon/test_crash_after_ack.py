@@ -20,9 +20,10 @@ import pytest
 import torch
 
 from kvpark.client import Client, NotFound, Unavailable
+from kvpark.daemon.disk_evict import disk_drop
 from kvpark.daemon.engine import Engine
 from kvpark.daemon.server import Daemon
-from kvpark.tiers.disk import Manifest
+from kvpark.tiers.disk import DiskStore, Manifest
 
 from ..conftest import wait_until
 from .disk_seams import GatedWrites, HeldAfterCommit, HeldBeforeAndAfter, crash_image
@@ -248,3 +249,59 @@ def test_a_lease_ending_while_its_drop_deletes_the_manifest_leaves_nothing_kept(
     eng.check_invariants()
     image = crash_image(eng.disk, str(tmp_path / "crash"))
     assert_dropped(started_on(daemon, image, **over), "s", kept="other")
+
+
+class HeldDelete(DiskStore):
+    """``delete`` of ``hold`` waits at ``gate`` once (``entered`` set), before its transaction."""
+
+    hold = ""
+    entered = threading.Event()
+    gate = threading.Event()
+
+    def delete(self, m: Manifest, sync: bool = False) -> None:
+        cls = type(self)
+        if cls.hold and m.seq_id == cls.hold:
+            cls.hold = ""
+            cls.entered.set()
+            assert cls.gate.wait(60), "the test never opened the gate"
+        super().delete(m, sync=sync)
+
+
+def test_a_disk_eviction_of_a_sequence_still_in_memory_deletes_its_records_and_a_flush_waits_for_that(
+        daemon: Callable[..., Daemon], tmp_path: Path) -> None:
+    """Evicting the disk copy of a sequence that keeps its memory copy frees the disk at
+    once (its records went only at its drop before). A flush of it meanwhile writes the
+    same record keys, so it leaves the sequence to a later pass instead of racing the
+    delete; that pass writes it whole."""
+    HeldDelete.entered.clear()
+    HeldDelete.gate.clear()
+    over = {"policy.flush_on_shutdown": "false"}
+    d = daemon(disk_factory=HeldDelete, **over)
+    eng = d.engine
+    assert eng is not None
+    try:
+        with Client(d.address) as c:
+            c.park("x", [full(MiB, 5)])
+            c.park("other", [full(MiB, 3)])
+            assert c.flush() == 2
+            HeldDelete.hold = "x"
+            evicted: list[bool] = []
+            t = threading.Thread(target=lambda: evicted.append(disk_drop(eng.mover, "x")))
+            t.start()
+            assert HeldDelete.entered.wait(30), "the eviction never deleted 'x'"
+            assert c.flush() == 0  # "x" is being deleted: left to a later pass
+            HeldDelete.gate.set()
+            t.join(30)
+            assert evicted == [True] and c.info("x").tier == "host"
+            scan = eng.disk.scan()
+            assert "x" not in scan.manifests and not [k for k in scan.records if k[0] == "x"]
+            eng.check_invariants()
+            assert c.flush() == 1  # now it is written again, whole
+            eng.check_invariants()
+        d.stop(0.5)
+        d2 = daemon(**over)
+        with Client(d2.address) as c:
+            assert c.info("x").tier == "disk" and int(c.restore("x")[0][0]) == 5
+    finally:
+        HeldDelete.hold = ""
+        HeldDelete.gate.set()
