@@ -66,7 +66,7 @@ SUBSET = [
     # collection, TLS start-up refusals, crash images after an acknowledgment).
     "tests/client/test_keys.py", "tests/client/test_cli_units.py", "tests/daemon/test_mutation_gaps.py",
     "tests/daemon/test_large_seq.py", "tests/daemon/test_integrity_maintenance.py", "tests/daemon/test_tls.py",
-    "tests/daemon/test_crash_after_ack.py",
+    "tests/daemon/test_crash_after_ack.py", "tests/client/test_benchkit.py", "tests/client/test_bench_units.py",
 ]
 def _spawning() -> list[str]:
     """The subset's test files that start child processes (daemons, clients) and may kill
