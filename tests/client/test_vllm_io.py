@@ -274,3 +274,39 @@ def test_lookup_acquire_stays_inside_the_tenant(daemon: Callable[..., Daemon]) -
         assert torch.equal(out, mine) and not torch.equal(out, theirs)
         # A tenant without the local paths gets the prefix, and no grant (it restores inline).
         assert b.lookup_acquire(ks) == (2, None)
+
+
+def test_block_dim_of_names_the_block_dimension_of_each_known_layout() -> None:
+    flash = [torch.zeros(2, NUM_BLOCKS, BS, HEADS, DIM) for _ in range(L)]
+    cpu = [torch.zeros(NUM_BLOCKS, HEADS, BS, 2 * DIM) for _ in range(L)]
+    assert vllm_io.block_dim_of(flash, BS) == 1 and vllm_io.block_dim_of(cpu, BS) == 0
+    assert vllm_io.block_dim_of(cpu[:1], BS) == 0  # one layer is a layout too
+    assert vllm_io.block_dim_of(cpu, BS + 1) is None  # not this block size
+    assert vllm_io.block_dim_of([torch.zeros(NUM_BLOCKS, BS, HEADS, 2 * DIM)], BS) is None  # block size elsewhere
+    assert vllm_io.block_dim_of([], BS) is None
+    assert vllm_io.block_dim_of([cpu[0], torch.zeros(NUM_BLOCKS + 1, HEADS, BS, 2 * DIM)], BS) is None  # mixed
+
+
+def test_save_and_load_in_several_chunks_keep_each_key_on_its_own_block(daemon: Callable[..., Daemon]) -> None:
+    """A staging area of three blocks and seven blocks to move: three chunks, the last short."""
+    d = daemon()
+    kv = layers(9)
+    ids, ks = [6, 0, 3, 7, 1, 5, 2], keys("chunks", 7)
+    stage = 3 * vllm_io.block_bytes(kv, 0)
+    with Client(d.address) as c:
+        assert vllm_io.save_blocks(c, kv, 0, ids, ks, ATTRS, stage) == 7 * vllm_io.block_bytes(kv, 0)
+        for i, k in zip(ids, ks):
+            assert torch.equal(c.restore(k)[0], gather_blocks(kv, 0, [i])[0])
+        out = [torch.zeros_like(t) for t in kv]
+        assert vllm_io.load_blocks(c, out, 0, ids, ks, stage) == 7
+        for t, src in zip(out, kv):
+            assert torch.equal(t[ids], src[ids]) and not t[4].any()  # block 4 was never asked for
+
+
+def test_drain_says_false_when_a_save_outlasts_its_timeout(hung_address: str) -> None:
+    kv = layers(6)
+    saver = BackgroundSaver(Conn(hung_address, "inline", connect_timeout_s=0.5), timeout_s=2.0, max_pending_bytes=1 << 30)
+    assert saver.drain(0.01)  # nothing accepted yet
+    assert saver.submit(keys("stuck", 1), gather_blocks(kv, 0, [0]), ATTRS)
+    assert not saver.drain(0.05), "a drain that timed out said every save was done"
+    assert saver.drain(30) and saver.close() == 0
