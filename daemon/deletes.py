@@ -78,7 +78,9 @@ class Deletes:
                 # its transaction (``Write.live``) or published before we looked, and then
                 # its manifest goes now, before the drop is acknowledged, not after the
                 # write's own ``delete_written`` (a crash in between would bring it back).
-                if not seq.dropped or not self.disk.holds(m) or twin is not None:
+                # Or an earlier delete of its disk copy failed (an eviction): its manifest
+                # is still in LMDB, queued for ``retry``, and goes now for the same reason.
+                if not seq.dropped or twin is not None or not (self.disk.holds(m) or self._queued(m)):
                     return
                 how = "unpublish"
             else:
@@ -107,7 +109,7 @@ class Deletes:
         except KVParkError:
             if how == "delete":
                 with self.catalog.lock:
-                    self._undeleted.append((m, None))
+                    self._undeleted.append((m, seq))
             raise
         finally:
             self._done([m])
@@ -149,10 +151,14 @@ class Deletes:
         with self.catalog.lock:
             todo, keep = [], []
             for m, s in self._undeleted:
-                twin = self._twin(m)
-                if twin is not None and twin.on_disk:
-                    self.disk.unkeep(m)  # the records are the twin's now: no sweep threat to them
+                cur = self._twin(m)  # the indexed version of this generation, if any
+                if cur is not None and cur.on_disk:
+                    self.disk.unkeep(m)  # written again (same keys): the records are its own now
                     continue
+                # Kept: records a read lease still reads, or those a twin adopted again from
+                # the remote tier may need. The live version itself, not on disk (a failed
+                # eviction delete), is no twin: its records go now.
+                twin = cur if cur is not s else None
                 (keep if twin is not None or s is not None and s.readers.get("disk") else todo).append((m, s))
             self._undeleted = keep
             self._busy.update((m.seq_id, m.gen) for m, _ in todo)
@@ -164,7 +170,7 @@ class Deletes:
                 except KVParkError as e:
                     log.warning("delete of %r from disk failed again: %s", m.seq_id, e)
                     with self.catalog.lock:
-                        self._undeleted.extend((m, None) for m, _ in todo[i:])
+                        self._undeleted.extend(todo[i:])
                     return i
             return len(todo)
         finally:
@@ -186,6 +192,11 @@ class Deletes:
             self._busy.difference_update((m.seq_id, m.gen) for m in ms)
             self.catalog.changed.notify_all()
 
+    def _queued(self, m: Manifest) -> bool:
+        """A delete of ``m``'s generation waits in the queue (it failed once). REQUIRES:
+        index lock. A scan: the queue holds only failures and leased copies."""
+        return any(q.seq_id == m.seq_id and q.gen == m.gen for q, _ in self._undeleted)
+
     def _twin(self, m: Manifest) -> Seq | None:
         """The indexed version of ``m``'s id if it has ``m``'s generation (adopted again
         from the remote tier after ``m``'s version was retired here). REQUIRES: index lock."""
@@ -195,7 +206,7 @@ class Deletes:
     def _later(self, m: Manifest, seq: Seq | None) -> None:
         """Delete ``m``'s records at a later ``retry``. REQUIRES: index lock."""
         twin = self._twin(m)
-        if twin is not None and twin.on_disk:
+        if twin is not None and twin is not seq and twin.on_disk:
             return  # its twin wrote them again: records and charge are the twin's
         self._undeleted.append((m, seq))
         # The accounting follows the index now; a reader's records are kept from the

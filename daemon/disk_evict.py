@@ -166,6 +166,13 @@ def disk_to_remote(mover: "Mover", victim: Seq | str) -> bool:
             if stale:
                 return False
             mover.moved("disk", "remote", t0)
+        with mover.catalog.lock:
+            # Checked again under the lock, as ``disk_drop`` does: a read lease granted from
+            # the disk copy while it was copied pins it (no eviction takes a leased copy), a
+            # pin since keeps it, and a version no longer indexed was deleted by its drop.
+            if (seq.dropped or not seq.on_disk or seq.readers.get("disk") or seq.pinned
+                    or not mover.catalog.current(seq)):
+                return False
         mover.delete_all([seq])  # a failed delete is retried; the copy is in remote either way
         with mover.catalog.lock:
             mover.catalog.notify()
