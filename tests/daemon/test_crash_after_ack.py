@@ -50,6 +50,29 @@ def assert_dropped(d: Daemon, seq_id: str, kept: str | None = None) -> None:
     d.engine.check_invariants()
 
 
+def started(daemon: Callable[..., Daemon], **over: object) -> tuple[Daemon, Engine]:
+    d = daemon(**over)
+    assert d.engine is not None
+    return d, d.engine
+
+
+def read_all(eng: Engine, h: object) -> bytes:
+    """Every byte a streamed restore's handle reads."""
+    return b"".join(bytes(v) for _, views in eng.iter_chunks(h, MiB) for v in views)  # type: ignore[arg-type]
+
+
+def leased_on_disk(eng: Engine, c: Client, seq_id: str, v: int) -> object:
+    """Park "other" and ``seq_id`` (value ``v``), flush both, leave ``seq_id`` only on disk,
+    and lease a streamed restore of it from there (read later): its handle."""
+    c.park("other", [full(MiB, 3)])
+    c.park(seq_id, [full(MiB, v)])
+    c.flush()
+    assert eng.mover.demote(seq_id, "host")
+    h = eng.acquire(seq_id, stream=True)
+    assert h.parts[0].tier == "disk" and h.lease is not None
+    return h
+
+
 @pytest.fixture
 def held() -> Iterator[type[HeldBeforeAndAfter]]:
     for e in (GatedWrites.entered, GatedWrites.gate, HeldAfterCommit.after_entered, HeldAfterCommit.after_gate):
@@ -66,16 +89,9 @@ def held() -> Iterator[type[HeldBeforeAndAfter]]:
 def test_a_retirement_acknowledged_while_a_disk_read_is_leased_leaves_nothing_a_crash_brings_back(
         daemon: Callable[..., Daemon], tmp_path: Path, write: str, action: str) -> None:
     over = {"policy.write": write, "policy.promote_on_restore": "false"}
-    d = daemon(**over)
-    eng = d.engine
-    assert eng is not None
+    d, eng = started(daemon, **over)
     with Client(d.address) as c:
-        c.park("s", [full(MiB, 6)])
-        c.park("other", [full(MiB, 3)])
-        c.flush()  # both on disk under either write mode
-        assert eng.mover.demote("s", "host")  # its only copy on disk
-    h = eng.acquire("s", stream=True)  # a restore granted from the disk copy, read later
-    assert h.parts[0].tier == "disk" and h.lease is not None
+        h = leased_on_disk(eng, c, "s", 6)  # a restore granted from the disk copy, read later
     with Client(d.address) as c:
         # Acknowledged; the lease still reads the old records.
         if action == "drop":
@@ -84,8 +100,7 @@ def test_a_retirement_acknowledged_while_a_disk_read_is_leased_leaves_nothing_a_
             c.park("s", [full(MiB, 7)], overwrite=True)
     image = crash_image(eng.disk, str(tmp_path / "crash"))
     # The lease still reads the version it leased, though its manifest went at the drop.
-    got = b"".join(bytes(v) for _, views in eng.iter_chunks(h, MiB) for v in views)
-    assert got == b"\x06" * MiB
+    assert read_all(eng, h) == b"\x06" * MiB
     eng.release(h.lease.lease_id)
     assert wait_until(lambda: eng.deletes.pending == 0)  # the records, by the next maintenance pass
     eng.check_invariants()
@@ -106,9 +121,7 @@ def test_a_retirement_acknowledged_while_a_disk_read_is_leased_leaves_nothing_a_
 def test_a_drop_acknowledged_during_a_flush_of_the_id_leaves_nothing_a_crash_brings_back(
         daemon: Callable[..., Daemon], held: type[HeldBeforeAndAfter], tmp_path: Path, when: str) -> None:
     over = {"policy.flush_on_shutdown": "false"}
-    d = daemon(disk_factory=held, **over)
-    eng = d.engine
-    assert eng is not None
+    d, eng = started(daemon, disk_factory=held, **over)
     with Client(d.address) as c:
         c.park("other", [full(MiB, 3)])
         assert c.flush() == 1
@@ -166,29 +179,19 @@ def faulty(held: type[HeldBeforeAndAfter]) -> Iterator[type[FailsOrHoldsUnpublis
     FailsOrHoldsUnpublish.paused_gate.set()
 
 
-def on_disk_only(eng: Engine, c: Client, seq_id: str, v: int) -> None:
-    c.park(seq_id, [full(MiB, v)])
-    c.flush()
-    assert eng.mover.demote(seq_id, "host")
 
 
 def test_a_drop_whose_manifest_delete_fails_under_a_lease_answers_unavailable_and_the_records_go_after(
         daemon: Callable[..., Daemon], faulty: type[FailsOrHoldsUnpublish], tmp_path: Path) -> None:
     over = {"policy.promote_on_restore": "false"}
-    d = daemon(disk_factory=faulty, **over)
-    eng = d.engine
-    assert eng is not None
+    d, eng = started(daemon, disk_factory=faulty, **over)
     with Client(d.address) as c:
-        c.park("other", [full(MiB, 3)])
-        on_disk_only(eng, c, "s", 6)  # "other" flushed with it
-        h = eng.acquire("s", stream=True)
-        assert h.parts[0].tier == "disk" and h.lease is not None
+        h = leased_on_disk(eng, c, "s", 6)
         faulty.fail = "s"
         with pytest.raises(Unavailable):
             c.drop("s")  # not acknowledged: its manifest is still in LMDB
         assert faulty.fail == ""
-        got = b"".join(bytes(v) for _, views in eng.iter_chunks(h, MiB) for v in views)
-        assert got == b"\x06" * MiB  # the lease still reads what it leased
+        assert read_all(eng, h) == b"\x06" * MiB  # the lease still reads what it leased
         eng.release(h.lease.lease_id)
         assert wait_until(lambda: eng.deletes.pending == 0)  # manifest and records, after the lease
         eng.check_invariants()
@@ -200,9 +203,7 @@ def test_a_drop_whose_manifest_delete_fails_under_a_lease_answers_unavailable_an
 def test_a_drop_during_a_flush_whose_manifest_delete_fails_answers_unavailable(
         daemon: Callable[..., Daemon], faulty: type[FailsOrHoldsUnpublish], tmp_path: Path) -> None:
     over = {"policy.flush_on_shutdown": "false"}
-    d = daemon(disk_factory=faulty, **over)
-    eng = d.engine
-    assert eng is not None
+    d, eng = started(daemon, disk_factory=faulty, **over)
     with Client(d.address) as c:
         c.park("other", [full(MiB, 3)])
         assert c.flush() == 1
@@ -227,14 +228,9 @@ def test_a_lease_ending_while_its_drop_deletes_the_manifest_leaves_nothing_kept(
     is between queueing that delete and deleting the manifest: nothing stays kept from the
     orphan sweep (``check_invariants``), and nothing of it stays on disk."""
     over = {"policy.promote_on_restore": "false"}
-    d = daemon(disk_factory=faulty, **over)
-    eng = d.engine
-    assert eng is not None
+    d, eng = started(daemon, disk_factory=faulty, **over)
     with Client(d.address) as c:
-        c.park("other", [full(MiB, 3)])
-        on_disk_only(eng, c, "s", 6)  # "other" flushed with it
-    h = eng.acquire("s", stream=True)
-    assert h.parts[0].tier == "disk" and h.lease is not None
+        h = leased_on_disk(eng, c, "s", 6)
     faulty.pause = "s"
     dropped: list[bool] = []
     t = threading.Thread(target=lambda: dropped.append(eng.drop("s")))
@@ -276,9 +272,7 @@ def test_a_disk_eviction_of_a_sequence_still_in_memory_deletes_its_records_and_a
     HeldDelete.entered.clear()
     HeldDelete.gate.clear()
     over = {"policy.flush_on_shutdown": "false"}
-    d = daemon(disk_factory=HeldDelete, **over)
-    eng = d.engine
-    assert eng is not None
+    d, eng = started(daemon, disk_factory=HeldDelete, **over)
     try:
         with Client(d.address) as c:
             c.park("x", [full(MiB, 5)])

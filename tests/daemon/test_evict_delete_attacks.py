@@ -18,7 +18,7 @@ from kvpark.daemon.server import Daemon
 from kvpark.tiers.disk import DiskStore, Manifest
 
 from .disk_seams import crash_image
-from .test_crash_after_ack import assert_dropped, started_on
+from .test_crash_after_ack import assert_dropped, read_all, started, started_on
 
 MiB = 1 << 20
 
@@ -63,9 +63,7 @@ def test_a_drop_after_a_failed_eviction_delete_of_a_sequence_in_memory_leaves_no
     then deletes that manifest before it answers (it once answered with the manifest still
     in LMDB: a crash before the maintenance pass's retry brought the dropped version back)."""
     over = {"policy.write": "write_through", "policy.flush_on_shutdown": "false"}
-    d = daemon(disk_factory=FailsOneDelete, **over)
-    eng = d.engine
-    assert eng is not None
+    d, eng = started(daemon, disk_factory=FailsOneDelete, **over)
     try:
         with Client(d.address) as c:
             c.park("x", [full(MiB, 5)])
@@ -89,9 +87,7 @@ def test_a_failed_eviction_delete_of_a_sequence_still_in_memory_is_retried(
     sequence (not on disk for the index) instead of taking it for its own twin and keeping
     them, charged to nobody, for as long as it lives in memory."""
     over = {"policy.write": "write_through", "policy.flush_on_shutdown": "false"}
-    d = daemon(disk_factory=FailsOneDelete, **over)
-    eng = d.engine
-    assert eng is not None
+    d, eng = started(daemon, disk_factory=FailsOneDelete, **over)
     try:
         with Client(d.address) as c:
             c.park("x", [full(MiB, 5)])
@@ -137,9 +133,7 @@ def test_a_disk_to_remote_eviction_that_a_read_lease_overtakes_leaves_no_records
             **_remote(redis_server.url, _new_ns(), write="on_evict")}
     HeldRead.entered.clear()
     HeldRead.gate.clear()
-    d = daemon(disk_factory=HeldRead, **over)
-    eng = d.engine
-    assert eng is not None
+    d, eng = started(daemon, disk_factory=HeldRead, **over)
     try:
         with Client(d.address) as c:
             c.park("s", [full(MiB, 6)])
@@ -154,8 +148,7 @@ def test_a_disk_to_remote_eviction_that_a_read_lease_overtakes_leaves_no_records
             assert h.parts[0].tier == "disk" and h.lease is not None
             HeldRead.gate.set()
             t.join(30)
-            got = b"".join(bytes(v) for _, views in eng.iter_chunks(h, MiB) for v in views)
-            assert got == b"\x06" * MiB  # the lease reads what it leased either way
+            assert read_all(eng, h) == b"\x06" * MiB  # the lease reads what it leased either way
             eng.release(h.lease.lease_id)
             eng.deletes.retry()
             eng.deletes.retry()
