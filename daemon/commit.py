@@ -133,7 +133,7 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
         # wrote must not come back at the next start (nor stay charged to nobody).
         for s in mine:
             if engine.disk.holds(s.manifest):
-                engine.deletes.delete_written(s.manifest)
+                engine.deletes.delete_written(s.manifest, refused=True)
         hint = engine.remote_down()
         if hint and isinstance(sys.exc_info()[1], ResourceExhausted):
             raise ResourceExhausted(f"{sys.exc_info()[1]}; {hint}") from None  # why eviction could not help

@@ -17,8 +17,9 @@ Primitives:
 - ``delete_all(seqs) -> KVParkError | None``: every one tried; the first failure returned.
 - ``deleting(seq)``: its generation's delete is under way (REQUIRES: index lock); a
   writer of its disk copy leaves it to a later pass.
-- ``delete_written(m)``: the record of a write that lost to a drop or an overwrite
-  while it ran; a failure is retried.
+- ``delete_written(m, refused=False)``: the record of a write that lost to a drop or an
+  overwrite while it ran, or of a refused park (``refused``: the manifest it replaced is
+  put back); a failure is retried.
 - ``retry() -> int``: delete again what failed, and what no read lease reads any more
   (the maintenance pass); how many went.
 - ``pending``: records waiting for a retry or being retried; ``held()``: which wait
@@ -51,7 +52,7 @@ class Deletes:
         # tier waits for its own (``adoptable``): a version adopted again under a retired
         # one's generation (its twin: the same record keys) is then never deleted by the
         # retired one's delete, which checks for a twin first. REQUIRES: index lock.
-        self._busy: set[tuple[str, int]] = set()
+        self._busy: dict[tuple[str, int], int] = {}  # how many deletes of each are under way
         # Records still to delete: failed deletes (no Seq), and retired copies a read lease
         # still reads (their Seq: deleted once its disk readers are gone). REQUIRES: index lock.
         self._undeleted: list[tuple[Manifest, Seq | None]] = []
@@ -78,9 +79,11 @@ class Deletes:
                 # its transaction (``Write.live``) or published before we looked, and then
                 # its manifest goes now, before the drop is acknowledged, not after the
                 # write's own ``delete_written`` (a crash in between would bring it back).
-                # Or an earlier delete of its disk copy failed (an eviction): its manifest
-                # is still in LMDB, queued for ``retry``, and goes now for the same reason.
-                if not seq.dropped or twin is not None or not (self.disk.holds(m) or self._queued(m)):
+                # Or a delete of its disk copy (an eviction) failed, or is under way, or is
+                # being retried: its manifest may still be in LMDB, and goes now for the
+                # same reason.
+                if not seq.dropped or twin is not None or not (
+                        self.disk.holds(m) or self._queued(m) or (m.seq_id, m.gen) in self._busy):
                     return
                 how = "unpublish"
             else:
@@ -95,7 +98,7 @@ class Deletes:
                     if twin is not None:
                         return  # the manifest on disk is the twin's version too: it stays
                     how = "unpublish"
-            self._busy.add((seq.seq_id, seq.gen))
+            self._begin([m])
         try:
             if how == "delete":
                 self.disk.delete(m)
@@ -129,17 +132,24 @@ class Deletes:
                 first = first or e
         return first
 
-    def delete_written(self, m: Manifest) -> None:
+    def delete_written(self, m: Manifest, refused: bool = False) -> None:
         """Delete a record just written for a version retired meanwhile (a demotion, a
         flush or a fetch that lost to a drop or an overwrite). Nobody reads it: it was
-        never on disk for the index. A delete that fails is retried, never left behind."""
+        never on disk for the index. A delete that fails is retried, never left behind.
+        ``refused``: a park whose write committed and whose fsync failed; the manifest it
+        replaced (the indexed version of its id, on disk) is put back (``DiskStore.revert``)."""
         with self.catalog.lock:
             if self._twin(m) is not None:
                 self._later(m, None)
                 return
-            self._busy.add((m.seq_id, m.gen))
+            cur = self.catalog.find(m.seq_id) if refused else None
+            previous = cur.manifest if cur is not None and cur.on_disk and cur.gen < m.gen else None
+            self._begin([m])
         try:
-            self.disk.delete(m)
+            if previous is not None:
+                self.disk.revert(m, previous)
+            else:
+                self.disk.delete(m)
         except KVParkError as e:
             log.warning("delete of %r from disk failed (retried later): %s", m.seq_id, e)
             with self.catalog.lock:
@@ -161,7 +171,7 @@ class Deletes:
                 twin = cur if cur is not s else None
                 (keep if twin is not None or s is not None and s.readers.get("disk") else todo).append((m, s))
             self._undeleted = keep
-            self._busy.update((m.seq_id, m.gen) for m, _ in todo)
+            self._begin([m for m, _ in todo])
             self._retrying += len(todo)
         try:
             for i, (m, _) in enumerate(todo):
@@ -187,9 +197,21 @@ class Deletes:
                 return
             self.catalog.changed.wait(left)
 
+    def _begin(self, ms: list[Manifest]) -> None:
+        """Count deletes of these generations as under way. REQUIRES: index lock."""
+        for m in ms:
+            key = (m.seq_id, m.gen)
+            self._busy[key] = self._busy.get(key, 0) + 1
+
     def _done(self, ms: list[Manifest]) -> None:
         with self.catalog.lock:
-            self._busy.difference_update((m.seq_id, m.gen) for m in ms)
+            for m in ms:
+                key = (m.seq_id, m.gen)
+                n = self._busy.get(key, 0) - 1
+                if n > 0:
+                    self._busy[key] = n
+                else:
+                    self._busy.pop(key, None)
             self.catalog.changed.notify_all()
 
     def _queued(self, m: Manifest) -> bool:

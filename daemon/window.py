@@ -280,7 +280,7 @@ class Windows:
             if not self.disk.holds(final):  # the transaction failed (not a sync after it): nothing published
                 self.disk.stage_abort(m)
             else:  # committed, then its fsync failed: refused, so it must not come back at a restart
-                self.deletes.delete_written(final)
+                self.deletes.delete_written(final, refused=True)  # the version it replaced stays
             raise
         failed: KVParkError | None = None
         gone: list[Seq] = []

@@ -45,6 +45,8 @@ Primitives:
 - ``release(manifest, keep=False)``: stop charging its generation, its records left for a
   later ``delete`` (a retired copy a read lease still reads; ``keep``: kept from
   ``sweep_orphans`` too until that ``delete`` or ``unkeep``; ``kept``: which).
+- ``revert(refused, previous)``: undo a refused write (committed, fsync failed): its
+  blocks go and the manifest it replaced comes back (if all its records are there).
 - ``unpublish(manifest)``: delete its manifest if still current, in its own transaction,
   and leave its block records to a later ``delete``. A retired copy is gone from LMDB's
   view at once, so a crash before its records go never brings it back.
@@ -615,6 +617,31 @@ class DiskStore:
             # and is found again at the next start (the drop was never acknowledged).
             with self._acct:
                 self._forget((m.seq_id, m.gen))
+        if sync:
+            self.fsync()
+
+    def revert(self, m: Manifest, previous: Manifest, sync: bool = False) -> None:
+        """Undo a refused write of ``m`` (its transaction committed, its fsync failed): its
+        blocks go, and where its manifest is the current one, ``previous`` (the version it
+        replaced, still indexed) is put back if all of that version's records are still
+        there, else the manifest goes too. One transaction."""
+        try:
+            with self.env.begin(write=True) as txn:
+                self._delete_blocks(txn, m)
+                key = m.seq_id.encode()
+                cur = txn.get(key, db=self._manifests)
+                if cur is not None and Manifest.decode(cur).gen == m.gen:
+                    whole = all(txn.get(block_key(previous.seq_id, previous.key_gen, i), db=self._blocks) is not None
+                                for i in range(len(previous.block_lengths)))
+                    if whole:
+                        txn.put(key, previous.encode(), db=self._manifests)
+                    else:
+                        txn.delete(key, db=self._manifests)
+        except lmdb.Error as e:
+            raise self._write_error(e) from None
+        finally:
+            with self._acct:
+                self._forget((m.seq_id, m.gen))  # as in ``delete``: the caller let go of it
         if sync:
             self.fsync()
 
