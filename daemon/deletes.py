@@ -56,6 +56,9 @@ class Deletes:
         # Records still to delete: failed deletes (no Seq), and retired copies a read lease
         # still reads (their Seq: deleted once its disk readers are gone). REQUIRES: index lock.
         self._undeleted: list[tuple[Manifest, Seq | None]] = []
+        # How many entries of ``_undeleted`` each (id, generation) has: a drop asks on its
+        # hot path (``_queued``), so not a scan. REQUIRES: index lock.
+        self._queued_n: dict[tuple[str, int], int] = {}
         # Records a ``retry`` took out of ``_undeleted`` and is deleting now: still
         # pending, so a caller waiting for ``pending == 0`` waits for their delete too.
         # REQUIRES: index lock.
@@ -112,7 +115,7 @@ class Deletes:
         except KVParkError:
             if how == "delete":
                 with self.catalog.lock:
-                    self._undeleted.append((m, seq))
+                    self._enqueue([(m, seq)])
             raise
         finally:
             self._done([m])
@@ -153,7 +156,7 @@ class Deletes:
         except KVParkError as e:
             log.warning("delete of %r from disk failed (retried later): %s", m.seq_id, e)
             with self.catalog.lock:
-                self._undeleted.append((m, None))
+                self._enqueue([(m, None)])
         finally:
             self._done([m])
 
@@ -170,7 +173,9 @@ class Deletes:
                 # eviction delete), is no twin: its records go now.
                 twin = cur if cur is not s else None
                 (keep if twin is not None or s is not None and s.readers.get("disk") else todo).append((m, s))
-            self._undeleted = keep
+            self._undeleted = []
+            self._queued_n.clear()
+            self._enqueue(keep)
             self._begin([m for m, _ in todo])
             self._retrying += len(todo)
         try:
@@ -180,7 +185,7 @@ class Deletes:
                 except KVParkError as e:
                     log.warning("delete of %r from disk failed again: %s", m.seq_id, e)
                     with self.catalog.lock:
-                        self._undeleted.extend(todo[i:])
+                        self._enqueue(todo[i:])
                     return i
             return len(todo)
         finally:
@@ -215,9 +220,16 @@ class Deletes:
             self.catalog.changed.notify_all()
 
     def _queued(self, m: Manifest) -> bool:
-        """A delete of ``m``'s generation waits in the queue (it failed once). REQUIRES:
-        index lock. A scan: the queue holds only failures and leased copies."""
-        return any(q.seq_id == m.seq_id and q.gen == m.gen for q, _ in self._undeleted)
+        """A delete of ``m``'s generation waits in the queue (it failed once, or a lease
+        reads the copy). REQUIRES: index lock."""
+        return (m.seq_id, m.gen) in self._queued_n
+
+    def _enqueue(self, entries: list[tuple[Manifest, Seq | None]]) -> None:
+        """Queue records for ``retry``. REQUIRES: index lock."""
+        for m, s in entries:
+            self._undeleted.append((m, s))
+            key = (m.seq_id, m.gen)
+            self._queued_n[key] = self._queued_n.get(key, 0) + 1
 
     def _twin(self, m: Manifest) -> Seq | None:
         """The indexed version of ``m``'s id if it has ``m``'s generation (adopted again
@@ -230,7 +242,7 @@ class Deletes:
         twin = self._twin(m)
         if twin is not None and twin is not seq and twin.on_disk:
             return  # its twin wrote them again: records and charge are the twin's
-        self._undeleted.append((m, seq))
+        self._enqueue([(m, seq)])
         # The accounting follows the index now; a reader's records are kept from the
         # orphan sweep in the same step (never a moment neither held nor kept).
         self.disk.release(m, keep=seq is not None and bool(seq.readers.get("disk")))
