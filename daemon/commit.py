@@ -20,7 +20,8 @@ passed in. The rules (``docs/protocol.md``, "Versions and commits"):
 
 Primitives:
 - ``Pending``: ids with a commit between its commit point and its publish (REQUIRES:
-  index lock): ``wait(catalog, ids, deadline)``, ``add(ids)``, ``done(catalog, ids)``.
+  index lock): ``wait(catalog, ids, deadline)``, ``wait_others(catalog, ids, own,
+  deadline)``, ``add(ids)``, ``done(catalog, ids)``.
 - ``commit(engine, lease, expect_nbytes) -> SeqInfo``: a reserved (not windowed) park.
 - ``check_disk(seqs, scan, deleting, all_on_disk)``: the index against LMDB, as assertions.
 """
@@ -62,6 +63,16 @@ class Pending:
         """Wait (the index lock released meanwhile) until no commit holds any of ``ids``.
         REQUIRES: index lock; the caller validates again after."""
         while self.busy(ids):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Unavailable(f"a concurrent park of {ids[0]!r} did not finish in {PENDING_WAIT_S:.0f} s")
+            catalog.changed.wait(min(left, 0.5))
+
+    def wait_others(self, catalog: Catalog, ids: list[str], own: list[str], deadline: float) -> None:
+        """Wait (the index lock released meanwhile) until no commit but the caller's holds
+        any of ``ids`` (``own``: the ids the caller holds). REQUIRES: index lock."""
+        mine = {i: own.count(i) for i in ids}
+        while any(self._ids.get(i, 0) > mine[i] for i in ids):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Unavailable(f"a concurrent park of {ids[0]!r} did not finish in {PENDING_WAIT_S:.0f} s")
@@ -119,7 +130,7 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
     try:
         if engine.write_through:
             engine.mover.evict_disk(sum(s.manifest.nbytes for s in mine), exclude=seq)
-            write_through_disk(engine, blocks, seq, replace)
+            write_through_disk(engine, blocks, seq, replace, held)
     except BaseException:
         with catalog.lock:
             for s in mine:
@@ -128,12 +139,17 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
                 s.res.clear()
             if seq is not None:
                 catalog.unpin_refs(spec.refs)
-            pending.done(catalog, held)
         # Written and committed, then its fsync failed: the park is refused, so what it
-        # wrote must not come back at the next start (nor stay charged to nobody).
-        for s in mine:
-            if engine.disk.holds(s.manifest):
-                engine.deletes.delete_written(s.manifest, refused=True)
+        # wrote must not come back at the next start (nor stay charged to nobody). Our ids
+        # stay pending until that is done: an older commit of them whose write lost to ours
+        # waits for it to write again (``write_through_disk``).
+        try:
+            for s in mine:
+                if engine.disk.holds(s.manifest):
+                    engine.deletes.delete_written(s.manifest, refused=True)
+        finally:
+            with catalog.lock:
+                pending.done(catalog, held)
         hint = engine.remote_down()
         if hint and isinstance(sys.exc_info()[1], ResourceExhausted):
             raise ResourceExhausted(f"{sys.exc_info()[1]}; {hint}") from None  # why eviction could not help
@@ -171,17 +187,35 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
     return info
 
 
-def write_through_disk(engine: "Engine", blocks: list[Seq], seq: Seq | None, replace: Manifest | None) -> None:
-    """Every new sequence of one commit in one transaction, and one fsync."""
+def write_through_disk(engine: "Engine", blocks: list[Seq], seq: Seq | None, replace: Manifest | None,
+                       held: list[str]) -> None:
+    """Every new sequence of one commit in one transaction, and one fsync.
+
+    A write skipped because a newer generation of its id is on disk lost to a commit not
+    yet answered: that one may still be refused (its fsync failing) and take its manifest
+    back, leaving ours acknowledged with no disk copy. So we wait for the other commits
+    of our ids to end (``held``: the ids we hold pending) and write again once; what is
+    still skipped then lost to a newer version that stands."""
     todo = blocks + ([seq] if seq is not None else [])
+    done = _write(engine, todo, seq, replace)
+    lost = [s for s, ok in zip(todo, done) if not ok]
+    if lost:
+        with engine.catalog.lock:
+            engine.pending.wait_others(engine.catalog, [s.seq_id for s in lost], held,
+                                       time.monotonic() + PENDING_WAIT_S)
+        again = _write(engine, lost, seq, replace)
+        done = [ok or (s in lost and again[lost.index(s)]) for s, ok in zip(todo, done)]
+    with engine.catalog.lock:
+        for s, ok in zip(todo, done):
+            s.on_disk = ok
+
+
+def _write(engine: "Engine", todo: list[Seq], seq: Seq | None, replace: Manifest | None) -> list[bool]:
     writes = []
     for s in todo:
         name, a = next(iter(s.res.items()))
         writes.append(Write(s.manifest, engine.tiers[name].views(a), replace if s is seq else None))
-    done = engine.disk.write_many(writes, sync=True)
-    with engine.catalog.lock:
-        for s, ok in zip(todo, done):
-            s.on_disk = ok
+    return engine.disk.write_many(writes, sync=True)
 
 
 def check_disk(seqs: list[Seq], scan: Scan, deleting: set[tuple[str, int]], all_on_disk: bool) -> None:

@@ -47,7 +47,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack
 
 from kvpark.proto.errors import AlreadyExists, InvalidArgument, KVParkError, LeaseExpired, NotFound, \
-    ResourceExhausted
+    ResourceExhausted, Unavailable
 from kvpark.proto.types import SeqInfo
 from kvpark.tiers.arena import Allocation
 from kvpark.tiers.disk import DiskStore
@@ -275,17 +275,31 @@ class Windows:
         try:
             won = self.disk.stage_commit(final, replace, sync=self.write_through)
         except BaseException:
-            with catalog.lock:
-                self.pending.done(catalog, ids)
-            if not self.disk.holds(final):  # the transaction failed (not a sync after it): nothing published
-                self.disk.stage_abort(m)
-            else:  # committed, then its fsync failed: refused, so it must not come back at a restart
-                self.deletes.delete_written(final, refused=True)  # the version it replaced stays
+            try:
+                if not self.disk.holds(final):  # the transaction failed (not a sync after it): nothing published
+                    self.disk.stage_abort(m)
+                else:  # committed, then its fsync failed: refused, so it must not come back at a restart
+                    self.deletes.delete_written(final, refused=True)  # the version it replaced stays
+            finally:
+                # Pending until the refusal is undone on disk: an older commit of the id
+                # that lost to ours waits for that (see below, and ``commit.py``).
+                with catalog.lock:
+                    self.pending.done(catalog, ids)
             raise
         failed: KVParkError | None = None
         gone: list[Seq] = []
         with self.catalog.lock:
-            if not won:  # a newer generation of the id reached the disk first: it stands
+            if not won:
+                # A newer generation of the id reached the disk first. Its commit may still
+                # be refused (its fsync failing) and take its manifest back; ours is gone
+                # from disk, so it is answered only once that one ended: superseded when a
+                # newer version stands, else refused (never acknowledged without a copy).
+                self.pending.wait_others(catalog, ids, ids, time.monotonic() + PENDING_WAIT_S)
+                cur = catalog.find(m.seq_id)
+                if self.write_through and (cur is None or cur.gen < final.gen):
+                    self.pending.done(catalog, ids)
+                    raise Unavailable(f"a newer park of {m.seq_id!r} that this one lost to on disk was refused; "
+                                      "park it again")
                 seq.on_disk, seq.dropped = False, True
                 info = self.catalog.info_of([seq], [seq])
             else:
