@@ -20,8 +20,8 @@ passed in. The rules (``docs/protocol.md``, "Versions and commits"):
 
 Primitives:
 - ``Pending``: ids with a commit between its commit point and its publish (REQUIRES:
-  index lock): ``wait(catalog, ids, deadline)``, ``wait_others(catalog, ids, own,
-  deadline)``, ``add(ids)``, ``done(catalog, ids)``.
+  index lock): ``wait(catalog, ids, deadline)``, ``wait_newer(catalog, versions,
+  deadline)``, ``add(ids, gens)``, ``done(catalog, ids, gens)``.
 - ``commit(engine, lease, expect_nbytes) -> SeqInfo``: a reserved (not windowed) park.
 - ``check_disk(seqs, scan, deleting, all_on_disk)``: the index against LMDB, as assertions.
 """
@@ -55,6 +55,7 @@ class Pending:
 
     def __init__(self) -> None:
         self._ids: dict[str, int] = {}
+        self._gens: dict[str, list[int]] = {}  # the generations those commits take, by id
 
     def busy(self, ids: Iterable[str]) -> bool:
         return any(i in self._ids for i in ids)
@@ -68,27 +69,36 @@ class Pending:
                 raise Unavailable(f"a concurrent park of {ids[0]!r} did not finish in {PENDING_WAIT_S:.0f} s")
             catalog.changed.wait(min(left, 0.5))
 
-    def wait_others(self, catalog: Catalog, ids: list[str], own: list[str], deadline: float) -> None:
-        """Wait (the index lock released meanwhile) until no commit but the caller's holds
-        any of ``ids`` (``own``: the ids the caller holds). REQUIRES: index lock."""
-        mine = {i: own.count(i) for i in ids}
-        while any(self._ids.get(i, 0) > mine[i] for i in ids):
+    def wait_newer(self, catalog: Catalog, versions: list[tuple[str, int]], deadline: float) -> None:
+        """Wait (the index lock released meanwhile) until no commit of a newer generation
+        holds any of these (id, generation) pairs' ids. Only ever newer: a write loses
+        only to a newer generation, so waits never form a cycle. REQUIRES: index lock."""
+        while any(g > gen for sid, gen in versions for g in self._gens.get(sid, ())):
             left = deadline - time.monotonic()
             if left <= 0:
-                raise Unavailable(f"a concurrent park of {ids[0]!r} did not finish in {PENDING_WAIT_S:.0f} s")
+                raise Unavailable(f"a concurrent park of {versions[0][0]!r} did not finish in {PENDING_WAIT_S:.0f} s")
             catalog.changed.wait(min(left, 0.5))
 
-    def add(self, ids: Iterable[str]) -> None:
+    def add(self, ids: Iterable[str], gens: Iterable[int] = ()) -> None:
+        """Hold ``ids`` (with the generation each commits, where known: ``wait_newer``)."""
         for i in ids:
             self._ids[i] = self._ids.get(i, 0) + 1
+        for i, g in zip(ids, gens):
+            self._gens.setdefault(i, []).append(g)
 
-    def done(self, catalog: Catalog, ids: Iterable[str]) -> None:
+    def done(self, catalog: Catalog, ids: Iterable[str], gens: Iterable[int] = ()) -> None:
         for i in ids:
             n = self._ids.get(i, 0) - 1
             if n > 0:
                 self._ids[i] = n
             else:
                 self._ids.pop(i, None)
+        for i, g in zip(ids, gens):
+            held = self._gens.get(i)
+            if held is not None and g in held:
+                held.remove(g)
+                if not held:
+                    del self._gens[i]
         catalog.changed.notify_all()
 
 
@@ -121,7 +131,8 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
             catalog.pin_refs(spec.refs)  # the blocks it names stay until it publishes or fails
             seq = Seq(manifest=spec.manifest(catalog.next_gen(), engine.slot_size), res={tier: alloc})
         held = [b.seq_id for b in blocks] + ([spec.seq_id] if seq is not None else [])
-        pending.add(held)
+        held_gens = [b.gen for b in blocks] + ([seq.gen] if seq is not None else [])
+        pending.add(held, held_gens)
         # The version this replaces keeps its disk records through our write: it is deleted
         # after we publish (``Deletes``), once no read lease reads it. Deleting it in our
         # write transaction would pull it from under a restore that leased it meanwhile.
@@ -130,7 +141,7 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
     try:
         if engine.write_through:
             engine.mover.evict_disk(sum(s.manifest.nbytes for s in mine), exclude=seq)
-            write_through_disk(engine, blocks, seq, replace, held)
+            write_through_disk(engine, blocks, seq, replace)
     except BaseException:
         with catalog.lock:
             for s in mine:
@@ -149,7 +160,7 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
                     engine.deletes.delete_written(s.manifest, refused=True)
         finally:
             with catalog.lock:
-                pending.done(catalog, held)
+                pending.done(catalog, held, held_gens)
         hint = engine.remote_down()
         if hint and isinstance(sys.exc_info()[1], ResourceExhausted):
             raise ResourceExhausted(f"{sys.exc_info()[1]}; {hint}") from None  # why eviction could not help
@@ -173,7 +184,7 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
                 gone = [seq]
         orphans = catalog.take_orphans()
         forget = engine.retire_remote(gone)
-        pending.done(catalog, held)
+        pending.done(catalog, held, held_gens)
     engine.deletes.delete_all(gone + orphans)  # a failure is retried: the park is visible
     engine.forget_remote(forget)
     if failed is not None:
@@ -187,22 +198,21 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
     return info
 
 
-def write_through_disk(engine: "Engine", blocks: list[Seq], seq: Seq | None, replace: Manifest | None,
-                       held: list[str]) -> None:
+def write_through_disk(engine: "Engine", blocks: list[Seq], seq: Seq | None, replace: Manifest | None) -> None:
     """Every new sequence of one commit in one transaction, and one fsync.
 
     A write skipped because a newer generation of its id is on disk lost to a commit not
     yet answered: that one may still be refused (its fsync failing) and take its manifest
-    back, leaving ours acknowledged with no disk copy. So we wait for the other commits
-    of our ids to end (``held``: the ids we hold pending) and write again once; what is
-    still skipped then lost to a newer version that stands."""
+    back, leaving ours acknowledged with no disk copy. So we wait for the newer commits
+    of our ids to end and write again once; what is still skipped then lost to a newer
+    version that stands."""
     todo = blocks + ([seq] if seq is not None else [])
     done = _write(engine, todo, seq, replace)
     lost = [s for s, ok in zip(todo, done) if not ok]
     if lost:
         with engine.catalog.lock:
-            engine.pending.wait_others(engine.catalog, [s.seq_id for s in lost], held,
-                                       time.monotonic() + PENDING_WAIT_S)
+            engine.pending.wait_newer(engine.catalog, [(s.seq_id, s.gen) for s in lost],
+                                      time.monotonic() + PENDING_WAIT_S)
         again = _write(engine, lost, seq, replace)
         done = [ok or (s in lost and again[lost.index(s)]) for s, ok in zip(todo, done)]
     with engine.catalog.lock:

@@ -265,7 +265,7 @@ class Windows:
                     replace = None
                     # The commit point: the generation of this version, as for every park kind.
                     final = dataclasses.replace(m, gen=catalog.next_gen(), data_gen=m.key_gen)
-                    self.pending.add(ids)
+                    self.pending.add(ids, [final.gen])
         if refused is not None:
             # The abort is an LMDB write transaction: never under the index lock, which
             # every call needs (a slow disk would stall the whole daemon behind it).
@@ -284,7 +284,7 @@ class Windows:
                 # Pending until the refusal is undone on disk: an older commit of the id
                 # that lost to ours waits for that (see below, and ``commit.py``).
                 with catalog.lock:
-                    self.pending.done(catalog, ids)
+                    self.pending.done(catalog, ids, [final.gen])
             raise
         failed: KVParkError | None = None
         gone: list[Seq] = []
@@ -294,10 +294,10 @@ class Windows:
                 # be refused (its fsync failing) and take its manifest back; ours is gone
                 # from disk, so it is answered only once that one ended: superseded when a
                 # newer version stands, else refused (never acknowledged without a copy).
-                self.pending.wait_others(catalog, ids, ids, time.monotonic() + PENDING_WAIT_S)
+                self.pending.wait_newer(catalog, [(m.seq_id, final.gen)], time.monotonic() + PENDING_WAIT_S)
                 cur = catalog.find(m.seq_id)
                 if self.write_through and (cur is None or cur.gen < final.gen):
-                    self.pending.done(catalog, ids)
+                    self.pending.done(catalog, ids, [final.gen])
                     raise Unavailable(f"a newer park of {m.seq_id!r} that this one lost to on disk was refused; "
                                       "park it again")
                 seq.on_disk, seq.dropped = False, True
@@ -309,7 +309,7 @@ class Windows:
                 except KVParkError as e:  # a concurrent commit or drop changed what we checked
                     failed, seq.dropped, gone = e, True, [seq]
             orphans = self.catalog.take_orphans()
-            self.pending.done(catalog, ids)
+            self.pending.done(catalog, ids, [final.gen])
             remote = self.mover.remote
             forget = remote.retired(gone) if remote is not None else []
         self.deletes.delete_all(gone + orphans)

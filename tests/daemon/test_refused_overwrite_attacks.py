@@ -7,15 +7,15 @@ from __future__ import annotations
 import sys
 import threading
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import lmdb
 import pytest
 import torch
 
-from kvpark.client import Client, KVParkError
+from kvpark.client import Client, KVParkError, Unavailable
 from kvpark.daemon.server import Daemon
-from kvpark.tiers.disk import DiskStore
+from kvpark.tiers.disk import DiskStore, Manifest, Write
 
 from ..conftest import wait_until
 from .disk_seams import GatedWrites, crash_image
@@ -97,11 +97,11 @@ def test_a_drop_acknowledged_while_a_refused_overwrite_of_the_id_is_in_its_error
 
 
 def waiting_for_other_commits() -> bool:
-    """Some thread waits in ``Pending.wait_others`` (a commit waiting for another of its id)."""
+    """Some thread waits in ``Pending.wait_newer`` (a commit waiting for a newer one of its id)."""
     for frame in sys._current_frames().values():
         f = frame
         while f is not None:
-            if f.f_code.co_name == "wait_others":
+            if f.f_code.co_name == "wait_newer":
                 return True
             f = f.f_back
     return False
@@ -176,3 +176,130 @@ def test_an_acknowledged_write_through_overwrite_is_on_disk_when_a_newer_refused
         assert int(c.restore("other")[0][0]) == 3
         got = [int(t[0]) for t in c.restore("x")] if c.present(["x"]) == [True] else None
         assert got == [2], f"the acknowledged write_through overwrite of 'x' was lost by a crash: {got}"
+
+
+class HeldStageCommit(HeldFailingSync):
+    """``stage_commit`` of ``hold`` waits at ``commit_gate`` once (``commit_entered`` set),
+    before its transaction; a failing fsync held as in ``HeldFailingSync``."""
+
+    hold = ""
+    commit_entered = threading.Event()
+    commit_gate = threading.Event()
+
+    def stage_commit(self, m: Manifest, replace: Manifest | None = None, sync: bool = False) -> bool:
+        cls = HeldStageCommit
+        if cls.hold and m.seq_id == cls.hold:
+            cls.hold = ""
+            cls.commit_entered.set()
+            assert cls.commit_gate.wait(60), "the test never opened the gate"
+        return super().stage_commit(m, replace, sync=sync)
+
+
+def test_a_windowed_park_that_lost_to_a_refused_overwrite_is_not_acknowledged(
+        daemon: Callable[..., Daemon], failing: type[HeldFailingSync], tmp_path: Path) -> None:
+    """write_through: windowed park W of "x" takes its generation and waits before its
+    commit transaction; overwrite A takes a newer one, commits, and its fsync fails. W's
+    commit finds A's manifest and loses (its records go). W then waits for A: A is refused
+    and v1's manifest comes back, so W answers UNAVAILABLE (never a success with no copy
+    on disk), and a crash finds v1."""
+    HeldStageCommit.commit_entered.clear()
+    HeldStageCommit.commit_gate.clear()
+    over = {"policy.write": "write_through", "tiers.host.capacity": "4MiB"}
+    d = daemon(disk_factory=HeldStageCommit, **over)
+    eng = d.engine
+    assert eng is not None
+    out: dict[str, object] = {}
+
+    def park(name: str, n: int, v: int) -> None:
+        with Client(d.address, transport="inline") as c2:
+            try:
+                c2.park("x", [full(n, v)], overwrite=True)
+                out[name] = "ok"
+            except KVParkError as e:
+                out[name] = e
+
+    try:
+        with Client(d.address, transport="inline") as c:
+            c.park("other", [full(4096, 3)])
+            c.park("x", [full(4096, 1)])
+            HeldStageCommit.hold = "x"
+            w = threading.Thread(target=park, args=("W", 5 * MiB + 1, 2))
+            w.start()
+            assert HeldStageCommit.commit_entered.wait(30), "W never reached its commit"
+            failing.armed = True
+            a = threading.Thread(target=park, args=("A", 4096, 4))
+            a.start()
+            assert failing.entered.wait(30), "A never reached its fsync"
+            HeldStageCommit.commit_gate.set()
+            assert wait_until(lambda: "W" in out or waiting_for_other_commits(), timeout=30)
+            failing.gate.set()
+            a.join(30)
+            w.join(30)
+            assert isinstance(out.get("A"), KVParkError), out
+            assert isinstance(out.get("W"), Unavailable), out
+            assert [int(t[0]) for t in c.restore("x")] == [1]
+            image = crash_image(eng.disk, str(tmp_path / "crash"))
+            eng.check_invariants()
+    finally:
+        HeldStageCommit.hold = ""
+        HeldStageCommit.commit_gate.set()
+    d.stop(0.5)
+    d2 = daemon(**{"tiers.disk.path": image, **over})
+    with Client(d2.address) as c:
+        assert [int(t[0]) for t in c.restore("x")] == [1] and int(c.restore("other")[0][0]) == 3
+
+
+class HeldWrites(DiskStore):
+    """The next ``n`` write transactions holding "x" wait at ``gate`` (``arrived`` counts them)."""
+
+    n = 0
+    arrived = 0
+    lock = threading.Lock()
+    gate = threading.Event()
+
+    def write_many(self, writes: Sequence[Write], sync: bool = False) -> list[bool]:
+        cls = HeldWrites
+        with cls.lock:
+            mine = cls.n > 0 and any(w.manifest.seq_id == "x" for w in writes)
+            if mine:
+                cls.n -= 1
+                cls.arrived += 1
+        if mine:
+            assert cls.gate.wait(60), "the test never opened the gate"
+        return super().write_many(writes, sync=sync)
+
+
+def test_two_older_overwrites_that_lost_to_a_newer_one_on_disk_both_answer(daemon: Callable[..., Daemon]) -> None:
+    """write_through, three overwrites of "x": the two older ones wait before their write
+    transactions while the newest commits and answers. Both older writes then lose to it
+    on disk, and each waits only for commits newer than itself, never for the other
+    (waiting for each other, they hung until the pending wait gave up)."""
+    HeldWrites.n, HeldWrites.arrived = 2, 0
+    HeldWrites.gate.clear()
+    d = daemon(disk_factory=HeldWrites, **{"policy.write": "write_through"})
+    out: dict[str, object] = {}
+
+    def park(name: str, v: int) -> None:
+        with Client(d.address, transport="inline") as c2:
+            try:
+                c2.park("x", [full(4096, v)], overwrite=True)
+                out[name] = "ok"
+            except KVParkError as e:
+                out[name] = e
+
+    try:
+        older = [threading.Thread(target=park, args=(f"old{v}", v)) for v in (1, 2)]
+        for t in older:
+            t.start()
+        assert wait_until(lambda: HeldWrites.arrived == 2, timeout=30)
+        park("new", 3)  # not held: commits and answers first
+        HeldWrites.gate.set()
+        for t in older:
+            t.join(30)
+        assert out == {"old1": "ok", "old2": "ok", "new": "ok"}, out
+        with Client(d.address) as c:
+            assert [int(t[0]) for t in c.restore("x")] == [3]  # the newest stands
+        assert d.engine is not None
+        d.engine.check_invariants()
+    finally:
+        HeldWrites.gate.set()
