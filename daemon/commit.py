@@ -69,11 +69,15 @@ class Pending:
                 raise Unavailable(f"a concurrent park of {ids[0]!r} did not finish in {PENDING_WAIT_S:.0f} s")
             catalog.changed.wait(min(left, 0.5))
 
+    def newer(self, versions: list[tuple[str, int]]) -> bool:
+        """Whether a commit of a newer generation holds one of these ids. REQUIRES: index lock."""
+        return any(g > gen for sid, gen in versions for g in self._gens.get(sid, ()))
+
     def wait_newer(self, catalog: Catalog, versions: list[tuple[str, int]], deadline: float) -> None:
         """Wait (the index lock released meanwhile) until no commit of a newer generation
         holds any of these (id, generation) pairs' ids. Only ever newer: a write loses
         only to a newer generation, so waits never form a cycle. REQUIRES: index lock."""
-        while any(g > gen for sid, gen in versions for g in self._gens.get(sid, ())):
+        while self.newer(versions):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Unavailable(f"a concurrent park of {versions[0][0]!r} did not finish in {PENDING_WAIT_S:.0f} s")
@@ -204,20 +208,40 @@ def write_through_disk(engine: "Engine", blocks: list[Seq], seq: Seq | None, rep
     A write skipped because a newer generation of its id is on disk lost to a commit not
     yet answered: that one may still be refused (its fsync failing) and take its manifest
     back, leaving ours acknowledged with no disk copy. So we wait for the newer commits
-    of our ids to end and write again once; what is still skipped then lost to a newer
-    version that stands."""
+    of our ids to end and write again, until written or a newer version stands
+    (published), within ``PENDING_WAIT_S``."""
     todo = blocks + ([seq] if seq is not None else [])
-    done = _write(engine, todo, seq, replace)
-    lost = [s for s, ok in zip(todo, done) if not ok]
-    if lost:
+    done = dict(zip(map(id, todo), _write(engine, todo, seq, replace)))
+    lost = [s for s in todo if not done[id(s)]]
+    deadline, idle = time.monotonic() + PENDING_WAIT_S, 0
+    while lost:
         with engine.catalog.lock:
-            engine.pending.wait_newer(engine.catalog, [(s.seq_id, s.gen) for s in lost],
-                                      time.monotonic() + PENDING_WAIT_S)
+            # Lost to a newer version that stands (published): nothing more to write.
+            lost = [s for s in lost if not _superseded(engine.catalog, s)]
+            if not lost:
+                break
+            versions = [(s.seq_id, s.gen) for s in lost]
+            # Nothing newer pending, yet we lost and nothing newer stands: a newer commit
+            # ended between our write and now (refused, and undone), or a stray record.
+            # Write again; a record that keeps beating us refuses the park.
+            idle = 0 if engine.pending.newer(versions) else idle + 1
+            if idle > 2:
+                raise Unavailable(f"park of {lost[0].seq_id!r}: a newer generation on disk that no commit holds "
+                                  "keeps its write out; park it again")
+            engine.pending.wait_newer(engine.catalog, versions, deadline)
         again = _write(engine, lost, seq, replace)
-        done = [ok or (s in lost and again[lost.index(s)]) for s, ok in zip(todo, done)]
+        for s, ok in zip(lost, again):
+            done[id(s)] = ok
+        lost = [s for s, ok in zip(lost, again) if not ok]
     with engine.catalog.lock:
-        for s, ok in zip(todo, done):
-            s.on_disk = ok
+        for s in todo:
+            s.on_disk = done[id(s)]
+
+
+def _superseded(catalog: Catalog, s: Seq) -> bool:
+    """A newer version of ``s``'s id is published. REQUIRES: index lock."""
+    cur = catalog.find(s.seq_id)
+    return cur is not None and cur.gen > s.gen
 
 
 def _write(engine: "Engine", todo: list[Seq], seq: Seq | None, replace: Manifest | None) -> list[bool]:

@@ -145,12 +145,10 @@ class Deletes:
             if self._twin(m) is not None:
                 self._later(m, None)
                 return
-            cur = self.catalog.find(m.seq_id) if refused else None
-            previous = cur.manifest if cur is not None and cur.on_disk and cur.gen < m.gen else None
             self._begin([m])
         try:
-            if previous is not None:
-                self.disk.revert(m, previous)
+            if refused:
+                self.disk.revert(m)
             else:
                 self.disk.delete(m)
         except KVParkError as e:

@@ -294,7 +294,11 @@ class Windows:
                 # be refused (its fsync failing) and take its manifest back; ours is gone
                 # from disk, so it is answered only once that one ended: superseded when a
                 # newer version stands, else refused (never acknowledged without a copy).
-                self.pending.wait_newer(catalog, [(m.seq_id, final.gen)], time.monotonic() + PENDING_WAIT_S)
+                try:
+                    self.pending.wait_newer(catalog, [(m.seq_id, final.gen)], time.monotonic() + PENDING_WAIT_S)
+                except BaseException:
+                    self.pending.done(catalog, ids, [final.gen])
+                    raise
                 cur = catalog.find(m.seq_id)
                 if self.write_through and (cur is None or cur.gen < final.gen):
                     self.pending.done(catalog, ids, [final.gen])

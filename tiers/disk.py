@@ -45,8 +45,9 @@ Primitives:
 - ``release(manifest, keep=False)``: stop charging its generation, its records left for a
   later ``delete`` (a retired copy a read lease still reads; ``keep``: kept from
   ``sweep_orphans`` too until that ``delete`` or ``unkeep``; ``kept``: which).
-- ``revert(refused, previous)``: undo a refused write (committed, fsync failed): its
-  blocks go and the manifest it replaced comes back (if all its records are there).
+- ``revert(refused)``: undo a refused write (committed, fsync failed): its blocks go and
+  the manifest its transaction replaced comes back (if that generation is still held and
+  whole).
 - ``unpublish(manifest)``: delete its manifest if still current, in its own transaction,
   and leave its block records to a later ``delete``. A retired copy is gone from LMDB's
   view at once, so a crash before its records go never brings it back.
@@ -329,6 +330,9 @@ class DiskStore:
         # (seq_id, key generation) whose manifest ``unpublish`` deleted and whose block
         # records a reader still reads: ``sweep_orphans`` leaves them to ``delete``.
         self._kept: set[tuple[str, int]] = set()
+        # (id, generation) of a write whose fsync has not returned -> the manifest its
+        # transaction replaced (``revert`` puts it back if the fsync fails).
+        self._replaced: dict[tuple[str, int], Manifest] = {}
         self._readers_cv = threading.Condition(threading.Lock())
         self._readers = 0  # read_txn()s open: close() waits for them
         self._closing = False
@@ -467,6 +471,7 @@ class DiskStore:
         # REQUIRES: self._acct held.
         self._used -= self._held.pop(key, 0)
         self._damaged.discard(key)
+        self._replaced.pop(key, None)
 
     def _mark_damaged(self, m: Manifest) -> None:
         with self._acct:
@@ -511,10 +516,11 @@ class DiskStore:
                 raise ValueError(f"{len(w.blocks)} block views for {len(w.manifest.block_lengths)} blocks")
         fresh = self._reserve(writes)
         done = [False] * len(writes)
+        replaced: dict[tuple[str, int], Manifest] = {}
         try:
             with self.env.begin(write=True) as txn:
                 for k, w in enumerate(writes):
-                    done[k] = self._put(txn, w)
+                    done[k] = self._put(txn, w, replaced)
         except lmdb.Error as e:
             self._unreserve(fresh)
             raise self._write_error(e) from None
@@ -530,7 +536,12 @@ class DiskStore:
                 elif w.replace is not None and w.replace.gen != w.manifest.gen:
                     self._forget((w.replace.seq_id, w.replace.gen))
         if sync and any(done):
+            with self._acct:
+                self._replaced.update(replaced)  # kept for ``revert`` while the fsync may fail
             self.fsync()
+            with self._acct:
+                for key in replaced:
+                    self._replaced.pop(key, None)  # durable: nothing to revert
         return done
 
     def _write_error(self, e: BaseException) -> BaseException:
@@ -565,10 +576,11 @@ class DiskStore:
             for k in keys:
                 self._forget(k)
 
-    def _put(self, txn: lmdb.Transaction, w: Write) -> bool:
+    def _put(self, txn: lmdb.Transaction, w: Write, replaced: dict[tuple[str, int], Manifest]) -> bool:
         m = w.manifest
-        cur = txn.get(m.seq_id.encode(), db=self._manifests)
-        if cur is not None and Manifest.decode(cur).gen > m.gen:
+        raw = txn.get(m.seq_id.encode(), db=self._manifests)
+        cur = Manifest.decode(raw) if raw is not None else None
+        if cur is not None and cur.gen > m.gen:
             return False  # a later commit of this id is already on disk: this one is stale
         if w.live is not None and not w.live():
             return False  # retired while we read its bytes: never published
@@ -578,6 +590,8 @@ class DiskStore:
             txn.put(block_key(m.seq_id, m.key_gen, i), b"".join((head, view)), db=self._blocks)
         if w.replace is not None and w.replace.gen != m.gen:
             self._delete_blocks(txn, w.replace)
+        if cur is not None and cur.gen != m.gen:
+            replaced[(m.seq_id, m.gen)] = cur  # what ``revert`` puts back if this write is refused
         txn.put(m.seq_id.encode(), m.encode(), db=self._manifests)
         return True
 
@@ -620,28 +634,37 @@ class DiskStore:
         if sync:
             self.fsync()
 
-    def revert(self, m: Manifest, previous: Manifest, sync: bool = False) -> None:
+    def revert(self, m: Manifest, sync: bool = False) -> None:
         """Undo a refused write of ``m`` (its transaction committed, its fsync failed): its
-        blocks go, and where its manifest is the current one, ``previous`` (the version it
-        replaced, still indexed) is put back if all of that version's records are still
-        there, else the manifest goes too. One transaction."""
+        blocks go, and where its manifest is still the current one, the manifest it
+        replaced comes back, if that generation is still held here (not deleted, not
+        retired under a reader) and all its records are there; else the manifest goes
+        too. One transaction. What it replaced is what its own transaction saw: an older
+        commit that won on disk and has not published yet gets its manifest back too."""
+        key = (m.seq_id, m.gen)
+        with self._acct:
+            previous = self._replaced.pop(key, None)
         try:
             with self.env.begin(write=True) as txn:
                 self._delete_blocks(txn, m)
-                key = m.seq_id.encode()
-                cur = txn.get(key, db=self._manifests)
+                name = m.seq_id.encode()
+                cur = txn.get(name, db=self._manifests)
                 if cur is not None and Manifest.decode(cur).gen == m.gen:
-                    whole = all(txn.get(block_key(previous.seq_id, previous.key_gen, i), db=self._blocks) is not None
-                                for i in range(len(previous.block_lengths)))
+                    with self._acct:
+                        live = previous is not None and (previous.seq_id, previous.gen) in self._held and (
+                            previous.seq_id, previous.key_gen) not in self._kept
+                    whole = live and all(
+                        txn.get(block_key(previous.seq_id, previous.key_gen, i), db=self._blocks) is not None
+                        for i in range(len(previous.block_lengths)))
                     if whole:
-                        txn.put(key, previous.encode(), db=self._manifests)
+                        txn.put(name, previous.encode(), db=self._manifests)
                     else:
-                        txn.delete(key, db=self._manifests)
+                        txn.delete(name, db=self._manifests)
         except lmdb.Error as e:
             raise self._write_error(e) from None
         finally:
             with self._acct:
-                self._forget((m.seq_id, m.gen))  # as in ``delete``: the caller let go of it
+                self._forget(key)  # as in ``delete``: the caller let go of it
         if sync:
             self.fsync()
 
@@ -718,8 +741,9 @@ class DiskStore:
         key = (m.seq_id, m.key_gen)  # charged under the generation it was staged as
         try:
             with self.env.begin(write=True) as txn:
-                cur = txn.get(m.seq_id.encode(), db=self._manifests)
-                won = cur is None or Manifest.decode(cur).gen <= m.gen
+                raw = txn.get(m.seq_id.encode(), db=self._manifests)
+                prev = Manifest.decode(raw) if raw is not None else None
+                won = prev is None or prev.gen <= m.gen
                 if won:
                     if replace is not None and replace.gen != m.gen:
                         self._delete_blocks(txn, replace)
@@ -740,8 +764,12 @@ class DiskStore:
                 self._hold((m.seq_id, m.gen), n)
             if won and replace is not None and replace.gen != m.gen:
                 self._forget((replace.seq_id, replace.gen))
+            if won and sync and prev is not None and prev.gen != m.gen:
+                self._replaced[(m.seq_id, m.gen)] = prev  # for ``revert`` while the fsync may fail
         if sync:
             self.fsync()
+            with self._acct:
+                self._replaced.pop((m.seq_id, m.gen), None)
         return won
 
     def stage_abort(self, m: Manifest) -> None:

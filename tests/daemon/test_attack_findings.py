@@ -111,13 +111,13 @@ class _PinsTwoWrites(DiskStore):
             cls.staged.set()
             assert cls.go.wait(60)
 
-    def _put(self, txn, w: Write) -> bool:  # type: ignore[no-untyped-def]
+    def _put(self, txn, w: Write, replaced) -> bool:  # type: ignore[no-untyped-def]
         cls = type(self)
         if cls.arm_y and w.manifest.seq_id == "y":
             cls.arm_y = False
             cls.in_txn.set()
             assert cls.release.wait(60)
-        return super()._put(txn, w)
+        return super()._put(txn, w, replaced)
 
     def stage_abort(self, m: Manifest) -> None:
         type(self).aborting.set()
