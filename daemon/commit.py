@@ -20,8 +20,9 @@ passed in. The rules (``docs/protocol.md``, "Versions and commits"):
 
 Primitives:
 - ``Pending``: ids with a commit between its commit point and its publish (REQUIRES:
-  index lock): ``wait(catalog, ids, deadline)``, ``wait_newer(catalog, versions,
-  deadline)``, ``add(ids, gens)``, ``done(catalog, ids, gens)``.
+  index lock): ``wait(catalog, ids, deadline)``, ``add(ids)``, ``done(catalog,
+  ids)``.
+- ``waits(spec, write_through)``: the ids a commit waits for pending commits of.
 - ``commit(engine, lease, expect_nbytes) -> SeqInfo``: a reserved (not windowed) park.
 - ``check_disk(seqs, scan, deleting, all_on_disk)``: the index against LMDB, as assertions.
 """
@@ -55,7 +56,6 @@ class Pending:
 
     def __init__(self) -> None:
         self._ids: dict[str, int] = {}
-        self._gens: dict[str, list[int]] = {}  # the generations those commits take, by id
 
     def busy(self, ids: Iterable[str]) -> bool:
         return any(i in self._ids for i in ids)
@@ -69,40 +69,17 @@ class Pending:
                 raise Unavailable(f"a concurrent park of {ids[0]!r} did not finish in {PENDING_WAIT_S:.0f} s")
             catalog.changed.wait(min(left, 0.5))
 
-    def newer(self, versions: list[tuple[str, int]]) -> bool:
-        """Whether a commit of a newer generation holds one of these ids. REQUIRES: index lock."""
-        return any(g > gen for sid, gen in versions for g in self._gens.get(sid, ()))
-
-    def wait_newer(self, catalog: Catalog, versions: list[tuple[str, int]], deadline: float) -> None:
-        """Wait (the index lock released meanwhile) until no commit of a newer generation
-        holds any of these (id, generation) pairs' ids. Only ever newer: a write loses
-        only to a newer generation, so waits never form a cycle. REQUIRES: index lock."""
-        while self.newer(versions):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise Unavailable(f"a concurrent park of {versions[0][0]!r} did not finish in {PENDING_WAIT_S:.0f} s")
-            catalog.changed.wait(min(left, 0.5))
-
-    def add(self, ids: Iterable[str], gens: Iterable[int] = ()) -> None:
-        """Hold ``ids`` (with the generation each commits, where known: ``wait_newer``)."""
+    def add(self, ids: Iterable[str]) -> None:
         for i in ids:
             self._ids[i] = self._ids.get(i, 0) + 1
-        for i, g in zip(ids, gens):
-            self._gens.setdefault(i, []).append(g)
 
-    def done(self, catalog: Catalog, ids: Iterable[str], gens: Iterable[int] = ()) -> None:
+    def done(self, catalog: Catalog, ids: Iterable[str]) -> None:
         for i in ids:
             n = self._ids.get(i, 0) - 1
             if n > 0:
                 self._ids[i] = n
             else:
                 self._ids.pop(i, None)
-        for i, g in zip(ids, gens):
-            held = self._gens.get(i)
-            if held is not None and g in held:
-                held.remove(g)
-                if not held:
-                    del self._gens[i]
         catalog.changed.notify_all()
 
 
@@ -110,6 +87,17 @@ def creates(spec: ParkSpec) -> list[str]:
     """The ids a park creates, not overwrites: they wait for pending commits of theirs."""
     own = [spec.seq_id] if not spec.is_batch and not spec.overwrite else []
     return own + [b.seq_id for b in spec.blocks]
+
+
+def waits(spec: ParkSpec, write_through: bool) -> list[str]:
+    """The ids a commit waits for pending commits of before it takes its generation: those
+    it creates; under ``write_through``, every id it writes. One commit of an id is on
+    disk at a time then, so a commit refused after its transaction (its fsync failing)
+    undoes exactly its own write, and no older commit's write of the id ever loses to an
+    unanswered newer one and is acknowledged without a copy."""
+    if not write_through:
+        return creates(spec)
+    return ([spec.seq_id] if not spec.is_batch else []) + [b.seq_id for b in spec.blocks]
 
 
 def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo:
@@ -122,7 +110,7 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
     with catalog.lock:
         try:
             engine.check_open()
-            pending.wait(catalog, creates(spec), time.monotonic() + PENDING_WAIT_S)
+            pending.wait(catalog, waits(spec, engine.write_through), time.monotonic() + PENDING_WAIT_S)
             blocks, _old = catalog.plan_commit(lease, expect_nbytes, engine.slot_size)
         except BaseException:
             for a in lease.write_allocs():
@@ -135,8 +123,7 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
             catalog.pin_refs(spec.refs)  # the blocks it names stay until it publishes or fails
             seq = Seq(manifest=spec.manifest(catalog.next_gen(), engine.slot_size), res={tier: alloc})
         held = [b.seq_id for b in blocks] + ([spec.seq_id] if seq is not None else [])
-        held_gens = [b.gen for b in blocks] + ([seq.gen] if seq is not None else [])
-        pending.add(held, held_gens)
+        pending.add(held)
         # The version this replaces keeps its disk records through our write: it is deleted
         # after we publish (``Deletes``), once no read lease reads it. Deleting it in our
         # write transaction would pull it from under a restore that leased it meanwhile.
@@ -164,12 +151,13 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
                     engine.deletes.delete_written(s.manifest, refused=True)
         finally:
             with catalog.lock:
-                pending.done(catalog, held, held_gens)
+                pending.done(catalog, held)
         hint = engine.remote_down()
         if hint and isinstance(sys.exc_info()[1], ResourceExhausted):
             raise ResourceExhausted(f"{sys.exc_info()[1]}; {hint}") from None  # why eviction could not help
         raise
     failed: KVParkError | None = None
+    undo: Manifest | None = None
     with catalog.lock:
         catalog.publish_blocks(blocks)
         gone: list[Seq] = []
@@ -185,57 +173,44 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
                 catalog.unpin_refs(spec.refs)
                 seq.dropped = True
                 catalog.release_dropped(seq)
-                gone = [seq]
+                # Written under write_through, its manifest replaced the version that stays
+                # indexed: undone exactly (that manifest put back), never a plain delete.
+                undo = seq.manifest if seq.on_disk else None
+                seq.on_disk = False
         orphans = catalog.take_orphans()
         forget = engine.retire_remote(gone)
-        pending.done(catalog, held, held_gens)
-    engine.deletes.delete_all(gone + orphans)  # a failure is retried: the park is visible
+    try:
+        if undo is not None:
+            engine.deletes.delete_written(undo, refused=True)
+        engine.deletes.delete_all(gone + orphans)  # a failure is retried: the park is visible
+    finally:
+        engine.disk.settle([s.manifest for s in mine])  # nothing of ours is undone from here on
+        with catalog.lock:
+            pending.done(catalog, held)
     engine.forget_remote(forget)
     if failed is not None:
         raise failed
     if engine.remote is not None and engine.remote.write_through:
         engine.mover.copy_to_remote_later(blocks + ([seq] if seq is not None and not seq.dropped else []))
-    if seq is not None and engine.write_through and not seq.on_disk and not seq.dropped:
-        # Our write lost to a newer generation that then failed to publish: write it now.
-        engine.mover.write_to_disk(seq)
-        engine.disk.fsync()
     return info
 
 
 def write_through_disk(engine: "Engine", blocks: list[Seq], seq: Seq | None, replace: Manifest | None) -> None:
     """Every new sequence of one commit in one transaction, and one fsync.
 
-    A write skipped because a newer generation of its id is on disk lost to a commit not
-    yet answered: that one may still be refused (its fsync failing) and take its manifest
-    back, leaving ours acknowledged with no disk copy. So we wait for the newer commits
-    of our ids to end and write again, until written or a newer version stands
-    (published), within ``PENDING_WAIT_S``."""
+    No other commit of these ids is under way (``waits``), so a write skipped for a newer
+    generation on disk lost to a version adopted from another daemon: acknowledged only
+    when that one stands in the index, else the park is refused (never answered without
+    a copy on disk)."""
     todo = blocks + ([seq] if seq is not None else [])
-    done = dict(zip(map(id, todo), _write(engine, todo, seq, replace)))
-    lost = [s for s in todo if not done[id(s)]]
-    deadline, idle = time.monotonic() + PENDING_WAIT_S, 0
-    while lost:
-        with engine.catalog.lock:
-            # Lost to a newer version that stands (published): nothing more to write.
-            lost = [s for s in lost if not _superseded(engine.catalog, s)]
-            if not lost:
-                break
-            versions = [(s.seq_id, s.gen) for s in lost]
-            # Nothing newer pending, yet we lost and nothing newer stands: a newer commit
-            # ended between our write and now (refused, and undone), or a stray record.
-            # Write again; a record that keeps beating us refuses the park.
-            idle = 0 if engine.pending.newer(versions) else idle + 1
-            if idle > 2:
-                raise Unavailable(f"park of {lost[0].seq_id!r}: a newer generation on disk that no commit holds "
-                                  "keeps its write out; park it again")
-            engine.pending.wait_newer(engine.catalog, versions, deadline)
-        again = _write(engine, lost, seq, replace)
-        for s, ok in zip(lost, again):
-            done[id(s)] = ok
-        lost = [s for s, ok in zip(lost, again) if not ok]
+    done = _write(engine, todo, seq, replace)
     with engine.catalog.lock:
-        for s in todo:
-            s.on_disk = done[id(s)]
+        for s, ok in zip(todo, done):
+            s.on_disk = ok
+        lost = [s for s, ok in zip(todo, done) if not ok and not _superseded(engine.catalog, s)]
+    if lost:
+        raise Unavailable(f"park of {lost[0].seq_id!r}: a newer generation of it on disk that no version in "
+                          "the index stands for kept its write out; park it again")
 
 
 def _superseded(catalog: Catalog, s: Seq) -> bool:

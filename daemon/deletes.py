@@ -59,6 +59,10 @@ class Deletes:
         # How many entries of ``_undeleted`` each (id, generation) has: a drop asks on its
         # hot path (``_queued``), so not a scan. REQUIRES: index lock.
         self._queued_n: dict[tuple[str, int], int] = {}
+        # Queued undos of refused writes whose first try failed: (id, generation) -> the
+        # manifest to put back (``DiskStore.revert``), so the retry is the same undo and
+        # never a plain delete of the manifest. REQUIRES: index lock.
+        self._reverts: dict[tuple[str, int], Manifest | None] = {}
         # Records a ``retry`` took out of ``_undeleted`` and is deleting now: still
         # pending, so a caller waiting for ``pending == 0`` waits for their delete too.
         # REQUIRES: index lock.
@@ -146,14 +150,17 @@ class Deletes:
                 self._later(m, None)
                 return
             self._begin([m])
+            previous = self.disk.take_replaced(m) if refused else None
         try:
             if refused:
-                self.disk.revert(m)
+                self.disk.revert(m, previous)
             else:
                 self.disk.delete(m)
         except KVParkError as e:
             log.warning("delete of %r from disk failed (retried later): %s", m.seq_id, e)
             with self.catalog.lock:
+                if refused:
+                    self._reverts[(m.seq_id, m.gen)] = previous  # retried as the same undo
                 self._enqueue([(m, None)])
         finally:
             self._done([m])
@@ -179,7 +186,13 @@ class Deletes:
         try:
             for i, (m, _) in enumerate(todo):
                 try:
-                    self.disk.delete(m)  # generation-exact: never touches a newer version of the id
+                    key = (m.seq_id, m.gen)
+                    if key in self._reverts:  # a refused write: undone, its replaced manifest back
+                        self.disk.revert(m, self._reverts[key])
+                        with self.catalog.lock:
+                            self._reverts.pop(key, None)
+                    else:
+                        self.disk.delete(m)  # generation-exact: never touches a newer version of the id
                 except KVParkError as e:
                     log.warning("delete of %r from disk failed again: %s", m.seq_id, e)
                     with self.catalog.lock:

@@ -54,7 +54,7 @@ from kvpark.tiers.disk import DiskStore
 from kvpark.tiers.memory import MemTier
 
 from .catalog import Catalog
-from .commit import PENDING_WAIT_S, Pending, creates
+from .commit import PENDING_WAIT_S, Pending, waits
 from .deletes import Deletes
 from .leases import LeaseTable
 from .model import Lease, ParkSpec, Part, ReadHandle, Reservation, Seq, Window
@@ -253,7 +253,7 @@ class Windows:
         refused: BaseException | None = None
         with catalog.lock:
             try:
-                self.pending.wait(catalog, creates(spec), time.monotonic() + PENDING_WAIT_S)
+                self.pending.wait(catalog, waits(spec, self.write_through), time.monotonic() + PENDING_WAIT_S)
             except BaseException as e:
                 refused = e
             else:
@@ -265,7 +265,7 @@ class Windows:
                     replace = None
                     # The commit point: the generation of this version, as for every park kind.
                     final = dataclasses.replace(m, gen=catalog.next_gen(), data_gen=m.key_gen)
-                    self.pending.add(ids, [final.gen])
+                    self.pending.add(ids)
         if refused is not None:
             # The abort is an LMDB write transaction: never under the index lock, which
             # every call needs (a slow disk would stall the whole daemon behind it).
@@ -284,26 +284,21 @@ class Windows:
                 # Pending until the refusal is undone on disk: an older commit of the id
                 # that lost to ours waits for that (see below, and ``commit.py``).
                 with catalog.lock:
-                    self.pending.done(catalog, ids, [final.gen])
+                    self.pending.done(catalog, ids)
             raise
         failed: KVParkError | None = None
         gone: list[Seq] = []
         with self.catalog.lock:
             if not won:
-                # A newer generation of the id reached the disk first. Its commit may still
-                # be refused (its fsync failing) and take its manifest back; ours is gone
-                # from disk, so it is answered only once that one ended: superseded when a
-                # newer version stands, else refused (never acknowledged without a copy).
-                try:
-                    self.pending.wait_newer(catalog, [(m.seq_id, final.gen)], time.monotonic() + PENDING_WAIT_S)
-                except BaseException:
-                    self.pending.done(catalog, ids, [final.gen])
-                    raise
+                # A newer generation of the id reached the disk first (under write_through
+                # no other commit of the id runs meanwhile: one adopted from another daemon).
+                # Ours is gone from disk: superseded when a newer version stands in the
+                # index, else refused (never acknowledged without a copy).
                 cur = catalog.find(m.seq_id)
                 if self.write_through and (cur is None or cur.gen < final.gen):
-                    self.pending.done(catalog, ids, [final.gen])
-                    raise Unavailable(f"a newer park of {m.seq_id!r} that this one lost to on disk was refused; "
-                                      "park it again")
+                    self.pending.done(catalog, ids)
+                    raise Unavailable(f"park of {m.seq_id!r}: a newer generation of it on disk that no version "
+                                      "in the index stands for kept its write out; park it again")
                 seq.on_disk, seq.dropped = False, True
                 info = self.catalog.info_of([seq], [seq])
             else:
@@ -311,12 +306,20 @@ class Windows:
                     gone = self.catalog.publish_commit(seq, spec, replace)
                     info = self.catalog.info(seq) if not seq.dropped else self.catalog.info_of([seq], [seq])
                 except KVParkError as e:  # a concurrent commit or drop changed what we checked
-                    failed, seq.dropped, gone = e, True, [seq]
+                    # Its manifest replaced the version that stays indexed: undone exactly
+                    # (that manifest put back), never a plain delete.
+                    failed, seq.dropped, seq.on_disk = e, True, False
             orphans = self.catalog.take_orphans()
-            self.pending.done(catalog, ids, [final.gen])
             remote = self.mover.remote
             forget = remote.retired(gone) if remote is not None else []
-        self.deletes.delete_all(gone + orphans)
+        try:
+            if failed is not None:
+                self.deletes.delete_written(final, refused=True)
+            self.deletes.delete_all(gone + orphans)
+        finally:
+            self.disk.settle([final])
+            with catalog.lock:
+                self.pending.done(catalog, ids)
         if remote is not None:
             remote.forget(forget)  # not the orphaned blocks: other daemons' sequences may use them
         if failed is not None:

@@ -45,9 +45,10 @@ Primitives:
 - ``release(manifest, keep=False)``: stop charging its generation, its records left for a
   later ``delete`` (a retired copy a read lease still reads; ``keep``: kept from
   ``sweep_orphans`` too until that ``delete`` or ``unkeep``; ``kept``: which).
-- ``revert(refused)``: undo a refused write (committed, fsync failed): its blocks go and
-  the manifest its transaction replaced comes back (if that generation is still held and
-  whole).
+- ``take_replaced(m)``, ``settle(ms)``, ``revert(refused, previous)``: a synced write
+  remembers the manifest its transaction replaced until its commit settles; a refused
+  one (fsync or publish failed) is undone: its blocks go and that manifest comes back
+  (if its generation is still held and whole).
 - ``unpublish(manifest)``: delete its manifest if still current, in its own transaction,
   and leave its block records to a later ``delete``. A retired copy is gone from LMDB's
   view at once, so a crash before its records go never brings it back.
@@ -537,11 +538,8 @@ class DiskStore:
                     self._forget((w.replace.seq_id, w.replace.gen))
         if sync and any(done):
             with self._acct:
-                self._replaced.update(replaced)  # kept for ``revert`` while the fsync may fail
+                self._replaced.update(replaced)  # for ``revert`` until the commit ``settle``s
             self.fsync()
-            with self._acct:
-                for key in replaced:
-                    self._replaced.pop(key, None)  # durable: nothing to revert
         return done
 
     def _write_error(self, e: BaseException) -> BaseException:
@@ -634,16 +632,24 @@ class DiskStore:
         if sync:
             self.fsync()
 
-    def revert(self, m: Manifest, sync: bool = False) -> None:
-        """Undo a refused write of ``m`` (its transaction committed, its fsync failed): its
-        blocks go, and where its manifest is still the current one, the manifest it
-        replaced comes back, if that generation is still held here (not deleted, not
-        retired under a reader) and all its records are there; else the manifest goes
-        too. One transaction. What it replaced is what its own transaction saw: an older
-        commit that won on disk and has not published yet gets its manifest back too."""
-        key = (m.seq_id, m.gen)
+    def take_replaced(self, m: Manifest) -> Manifest | None:
+        """The manifest ``m``'s synced write replaced (its commit not yet settled), taken."""
         with self._acct:
-            previous = self._replaced.pop(key, None)
+            return self._replaced.pop((m.seq_id, m.gen), None)
+
+    def settle(self, ms: Sequence[Manifest]) -> None:
+        """These commits are answered: nothing of theirs will be reverted."""
+        with self._acct:
+            for m in ms:
+                self._replaced.pop((m.seq_id, m.gen), None)
+
+    def revert(self, m: Manifest, previous: Manifest | None, sync: bool = False) -> None:
+        """Undo a refused write of ``m`` (its transaction committed; its fsync or its
+        publish failed): its blocks go, and where its manifest is still the current one,
+        ``previous`` (what its transaction replaced: ``take_replaced``) comes back if that
+        generation is still held here (not deleted, not retired under a reader) and all its
+        records are there; else the manifest goes too. One transaction."""
+        key = (m.seq_id, m.gen)
         try:
             with self.env.begin(write=True) as txn:
                 self._delete_blocks(txn, m)
@@ -653,10 +659,10 @@ class DiskStore:
                     with self._acct:
                         live = previous is not None and (previous.seq_id, previous.gen) in self._held and (
                             previous.seq_id, previous.key_gen) not in self._kept
-                    whole = live and all(
+                    whole = live and previous is not None and all(
                         txn.get(block_key(previous.seq_id, previous.key_gen, i), db=self._blocks) is not None
                         for i in range(len(previous.block_lengths)))
-                    if whole:
+                    if whole and previous is not None:
                         txn.put(name, previous.encode(), db=self._manifests)
                     else:
                         txn.delete(name, db=self._manifests)
@@ -765,11 +771,9 @@ class DiskStore:
             if won and replace is not None and replace.gen != m.gen:
                 self._forget((replace.seq_id, replace.gen))
             if won and sync and prev is not None and prev.gen != m.gen:
-                self._replaced[(m.seq_id, m.gen)] = prev  # for ``revert`` while the fsync may fail
+                self._replaced[(m.seq_id, m.gen)] = prev  # for ``revert`` until the commit ``settle``s
         if sync:
             self.fsync()
-            with self._acct:
-                self._replaced.pop((m.seq_id, m.gen), None)
         return won
 
     def stage_abort(self, m: Manifest) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 import threading
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterator
 
 import lmdb
 import pytest
@@ -15,7 +15,7 @@ import torch
 
 from kvpark.client import Client, KVParkError, Unavailable
 from kvpark.daemon.server import Daemon
-from kvpark.tiers.disk import DiskStore, Manifest, Write
+from kvpark.tiers.disk import DiskStore, Manifest
 
 from ..conftest import wait_until
 from .disk_seams import GatedWrites, crash_image
@@ -96,119 +96,71 @@ def test_a_drop_acknowledged_while_a_refused_overwrite_of_the_id_is_in_its_error
         assert got is None, f"the acknowledged drop of 'x' was undone by a crash: it restores {got}"
 
 
-def waiting_for_other_commits() -> bool:
-    """Some thread waits in ``Pending.wait_newer`` (a commit waiting for a newer one of its id)."""
+def waiting_for_a_commit_of_its_id() -> bool:
+    """Some thread waits in ``Pending.wait`` (a commit waiting for another of its ids)."""
     for frame in sys._current_frames().values():
         f = frame
         while f is not None:
-            if f.f_code.co_name == "wait_newer":
+            if f.f_code.co_name == "wait" and f.f_code.co_filename.endswith("commit.py"):
                 return True
             f = f.f_back
     return False
 
 
-class GatedThenFailingSync(GatedWrites, HeldFailingSync):
-    """A write held before its transaction (``GatedWrites``), and a failing fsync held."""
+class GatedThenFailingSyncs(GatedWrites):
+    """A write held before its transaction (``GatedWrites``); once ``fail_at`` is set,
+    the fsync that many syncs later fails (LMDB's I/O error), after its transaction."""
+
+    fail_at = 0
+    stage_hold = ""  # the same hold for a windowed park's commit transaction
+
+    def stage_commit(self, m: Manifest, replace: Manifest | None = None, sync: bool = False) -> bool:
+        cls = GatedThenFailingSyncs
+        if cls.stage_hold and m.seq_id == cls.stage_hold:
+            cls.stage_hold = ""
+            GatedWrites.entered.set()
+            assert GatedWrites.gate.wait(60), "the test never opened the gate"
+        return super().stage_commit(m, replace, sync=sync)
+
+    def sync(self) -> None:
+        cls = GatedThenFailingSyncs
+        if cls.fail_at:
+            cls.fail_at -= 1
+            if cls.fail_at == 0:
+                raise lmdb.Error("mdb_env_sync: Input/output error")
+        super().sync()
 
 
 @pytest.fixture
-def gated() -> Iterator[type[GatedThenFailingSync]]:
+def gated() -> Iterator[type[GatedThenFailingSyncs]]:
     GatedWrites.entered.clear()
     GatedWrites.gate.clear()
-    GatedThenFailingSync.hold = ""
-    HeldFailingSync.armed = False
-    HeldFailingSync.entered.clear()
-    HeldFailingSync.gate.clear()
-    yield GatedThenFailingSync
-    GatedThenFailingSync.hold = ""
-    HeldFailingSync.armed = False
+    GatedThenFailingSyncs.hold = GatedThenFailingSyncs.stage_hold = ""
+    GatedThenFailingSyncs.fail_at = 0
+    yield GatedThenFailingSyncs
+    GatedThenFailingSyncs.hold = GatedThenFailingSyncs.stage_hold = ""
+    GatedThenFailingSyncs.fail_at = 0
     GatedWrites.gate.set()
-    HeldFailingSync.gate.set()
 
 
-def test_an_acknowledged_write_through_overwrite_is_on_disk_when_a_newer_refused_overwrite_of_the_id_is_reverted(
-        daemon: Callable[..., Daemon], gated: type[GatedThenFailingSync], tmp_path: Path) -> None:
-    """write_through, three versions of "x": v1 on disk. Overwrite B takes its generation
-    (g) and waits before its transaction; overwrite A takes g' > g, commits its
-    transaction (its manifest replaces v1's) and its fsync fails. B's transaction finds
-    g' on disk and skips its write. B once published and was acknowledged with no disk
-    copy, and A's refusal then deleted A's manifest: a SIGKILL lost B. Now B waits for A
-    to end and writes again."""
-    over = {"policy.write": "write_through"}
+@pytest.mark.parametrize("refused", ["none", "first", "second"])
+@pytest.mark.parametrize("first_kind", ["plain", "windowed"])
+def test_a_write_through_commit_waits_for_the_one_of_its_id_under_way_and_a_refusal_undoes_only_itself(
+        daemon: Callable[..., Daemon], gated: type[GatedThenFailingSyncs], tmp_path: Path,
+        refused: str, first_kind: str) -> None:
+    """write_through, "x" v1 on disk. Overwrite B (plain or windowed) is held before its
+    write; overwrite A of "x" then waits for B's commit to end before it takes its
+    generation (one commit of an id on disk at a time). Either may be refused after its
+    transaction committed (its fsync failing): the refusal puts back the manifest it
+    replaced, and the other answers with its copy on disk. Concurrent commits once let an
+    older write lose to a newer unanswered one and be acknowledged with no copy on disk
+    (a crash lost it), or a refusal put back the wrong manifest."""
+    over = {"policy.write": "write_through", "tiers.host.capacity": "4MiB"}
     d = daemon(disk_factory=gated, **over)
     eng = d.engine
     assert eng is not None
     out: dict[str, object] = {}
-
-    def park(name: str, v: int) -> None:
-        with Client(d.address, transport="inline") as c2:
-            try:
-                c2.park("x", [full(MiB, v)], overwrite=True)
-                out[name] = "ok"
-            except KVParkError as e:
-                out[name] = e
-
-    with Client(d.address, transport="inline") as c:
-        c.park("other", [full(MiB, 3)])
-        c.park("x", [full(MiB, 1)])
-        gated.hold = "x"
-        b = threading.Thread(target=park, args=("B", 2))
-        b.start()
-        assert GatedWrites.entered.wait(30), "B never reached its write"
-        HeldFailingSync.armed = True
-        a = threading.Thread(target=park, args=("A", 4))
-        a.start()
-        assert HeldFailingSync.entered.wait(30), "A never reached its fsync"
-        GatedWrites.gate.set()  # B's write finds A's newer manifest on disk
-        # Step: B has either answered (it once did, with no disk copy) or waits for A.
-        assert wait_until(lambda: "B" in out or waiting_for_other_commits(), timeout=30)
-        HeldFailingSync.gate.set()
-        a.join(30)
-        b.join(30)
-        assert isinstance(out.get("A"), KVParkError), out  # A refused
-        assert out.get("B") == "ok", out  # B acknowledged (write_through), after writing again
-        eng.check_invariants()
-        assert [int(t[0]) for t in c.restore("x")] == [2]
-        image = crash_image(eng.disk, str(tmp_path / "crash"))  # a SIGKILL after both answers
-    d.stop(0.5)
-    d2 = daemon(**{"tiers.disk.path": image, **over})
-    with Client(d2.address) as c:
-        assert int(c.restore("other")[0][0]) == 3
-        got = [int(t[0]) for t in c.restore("x")] if c.present(["x"]) == [True] else None
-        assert got == [2], f"the acknowledged write_through overwrite of 'x' was lost by a crash: {got}"
-
-
-class HeldStageCommit(HeldFailingSync):
-    """``stage_commit`` of ``hold`` waits at ``commit_gate`` once (``commit_entered`` set),
-    before its transaction; a failing fsync held as in ``HeldFailingSync``."""
-
-    hold = ""
-    commit_entered = threading.Event()
-    commit_gate = threading.Event()
-
-    def stage_commit(self, m: Manifest, replace: Manifest | None = None, sync: bool = False) -> bool:
-        cls = HeldStageCommit
-        if cls.hold and m.seq_id == cls.hold:
-            cls.hold = ""
-            cls.commit_entered.set()
-            assert cls.commit_gate.wait(60), "the test never opened the gate"
-        return super().stage_commit(m, replace, sync=sync)
-
-
-def test_a_windowed_park_that_lost_to_a_refused_overwrite_is_not_acknowledged(
-        daemon: Callable[..., Daemon], failing: type[HeldFailingSync], tmp_path: Path) -> None:
-    """write_through: windowed park W of "x" takes its generation and waits before its
-    commit transaction; overwrite A takes a newer one, commits, and its fsync fails. W's
-    commit finds A's manifest and loses (its records go). W then waits for A: A is refused
-    and v1's manifest comes back, so W answers UNAVAILABLE (never a success with no copy
-    on disk), and a crash finds v1."""
-    HeldStageCommit.commit_entered.clear()
-    HeldStageCommit.commit_gate.clear()
-    over = {"policy.write": "write_through", "tiers.host.capacity": "4MiB"}
-    d = daemon(disk_factory=HeldStageCommit, **over)
-    eng = d.engine
-    assert eng is not None
-    out: dict[str, object] = {}
+    size = 5 * MiB + 1 if first_kind == "windowed" else 4096
 
     def park(name: str, n: int, v: int) -> None:
         with Client(d.address, transport="inline") as c2:
@@ -218,88 +170,57 @@ def test_a_windowed_park_that_lost_to_a_refused_overwrite_is_not_acknowledged(
             except KVParkError as e:
                 out[name] = e
 
-    try:
-        with Client(d.address, transport="inline") as c:
-            c.park("other", [full(4096, 3)])
-            c.park("x", [full(4096, 1)])
-            HeldStageCommit.hold = "x"
-            w = threading.Thread(target=park, args=("W", 5 * MiB + 1, 2))
-            w.start()
-            assert HeldStageCommit.commit_entered.wait(30), "W never reached its commit"
-            failing.armed = True
-            a = threading.Thread(target=park, args=("A", 4096, 4))
-            a.start()
-            assert failing.entered.wait(30), "A never reached its fsync"
-            HeldStageCommit.commit_gate.set()
-            assert wait_until(lambda: "W" in out or waiting_for_other_commits(), timeout=30)
-            failing.gate.set()
-            a.join(30)
-            w.join(30)
-            assert isinstance(out.get("A"), KVParkError), out
-            assert isinstance(out.get("W"), Unavailable), out
-            assert [int(t[0]) for t in c.restore("x")] == [1]
-            image = crash_image(eng.disk, str(tmp_path / "crash"))
-            eng.check_invariants()
-    finally:
-        HeldStageCommit.hold = ""
-        HeldStageCommit.commit_gate.set()
+    with Client(d.address, transport="inline") as c:
+        c.park("other", [full(4096, 3)])
+        c.park("x", [full(4096, 1)])
+        if first_kind == "plain":
+            gated.hold = "x"  # B's write transaction waits at the gate
+        else:
+            gated.stage_hold = "x"  # B's commit transaction (windowed) waits at the gate
+        b = threading.Thread(target=park, args=("B", size, 2))
+        b.start()
+        assert GatedWrites.entered.wait(30), "B never reached its commit"
+        a = threading.Thread(target=park, args=("A", 4096, 4))
+        a.start()
+        assert wait_until(waiting_for_a_commit_of_its_id, timeout=30), "A did not wait for B"
+        gated.fail_at = {"none": 0, "first": 1, "second": 2}[refused]
+        GatedWrites.gate.set()
+        b.join(60)
+        a.join(60)
+        want = {"none": ("ok", "ok", 4), "first": (Unavailable, "ok", 4), "second": ("ok", Unavailable, 2)}[refused]
+        for name, w in zip("BA", want[:2]):
+            assert out.get(name) == w if w == "ok" else isinstance(out.get(name), w), out
+        assert [int(t[0]) for t in c.restore("x")] == [want[2]]
+        eng.check_invariants()
+        image = crash_image(eng.disk, str(tmp_path / "crash"))  # a SIGKILL after both answers
     d.stop(0.5)
     d2 = daemon(**{"tiers.disk.path": image, **over})
     with Client(d2.address) as c:
-        assert [int(t[0]) for t in c.restore("x")] == [1] and int(c.restore("other")[0][0]) == 3
+        assert [int(t[0]) for t in c.restore("x")] == [want[2]] and int(c.restore("other")[0][0]) == 3
 
 
-class HeldWrites(DiskStore):
-    """The next ``n`` write transactions holding "x" wait at ``gate`` (``arrived`` counts them)."""
+def test_a_write_through_commit_that_gives_up_waiting_leaves_nothing_pending(
+        daemon: Callable[..., Daemon], gated: type[GatedThenFailingSyncs], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait for the commit of the id under way is bounded: past it the park answers
+    UNAVAILABLE and holds nothing, so the id parks again once the other commit ended."""
+    from kvpark.daemon import commit as commit_mod
 
-    n = 0
-    arrived = 0
-    lock = threading.Lock()
-    gate = threading.Event()
-
-    def write_many(self, writes: Sequence[Write], sync: bool = False) -> list[bool]:
-        cls = HeldWrites
-        with cls.lock:
-            mine = cls.n > 0 and any(w.manifest.seq_id == "x" for w in writes)
-            if mine:
-                cls.n -= 1
-                cls.arrived += 1
-        if mine:
-            assert cls.gate.wait(60), "the test never opened the gate"
-        return super().write_many(writes, sync=sync)
-
-
-def test_two_older_overwrites_that_lost_to_a_newer_one_on_disk_both_answer(daemon: Callable[..., Daemon]) -> None:
-    """write_through, three overwrites of "x": the two older ones wait before their write
-    transactions while the newest commits and answers. Both older writes then lose to it
-    on disk, and each waits only for commits newer than itself, never for the other
-    (waiting for each other, they hung until the pending wait gave up)."""
-    HeldWrites.n, HeldWrites.arrived = 2, 0
-    HeldWrites.gate.clear()
-    d = daemon(disk_factory=HeldWrites, **{"policy.write": "write_through"})
+    monkeypatch.setattr(commit_mod, "PENDING_WAIT_S", 1.0)
+    d = daemon(disk_factory=gated, **{"policy.write": "write_through"})
+    eng = d.engine
+    assert eng is not None
     out: dict[str, object] = {}
-
-    def park(name: str, v: int) -> None:
-        with Client(d.address, transport="inline") as c2:
-            try:
-                c2.park("x", [full(4096, v)], overwrite=True)
-                out[name] = "ok"
-            except KVParkError as e:
-                out[name] = e
-
-    try:
-        older = [threading.Thread(target=park, args=(f"old{v}", v)) for v in (1, 2)]
-        for t in older:
-            t.start()
-        assert wait_until(lambda: HeldWrites.arrived == 2, timeout=30)
-        park("new", 3)  # not held: commits and answers first
-        HeldWrites.gate.set()
-        for t in older:
-            t.join(30)
-        assert out == {"old1": "ok", "old2": "ok", "new": "ok"}, out
-        with Client(d.address) as c:
-            assert [int(t[0]) for t in c.restore("x")] == [3]  # the newest stands
-        assert d.engine is not None
-        d.engine.check_invariants()
-    finally:
-        HeldWrites.gate.set()
+    with Client(d.address, transport="inline") as c:
+        c.park("x", [full(4096, 1)])
+        gated.hold = "x"
+        b = threading.Thread(target=lambda: out.update(B=c.park("x", [full(4096, 2)], overwrite=True)))
+        b.start()
+        assert GatedWrites.entered.wait(30)
+        with Client(d.address, transport="inline") as c2, pytest.raises(Unavailable, match="did not finish"):
+            c2.park("x", [full(4096, 4)], overwrite=True)
+        GatedWrites.gate.set()
+        b.join(30)
+        assert "B" in out and not eng.pending.busy(["x"])
+        c.park("x", [full(4096, 5)], overwrite=True)
+        assert [int(t[0]) for t in c.restore("x")] == [5]
+        eng.check_invariants()

@@ -11,7 +11,7 @@ import kvpark.tiers.copy as copymod
 from kvpark.tiers.copy import D2D, D2H, H2D, CopyEngine, chunked
 
 from ..conftest import wait_until
-from .test_copy import Held
+from .test_copy import Held, in_flight
 
 
 class Boom(torch.Tensor):
@@ -192,6 +192,9 @@ def test_piece_larger_than_budget_behind_a_held_copy() -> None:
     t = torch.zeros(64, dtype=torch.uint8)
     try:
         h = eng.submit([(torch.zeros(2, dtype=torch.uint8).as_subclass(Held), t[:2])], restore=False, direction=D2H)
+        # The held copy is in flight before the big one comes (on busy cores its dispatch
+        # could otherwise come second, and the big one would rightly run alone).
+        assert wait_until(lambda: in_flight(eng, D2H), timeout=10)
         big = eng.submit([(torch.zeros(4, 4), torch.ones(4, 4))], restore=True, direction=D2H)
         assert not big.wait(0.3)
         Held.gate.set()
