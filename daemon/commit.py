@@ -143,15 +143,19 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
                 catalog.unpin_refs(spec.refs)
         # Written and committed, then its fsync failed: the park is refused, so what it
         # wrote must not come back at the next start (nor stay charged to nobody). Our ids
-        # stay pending until that is done: an older commit of them whose write lost to ours
-        # waits for it to write again (``write_through_disk``).
+        # stay pending until that is done: the next commit of them waits for it (``waits``).
         try:
             for s in mine:
                 if engine.disk.holds(s.manifest):
                     engine.deletes.delete_written(s.manifest, refused=True)
         finally:
             with catalog.lock:
-                pending.done(catalog, held)
+                # An undo that failed keeps its id pending until ``retry`` redoes it.
+                stuck = [s.seq_id for s in mine if engine.deletes.undo_queued(s.manifest)]
+                free = list(held)
+                for sid in stuck:
+                    free.remove(sid)
+                pending.done(catalog, free)
         hint = engine.remote_down()
         if hint and isinstance(sys.exc_info()[1], ResourceExhausted):
             raise ResourceExhausted(f"{sys.exc_info()[1]}; {hint}") from None  # why eviction could not help

@@ -15,6 +15,9 @@ Primitives:
   lease still reads is deleted after the lease (``retry``), so the read gets the
   version it leased, never a record missing under it.
 - ``delete_all(seqs) -> KVParkError | None``: every one tried; the first failure returned.
+- ``undo_queued(m)``, ``on_undone``: a refused write whose undo failed keeps its ids
+  pending until ``retry`` undoes it; a delete of another version of the id first deletes
+  that refused manifest.
 - ``deleting(seq)``: its generation's delete is under way (REQUIRES: index lock); a
   writer of its disk copy leaves it to a later pass.
 - ``delete_written(m, refused=False)``: the record of a write that lost to a drop or an
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 from kvpark.proto.errors import KVParkError
 from kvpark.tiers.disk import DiskStore, Manifest
@@ -62,7 +66,11 @@ class Deletes:
         # Queued undos of refused writes whose first try failed: (id, generation) -> the
         # manifest to put back (``DiskStore.revert``), so the retry is the same undo and
         # never a plain delete of the manifest. REQUIRES: index lock.
-        self._reverts: dict[tuple[str, int], Manifest | None] = {}
+        self._reverts: dict[tuple[str, int], tuple[Manifest, Manifest | None]] = {}
+        # Called (index lock held) with the ids whose queued undo went through: the commit
+        # that was refused kept them pending until then (``commit.py``), so nothing else
+        # of the id touches the disk while a refused manifest may still be current.
+        self.on_undone: Callable[[list[str]], None] | None = None
         # Records a ``retry`` took out of ``_undeleted`` and is deleting now: still
         # pending, so a caller waiting for ``pending == 0`` waits for their delete too.
         # REQUIRES: index lock.
@@ -73,6 +81,18 @@ class Deletes:
         records are then queued for ``retry``, or left to the lease or the write that
         holds them)."""
         m = seq.manifest
+        with self.catalog.lock:
+            # A refused write of this id whose undo failed may still own the current
+            # manifest: it goes with this delete, before the caller answers (its records
+            # go with the queued undo), or a crash would show the refused bytes.
+            refused = [rm for (sid, g), (rm, _) in self._reverts.items() if sid == seq.seq_id and g != seq.gen]
+        try:
+            self._delete(seq, m)
+        finally:
+            for rm in refused:
+                self.disk.unpublish(rm)  # generation-exact; a failure is the caller's answer
+
+    def _delete(self, seq: Seq, m: Manifest) -> None:
         with self.catalog.lock:
             # Another record of this generation (adopted again from the remote tier after
             # this one was retired): the records are shared with it. Never the sequence
@@ -160,7 +180,7 @@ class Deletes:
             log.warning("delete of %r from disk failed (retried later): %s", m.seq_id, e)
             with self.catalog.lock:
                 if refused:
-                    self._reverts[(m.seq_id, m.gen)] = previous  # retried as the same undo
+                    self._reverts[(m.seq_id, m.gen)] = (m, previous)  # retried as the same undo
                 self._enqueue([(m, None)])
         finally:
             self._done([m])
@@ -188,9 +208,11 @@ class Deletes:
                 try:
                     key = (m.seq_id, m.gen)
                     if key in self._reverts:  # a refused write: undone, its replaced manifest back
-                        self.disk.revert(m, self._reverts[key])
+                        self.disk.revert(m, self._reverts[key][1])
                         with self.catalog.lock:
                             self._reverts.pop(key, None)
+                            if self.on_undone is not None:
+                                self.on_undone([m.seq_id])
                     else:
                         self.disk.delete(m)  # generation-exact: never touches a newer version of the id
                 except KVParkError as e:
@@ -229,6 +251,10 @@ class Deletes:
                 else:
                     self._busy.pop(key, None)
             self.catalog.changed.notify_all()
+
+    def undo_queued(self, m: Manifest) -> bool:
+        """The undo of ``m``'s refused write failed and waits for ``retry``. REQUIRES: index lock."""
+        return (m.seq_id, m.gen) in self._reverts
 
     def _queued(self, m: Manifest) -> bool:
         """A delete of ``m``'s generation waits in the queue (it failed once, or a lease

@@ -156,6 +156,8 @@ class Engine:
         self.catalog.disk_pressure = self.mover.disk_pressure
         self.pending = commit.Pending()  # ids between their commit point and their publish
         self.deletes = self.mover.deletes  # retired disk copies, retried on failure (``deletes.py``)
+        # A refused commit whose undo failed keeps its ids pending until the retry undoes it.
+        self.deletes.on_undone = lambda ids: self.pending.done(self.catalog, ids)
         self.windows = Windows(self.catalog, self.leases, self.disk, self.mover, self.tiers, self.slot_size,
                                config.tiers.host.window_size, self.write_through,
                                self.pending, self.deletes)

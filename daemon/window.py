@@ -281,10 +281,11 @@ class Windows:
                 else:  # committed, then its fsync failed: refused, so it must not come back at a restart
                     self.deletes.delete_written(final, refused=True)  # the version it replaced stays
             finally:
-                # Pending until the refusal is undone on disk: an older commit of the id
-                # that lost to ours waits for that (see below, and ``commit.py``).
+                # Pending until the refusal is undone on disk (the next commit of the id
+                # waits for that); an undo that failed keeps it pending until ``retry``.
                 with catalog.lock:
-                    self.pending.done(catalog, ids)
+                    if not self.deletes.undo_queued(final):
+                        self.pending.done(catalog, ids)
             raise
         failed: KVParkError | None = None
         gone: list[Seq] = []
