@@ -144,17 +144,15 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
         # Written and committed, then its fsync failed: the park is refused, so what it
         # wrote must not come back at the next start (nor stay charged to nobody). Our ids
         # stay pending until that is done: the next commit of them waits for it (``waits``).
+        free = list(held)
         try:
             for s in mine:
-                if engine.disk.holds(s.manifest):
-                    engine.deletes.delete_written(s.manifest, refused=True)
+                # An undo that failed is queued and keeps (owns) its id's hold until
+                # ``retry`` redoes it; every other id is released here, exactly once.
+                if engine.disk.holds(s.manifest) and engine.deletes.delete_written(s.manifest, refused=True, hold=True):
+                    free.remove(s.seq_id)
         finally:
             with catalog.lock:
-                # An undo that failed keeps its id pending until ``retry`` redoes it.
-                stuck = [s.seq_id for s in mine if engine.deletes.undo_queued(s.manifest)]
-                free = list(held)
-                for sid in stuck:
-                    free.remove(sid)
                 pending.done(catalog, free)
         hint = engine.remote_down()
         if hint and isinstance(sys.exc_info()[1], ResourceExhausted):
@@ -183,14 +181,15 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
                 seq.on_disk = False
         orphans = catalog.take_orphans()
         forget = engine.retire_remote(gone)
+    free = list(held)
     try:
-        if undo is not None:
-            engine.deletes.delete_written(undo, refused=True)
+        if undo is not None and engine.deletes.delete_written(undo, refused=True, hold=True):
+            free.remove(undo.seq_id)  # its queued undo owns that hold now
         engine.deletes.delete_all(gone + orphans)  # a failure is retried: the park is visible
     finally:
         engine.disk.settle([s.manifest for s in mine])  # nothing of ours is undone from here on
         with catalog.lock:
-            pending.done(catalog, held)
+            pending.done(catalog, free)
     engine.forget_remote(forget)
     if failed is not None:
         raise failed

@@ -15,9 +15,10 @@ Primitives:
   lease still reads is deleted after the lease (``retry``), so the read gets the
   version it leased, never a record missing under it.
 - ``delete_all(seqs) -> KVParkError | None``: every one tried; the first failure returned.
-- ``undo_queued(m)``, ``on_undone``: a refused write whose undo failed keeps its ids
-  pending until ``retry`` undoes it; a delete of another version of the id first deletes
-  that refused manifest.
+- ``delete_written(m, refused=True, hold=True) -> queued``, ``on_undone``: a refused
+  write whose undo failed keeps its id pending until ``retry`` undoes it (the queued undo
+  owns the hold: exactly one release); a delete of another version of the id deletes
+  that refused manifest too.
 - ``deleting(seq)``: its generation's delete is under way (REQUIRES: index lock); a
   writer of its disk copy leaves it to a later pass.
 - ``delete_written(m, refused=False)``: the record of a write that lost to a drop or an
@@ -66,7 +67,7 @@ class Deletes:
         # Queued undos of refused writes whose first try failed: (id, generation) -> the
         # manifest to put back (``DiskStore.revert``), so the retry is the same undo and
         # never a plain delete of the manifest. REQUIRES: index lock.
-        self._reverts: dict[tuple[str, int], tuple[Manifest, Manifest | None]] = {}
+        self._reverts: dict[tuple[str, int], tuple[Manifest, Manifest | None, bool]] = {}
         # Called (index lock held) with the ids whose queued undo went through: the commit
         # that was refused kept them pending until then (``commit.py``), so nothing else
         # of the id touches the disk while a refused manifest may still be current.
@@ -85,7 +86,7 @@ class Deletes:
             # A refused write of this id whose undo failed may still own the current
             # manifest: it goes with this delete, before the caller answers (its records
             # go with the queued undo), or a crash would show the refused bytes.
-            refused = [rm for (sid, g), (rm, _) in self._reverts.items() if sid == seq.seq_id and g != seq.gen]
+            refused = [e[0] for (sid, g), e in self._reverts.items() if sid == seq.seq_id and g != seq.gen]
         try:
             self._delete(seq, m)
         finally:
@@ -159,16 +160,19 @@ class Deletes:
                 first = first or e
         return first
 
-    def delete_written(self, m: Manifest, refused: bool = False) -> None:
+    def delete_written(self, m: Manifest, refused: bool = False, hold: bool = False) -> bool:
         """Delete a record just written for a version retired meanwhile (a demotion, a
         flush or a fetch that lost to a drop or an overwrite). Nobody reads it: it was
         never on disk for the index. A delete that fails is retried, never left behind.
-        ``refused``: a park whose write committed and whose fsync failed; the manifest it
-        replaced (the indexed version of its id, on disk) is put back (``DiskStore.revert``)."""
+        ``refused``: a park whose write committed and whose fsync or publish failed: undone
+        (``DiskStore.revert``: the manifest its transaction replaced is put back). Returns
+        True when that undo failed and was queued; with ``hold``, the queued undo then owns
+        the commit's pending hold of the id and releases it (``on_undone``) once ``retry``
+        has undone it: exactly one of the two releases it."""
         with self.catalog.lock:
             if self._twin(m) is not None:
                 self._later(m, None)
-                return
+                return False
             self._begin([m])
             previous = self.disk.take_replaced(m) if refused else None
         try:
@@ -176,14 +180,23 @@ class Deletes:
                 self.disk.revert(m, previous)
             else:
                 self.disk.delete(m)
+            return False
         except KVParkError as e:
             log.warning("delete of %r from disk failed (retried later): %s", m.seq_id, e)
             with self.catalog.lock:
                 if refused:
-                    self._reverts[(m.seq_id, m.gen)] = (m, previous)  # retried as the same undo
+                    self._reverts[(m.seq_id, m.gen)] = (m, previous, hold)  # retried as the same undo
                 self._enqueue([(m, None)])
+            return refused
         finally:
             self._done([m])
+
+    def _undone(self, m: Manifest) -> None:
+        """A queued undo is over (done, or its records are another version's now): release
+        the hold it owns. REQUIRES: index lock."""
+        entry = self._reverts.pop((m.seq_id, m.gen), None)
+        if entry is not None and entry[2] and self.on_undone is not None:
+            self.on_undone([m.seq_id])
 
     def retry(self) -> int:
         with self.catalog.lock:
@@ -192,6 +205,7 @@ class Deletes:
                 cur = self._twin(m)  # the indexed version of this generation, if any
                 if cur is not None and cur.on_disk:
                     self.disk.unkeep(m)  # written again (same keys): the records are its own now
+                    self._undone(m)
                     continue
                 # Kept: records a read lease still reads, or those a twin adopted again from
                 # the remote tier may need. The live version itself, not on disk (a failed
@@ -210,9 +224,7 @@ class Deletes:
                     if key in self._reverts:  # a refused write: undone, its replaced manifest back
                         self.disk.revert(m, self._reverts[key][1])
                         with self.catalog.lock:
-                            self._reverts.pop(key, None)
-                            if self.on_undone is not None:
-                                self.on_undone([m.seq_id])
+                            self._undone(m)
                     else:
                         self.disk.delete(m)  # generation-exact: never touches a newer version of the id
                 except KVParkError as e:
@@ -251,10 +263,6 @@ class Deletes:
                 else:
                     self._busy.pop(key, None)
             self.catalog.changed.notify_all()
-
-    def undo_queued(self, m: Manifest) -> bool:
-        """The undo of ``m``'s refused write failed and waits for ``retry``. REQUIRES: index lock."""
-        return (m.seq_id, m.gen) in self._reverts
 
     def _queued(self, m: Manifest) -> bool:
         """A delete of ``m``'s generation waits in the queue (it failed once, or a lease

@@ -275,16 +275,18 @@ class Windows:
         try:
             won = self.disk.stage_commit(final, replace, sync=self.write_through)
         except BaseException:
+            owned = False
             try:
                 if not self.disk.holds(final):  # the transaction failed (not a sync after it): nothing published
                     self.disk.stage_abort(m)
                 else:  # committed, then its fsync failed: refused, so it must not come back at a restart
-                    self.deletes.delete_written(final, refused=True)  # the version it replaced stays
+                    # The version it replaced stays; an undo that failed owns our hold.
+                    owned = self.deletes.delete_written(final, refused=True, hold=True)
             finally:
                 # Pending until the refusal is undone on disk (the next commit of the id
-                # waits for that); an undo that failed keeps it pending until ``retry``.
-                with catalog.lock:
-                    if not self.deletes.undo_queued(final):
+                # waits for that); released here unless a queued undo owns it.
+                if not owned:
+                    with catalog.lock:
                         self.pending.done(catalog, ids)
             raise
         failed: KVParkError | None = None
@@ -313,14 +315,16 @@ class Windows:
             orphans = self.catalog.take_orphans()
             remote = self.mover.remote
             forget = remote.retired(gone) if remote is not None else []
+        owned = False
         try:
             if failed is not None:
-                self.deletes.delete_written(final, refused=True)
+                owned = self.deletes.delete_written(final, refused=True, hold=True)
             self.deletes.delete_all(gone + orphans)
         finally:
             self.disk.settle([final])
-            with catalog.lock:
-                self.pending.done(catalog, ids)
+            if not owned:
+                with catalog.lock:
+                    self.pending.done(catalog, ids)
         if remote is not None:
             remote.forget(forget)  # not the orphaned blocks: other daemons' sequences may use them
         if failed is not None:

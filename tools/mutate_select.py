@@ -69,7 +69,7 @@ SUBSET = [
     "tests/daemon/test_crash_after_ack.py", "tests/client/test_benchkit.py", "tests/client/test_bench_units.py",
     "tests/daemon/test_evict_delete_attacks.py", "tests/daemon/test_delete_race_attacks.py",
     "tests/daemon/test_refused_overwrite_attacks.py", "tests/daemon/test_revert_attacks.py",
-    "tests/daemon/test_undo_failure_attacks.py",
+    "tests/daemon/test_undo_failure_attacks.py", "tests/daemon/test_undo_hold_attacks.py",
 ]
 def _spawning() -> list[str]:
     """The subset's test files that start child processes (daemons, clients) and may kill
