@@ -206,7 +206,11 @@ def write_through_disk(engine: "Engine", blocks: list[Seq], seq: Seq | None, rep
     when that one stands in the index, else the park is refused (never answered without
     a copy on disk)."""
     todo = blocks + ([seq] if seq is not None else [])
-    done = _write(engine, todo, seq, replace)
+    writes = []
+    for s in todo:
+        name, a = next(iter(s.res.items()))
+        writes.append(Write(s.manifest, engine.tiers[name].views(a), replace if s is seq else None))
+    done = engine.disk.write_many(writes, sync=True)
     with engine.catalog.lock:
         for s, ok in zip(todo, done):
             s.on_disk = ok
@@ -220,14 +224,6 @@ def _superseded(catalog: Catalog, s: Seq) -> bool:
     """A newer version of ``s``'s id is published. REQUIRES: index lock."""
     cur = catalog.find(s.seq_id)
     return cur is not None and cur.gen > s.gen
-
-
-def _write(engine: "Engine", todo: list[Seq], seq: Seq | None, replace: Manifest | None) -> list[bool]:
-    writes = []
-    for s in todo:
-        name, a = next(iter(s.res.items()))
-        writes.append(Write(s.manifest, engine.tiers[name].views(a), replace if s is seq else None))
-    return engine.disk.write_many(writes, sync=True)
 
 
 def check_disk(seqs: list[Seq], scan: Scan, deleting: set[tuple[str, int]], all_on_disk: bool) -> None:
