@@ -21,7 +21,8 @@ passed in. The rules (``docs/protocol.md``, "Versions and commits"):
 Primitives:
 - ``Pending``: ids with a commit between its commit point and its publish (REQUIRES:
   index lock): ``wait(catalog, ids, deadline)``, ``add(ids)``, ``done(catalog,
-  ids)``.
+  ids)``, ``close(catalog)`` (every wait then ends ``Unavailable``: a stop never waits
+  out a commit that a failing disk keeps pending).
 - ``waits(spec, write_through)``: the ids a commit waits for pending commits of.
 - ``commit(engine, lease, expect_nbytes) -> SeqInfo``: a reserved (not windowed) park.
 - ``check_disk(seqs, scan, deleting, all_on_disk)``: the index against LMDB, as assertions.
@@ -56,6 +57,7 @@ class Pending:
 
     def __init__(self) -> None:
         self._ids: dict[str, int] = {}
+        self._closed = False
 
     def busy(self, ids: Iterable[str]) -> bool:
         return any(i in self._ids for i in ids)
@@ -63,11 +65,21 @@ class Pending:
     def wait(self, catalog: Catalog, ids: list[str], deadline: float) -> None:
         """Wait (the index lock released meanwhile) until no commit holds any of ``ids``.
         REQUIRES: index lock; the caller validates again after."""
-        while self.busy(ids):
+        while True:
+            # Checked after every wake too: a stop that came while we waited ends the wait.
+            if self._closed:
+                raise Unavailable("daemon is shutting down")
+            if not self.busy(ids):
+                return
             left = deadline - time.monotonic()
             if left <= 0:
                 raise Unavailable(f"a concurrent park of {ids[0]!r} did not finish in {PENDING_WAIT_S:.0f} s")
             catalog.changed.wait(min(left, 0.5))
+
+    def close(self, catalog: Catalog) -> None:
+        """The engine is closing: waiters give up now (REQUIRES: index lock)."""
+        self._closed = True
+        catalog.changed.notify_all()
 
     def add(self, ids: Iterable[str]) -> None:
         for i in ids:

@@ -19,8 +19,8 @@ Primitives:
   write whose undo failed keeps its id pending until ``retry`` undoes it (the queued undo
   owns the hold: exactly one release); a delete of another version of the id deletes
   that refused manifest too.
-- ``deleting(seq)``: its generation's delete is under way (REQUIRES: index lock); a
-  writer of its disk copy leaves it to a later pass.
+- ``deleting(seq)``: its generation's delete is under way or queued (REQUIRES: index
+  lock); a writer of its disk copy leaves it to a later pass.
 - ``delete_written(m, refused=False)``: the record of a write that lost to a drop or an
   overwrite while it ran, or of a refused park (``refused``: the manifest it replaced is
   put back); a failure is retried.
@@ -64,6 +64,9 @@ class Deletes:
         # How many entries of ``_undeleted`` each (id, generation) has: a drop asks on its
         # hot path (``_queued``), so not a scan. REQUIRES: index lock.
         self._queued_n: dict[tuple[str, int], int] = {}
+        # The same, for entries with their Seq, by its identity (``deleting``; each entry
+        # holds its Seq, so the identity is not reused while queued). REQUIRES: index lock.
+        self._queued_seqs: dict[int, int] = {}
         # Queued undos of refused writes whose first try failed: (id, generation) -> the
         # manifest to put back (``DiskStore.revert``), so the retry is the same undo and
         # never a plain delete of the manifest. REQUIRES: index lock.
@@ -146,9 +149,14 @@ class Deletes:
             self._done([m])
 
     def deleting(self, seq: Seq) -> bool:
-        """Whether ``seq``'s generation is being deleted from disk now: a writer of its disk
-        copy (the same record keys) waits for a later pass. REQUIRES: index lock."""
-        return (seq.seq_id, seq.gen) in self._busy
+        """Whether a delete of ``seq``'s generation is under way or queued for ``retry`` (a
+        disk eviction whose delete failed): a writer of its disk copy (the same record keys)
+        waits for a later pass. A queued one counts too: the retry's delete would otherwise
+        take the records a write made between its check here and its transaction.
+        REQUIRES: index lock."""
+        # Its own queued delete, not one of a retired version of its generation (its twin
+        # waits for it to be written again: ``retry``).
+        return (seq.seq_id, seq.gen) in self._busy or id(seq) in self._queued_seqs
 
     def delete_all(self, seqs: list[Seq]) -> KVParkError | None:
         first: KVParkError | None = None
@@ -175,14 +183,16 @@ class Deletes:
                 return False
             self._begin([m])
             previous = self.disk.take_replaced(m) if refused else None
+            pinned = self._pin_of(previous)
         try:
             if refused:
-                self.disk.revert(m, previous)
+                self.disk.revert(m, previous, pinned=pinned)
             else:
                 self.disk.delete(m)
             return False
-        except KVParkError as e:
-            log.warning("delete of %r from disk failed (retried later): %s", m.seq_id, e)
+        except Exception as e:  # noqa: BLE001 (any failure: the undo must not be lost)
+            log.warning("delete of %r from disk failed (retried later): %s", m.seq_id, e,
+                        exc_info=not isinstance(e, KVParkError))
             with self.catalog.lock:
                 if refused:
                     self._reverts[(m.seq_id, m.gen)] = (m, previous, hold)  # retried as the same undo
@@ -214,6 +224,7 @@ class Deletes:
                 (keep if twin is not None or s is not None and s.readers.get("disk") else todo).append((m, s))
             self._undeleted = []
             self._queued_n.clear()
+            self._queued_seqs.clear()
             self._enqueue(keep)
             self._begin([m for m, _ in todo])
             self._retrying += len(todo)
@@ -222,13 +233,17 @@ class Deletes:
                 try:
                     key = (m.seq_id, m.gen)
                     if key in self._reverts:  # a refused write: undone, its replaced manifest back
-                        self.disk.revert(m, self._reverts[key][1])
+                        with self.catalog.lock:
+                            previous = self._reverts[key][1]
+                            pinned = self._pin_of(previous)
+                        self.disk.revert(m, previous, pinned=pinned)
                         with self.catalog.lock:
                             self._undone(m)
                     else:
                         self.disk.delete(m)  # generation-exact: never touches a newer version of the id
-                except KVParkError as e:
-                    log.warning("delete of %r from disk failed again: %s", m.seq_id, e)
+                except Exception as e:  # noqa: BLE001 (any failure: what is left stays queued)
+                    log.warning("delete of %r from disk failed again: %s", m.seq_id, e,
+                                exc_info=not isinstance(e, KVParkError))
                     with self.catalog.lock:
                         self._enqueue(todo[i:])
                     return i
@@ -275,6 +290,17 @@ class Deletes:
             self._undeleted.append((m, s))
             key = (m.seq_id, m.gen)
             self._queued_n[key] = self._queued_n.get(key, 0) + 1
+            if s is not None:
+                self._queued_seqs[id(s)] = self._queued_seqs.get(id(s), 0) + 1
+
+    def _pin_of(self, previous: Manifest | None) -> Callable[[], bool] | None:
+        """The pin of ``previous``'s generation as the index has it when an undo puts that
+        manifest back (asked inside the undo's transaction: a pin acknowledged while the
+        refused manifest was current wrote nothing to disk). REQUIRES: index lock."""
+        cur = self.catalog.find(previous.seq_id) if previous is not None else None
+        if cur is None or previous is None or cur.gen != previous.gen:
+            return None
+        return lambda: cur.manifest.pinned  # attribute reads: no lock inside the transaction
 
     def _twin(self, m: Manifest) -> Seq | None:
         """The indexed version of ``m``'s id if it has ``m``'s generation (adopted again

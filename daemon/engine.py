@@ -198,6 +198,7 @@ class Engine:
                 return
             self._closed = True
             self.catalog.wake.notify_all()
+            self.pending.close(self.catalog)  # parks waiting on a pending id answer UNAVAILABLE now
         self.mover.close()
         if self._thread is not None:
             self._thread.join()

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, TypeVar
 
-from kvpark.proto.errors import DataLoss, NotFound
+from kvpark.proto.errors import DataLoss, NotFound, Unavailable
 from kvpark.tiers.disk import Manifest
 
 from .model import Seq
@@ -44,6 +44,11 @@ def fetch_remote_locked(mover: "Mover", seq: Seq) -> None:
     with mover.catalog.lock:
         if seq.dropped or seq.res or seq.on_disk or not seq.on_remote:
             return
+        if mover.deletes.deleting(seq):
+            # Its old disk copy's delete (the same record keys) failed and waits for the
+            # maintenance retry, which would take the records written now.
+            raise Unavailable(f"sequence {seq.seq_id!r}: its earlier disk copy is still being deleted; "
+                              "retry shortly")
     m = seq.manifest
     blocks = remote_blocks(mover, seq)
     mover.evict_disk(m.nbytes, exclude=seq)

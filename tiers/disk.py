@@ -45,10 +45,12 @@ Primitives:
 - ``release(manifest, keep=False)``: stop charging its generation, its records left for a
   later ``delete`` (a retired copy a read lease still reads; ``keep``: kept from
   ``sweep_orphans`` too until that ``delete`` or ``unkeep``; ``kept``: which).
-- ``take_replaced(m)``, ``settle(ms)``, ``revert(refused, previous)``: a synced write
-  remembers the manifest its transaction replaced until its commit settles; a refused
-  one (fsync or publish failed) is undone: its blocks go and that manifest comes back
-  (if its generation is still held and whole).
+- ``take_replaced(m)``, ``settle(ms)``, ``revert(refused, previous, pinned)``: a synced
+  write, and every ``stage_commit``, remembers the manifest its transaction replaced until
+  its commit settles; a refused one (fsync or publish failed) is undone: its blocks go and
+  that manifest comes back (if its generation is still held and whole), with the pin
+  ``pinned()`` reads inside the undo's transaction (a pin acknowledged meanwhile found
+  the refused manifest current and wrote nothing).
 - ``unpublish(manifest)``: delete its manifest if still current, in its own transaction,
   and leave its block records to a later ``delete``. A retired copy is gone from LMDB's
   view at once, so a crash before its records go never brings it back.
@@ -79,6 +81,7 @@ small lock, never held across I/O.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import json
@@ -643,12 +646,16 @@ class DiskStore:
             for m in ms:
                 self._replaced.pop((m.seq_id, m.gen), None)
 
-    def revert(self, m: Manifest, previous: Manifest | None, sync: bool = False) -> None:
+    def revert(self, m: Manifest, previous: Manifest | None, sync: bool = False,
+               pinned: Callable[[], bool] | None = None) -> None:
         """Undo a refused write of ``m`` (its transaction committed; its fsync or its
         publish failed): its blocks go, and where its manifest is still the current one,
         ``previous`` (what its transaction replaced: ``take_replaced``) comes back if that
         generation is still held here (not deleted, not retired under a reader) and all its
-        records are there; else the manifest goes too. One transaction."""
+        records are there; else the manifest goes too. One transaction. ``pinned``, asked
+        inside it, is that generation's pin now: a pin acknowledged while ``m``'s manifest
+        was current updated nothing on disk (``update_manifest``), and ``previous`` is as
+        ``m``'s write found it."""
         key = (m.seq_id, m.gen)
         try:
             with self.env.begin(write=True) as txn:
@@ -663,6 +670,8 @@ class DiskStore:
                         txn.get(block_key(previous.seq_id, previous.key_gen, i), db=self._blocks) is not None
                         for i in range(len(previous.block_lengths)))
                     if whole and previous is not None:
+                        if pinned is not None and pinned() != previous.pinned:
+                            previous = dataclasses.replace(previous, pinned=not previous.pinned)
                         txn.put(name, previous.encode(), db=self._manifests)
                     else:
                         txn.delete(name, db=self._manifests)
@@ -770,8 +779,10 @@ class DiskStore:
                 self._hold((m.seq_id, m.gen), n)
             if won and replace is not None and replace.gen != m.gen:
                 self._forget((replace.seq_id, replace.gen))
-            if won and sync and prev is not None and prev.gen != m.gen:
-                self._replaced[(m.seq_id, m.gen)] = prev  # for ``revert`` until the commit ``settle``s
+            if won and prev is not None and prev.gen != m.gen:
+                # For ``revert`` until the commit ``settle``s, synced or not: a windowed park
+                # is on disk before its publish, which may still refuse it (write_back too).
+                self._replaced[(m.seq_id, m.gen)] = prev
         if sync:
             self.fsync()
         return won

@@ -70,6 +70,9 @@ SUBSET = [
     "tests/daemon/test_evict_delete_attacks.py", "tests/daemon/test_delete_race_attacks.py",
     "tests/daemon/test_refused_overwrite_attacks.py", "tests/daemon/test_revert_attacks.py",
     "tests/daemon/test_undo_failure_attacks.py", "tests/daemon/test_undo_hold_attacks.py",
+    "tests/daemon/test_windowed_refusal_undo.py", "tests/daemon/test_evict_retry_race.py",
+    "tests/daemon/test_pin_revert.py", "tests/daemon/test_retry_exception.py",
+    "tests/daemon/test_close_waiter.py", "tests/daemon/test_drop_overlap.py",
 ]
 def _spawning() -> list[str]:
     """The subset's test files that start child processes (daemons, clients) and may kill
