@@ -19,8 +19,10 @@ Primitives:
   write whose undo failed keeps its id pending until ``retry`` undoes it (the queued undo
   owns the hold: exactly one release); a delete of another version of the id deletes
   that refused manifest too.
-- ``deleting(seq)``: its generation's delete is under way or queued (REQUIRES: index
-  lock); a writer of its disk copy leaves it to a later pass.
+- ``deleting(seq)``: its generation's delete is under way (REQUIRES: index lock); a
+  writer of its disk copy leaves it to a later pass. ``take_own(seq)`` /
+  ``taken_over(entries, landed)``: a writer of its disk copy takes its queued deletes
+  over for the write (the retry never deletes records written after it looked).
 - ``delete_written(m, refused=False)``: the record of a write that lost to a drop or an
   overwrite while it ran, or of a refused park (``refused``: the manifest it replaced is
   put back); a failure is retried.
@@ -64,7 +66,7 @@ class Deletes:
         # How many entries of ``_undeleted`` each (id, generation) has: a drop asks on its
         # hot path (``_queued``), so not a scan. REQUIRES: index lock.
         self._queued_n: dict[tuple[str, int], int] = {}
-        # The same, for entries with their Seq, by its identity (``deleting``; each entry
+        # The same, for entries with their Seq, by its identity (``take_own``; each entry
         # holds its Seq, so the identity is not reused while queued). REQUIRES: index lock.
         self._queued_seqs: dict[int, int] = {}
         # Queued undos of refused writes whose first try failed: (id, generation) -> the
@@ -149,14 +151,38 @@ class Deletes:
             self._done([m])
 
     def deleting(self, seq: Seq) -> bool:
-        """Whether a delete of ``seq``'s generation is under way or queued for ``retry`` (a
-        disk eviction whose delete failed): a writer of its disk copy (the same record keys)
-        waits for a later pass. A queued one counts too: the retry's delete would otherwise
-        take the records a write made between its check here and its transaction.
+        """Whether ``seq``'s generation is being deleted from disk now: a writer of its disk
+        copy (the same record keys) waits for a later pass. REQUIRES: index lock."""
+        return (seq.seq_id, seq.gen) in self._busy
+
+    def take_own(self, seq: Seq) -> list[tuple[Manifest, Seq | None]]:
+        """Take ``seq``'s own queued deletes out of the queue (a disk eviction of it whose
+        delete failed, or one a read lease deferred): a writer about to write its disk
+        copy again, under the same record keys, takes them over, so no ``retry`` deletes
+        the records it writes between its check and its transaction. Hand them back with
+        ``taken_over``. REQUIRES: index lock (and not ``deleting(seq)``)."""
+        if id(seq) not in self._queued_seqs:
+            return []
+        mine = [e for e in self._undeleted if e[1] is seq]
+        self._undeleted = [e for e in self._undeleted if e[1] is not seq]
+        for m, s in mine:
+            for counts, key in ((self._queued_n, (m.seq_id, m.gen)), (self._queued_seqs, id(s))):
+                n = counts.get(key, 0) - 1
+                if n > 0:
+                    counts[key] = n
+                else:
+                    counts.pop(key, None)
+        return mine
+
+    def taken_over(self, entries: list[tuple[Manifest, Seq | None]], landed: bool) -> None:
+        """The write that took ``entries`` over (``take_own``) is over: ``landed``, its
+        records are the sequence's own disk copy now (kept no more); else queued again.
         REQUIRES: index lock."""
-        # Its own queued delete, not one of a retired version of its generation (its twin
-        # waits for it to be written again: ``retry``).
-        return (seq.seq_id, seq.gen) in self._busy or id(seq) in self._queued_seqs
+        if landed:
+            for m, _ in entries:
+                self.disk.unkeep(m)
+        else:
+            self._enqueue(entries)
 
     def delete_all(self, seqs: list[Seq]) -> KVParkError | None:
         first: KVParkError | None = None

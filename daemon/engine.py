@@ -216,6 +216,12 @@ class Engine:
         self.disk.close()
         self.memory.close()
 
+    def end_waits(self) -> None:
+        """The stop has begun: parks waiting for a pending id give up (``UNAVAILABLE``), so
+        their handlers leave before the engine closes (``close`` does this too)."""
+        with self.catalog.lock:
+            self.pending.close(self.catalog)
+
     def flush(self) -> int:
         """Write every memory-only sequence to disk (keeping its memory copies)."""
         return self.mover.flush()

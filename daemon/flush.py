@@ -114,6 +114,9 @@ def write_batch(mover: "Mover", seqs: list[Seq], evict: bool = True) -> int:
     if evict:
         mover.evict_disk(need)
     picked: list[tuple[Seq, str, Allocation]] = []
+    # Queued deletes of a picked sequence's old disk copy (an eviction's that failed):
+    # taken over for the write, so no retry deletes the records it writes (same keys).
+    own: dict[int, list] = {}
     later: list[Seq] = []
     with cat.lock:
         if not evict and mover.paused:
@@ -134,6 +137,7 @@ def write_batch(mover: "Mover", seqs: list[Seq], evict: bool = True) -> int:
             assert src is not None
             cat.copy_begin(s)  # pins the memory copy while we read it
             picked.append((s, src, s.res[src]))
+            own[id(s)] = mover.deletes.take_own(s)  # its queued deletes: ours for the write
     if not evict:
         later = []  # written after their blocks, by a later pass (which never evicts for them)
     if not picked:
@@ -148,13 +152,15 @@ def write_batch(mover: "Mover", seqs: list[Seq], evict: bool = True) -> int:
         with cat.lock:
             for k, (s, _, _) in enumerate(picked):
                 cat.copy_end(s)
+                landed = False
                 if written and written[k]:
                     if s.dropped:  # dropped or overwritten while we wrote
                         stale.append(s)
                     else:
-                        s.on_disk = True
+                        s.on_disk = landed = True
                         cat.dirty.untrack(s)
                         cat.touch(s, "disk")  # its place in the disk's eviction order
+                mover.deletes.taken_over(own.get(id(s), []), landed)
                 cat.release_dropped(s)
             # Waiters may demote these now. No version bump: see Mover.write_to_disk.
             cat.changed.notify_all()
@@ -194,6 +200,7 @@ def write_one(mover: "Mover", seq: Seq) -> bool:
         assert src is not None
         alloc = seq.res[src]
         mover.catalog.copy_begin(seq)  # pins the memory copy while we read it
+        own = mover.deletes.take_own(seq)  # as in ``write_batch``
     written = False
     t0 = time.perf_counter()
     try:
@@ -208,6 +215,7 @@ def write_one(mover: "Mover", seq: Seq) -> bool:
                 seq.on_disk = True
                 mover.catalog.dirty.untrack(seq)
                 mover.catalog.touch(seq, "disk")
+            mover.deletes.taken_over(own, landed=written and not stale)
             mover.catalog.release_dropped(seq)
             # Waiters may demote it now. No version bump: a write that failed (disk
             # full) must not send a make_room loop straight back to the same victim.

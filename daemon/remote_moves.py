@@ -45,21 +45,26 @@ def fetch_remote_locked(mover: "Mover", seq: Seq) -> None:
         if seq.dropped or seq.res or seq.on_disk or not seq.on_remote:
             return
         if mover.deletes.deleting(seq):
-            # Its old disk copy's delete (the same record keys) failed and waits for the
-            # maintenance retry, which would take the records written now.
-            raise Unavailable(f"sequence {seq.seq_id!r}: its earlier disk copy is still being deleted; "
-                              "retry shortly")
+            # Its old disk copy (the same record keys) is being deleted right now.
+            raise Unavailable(f"sequence {seq.seq_id!r}: its earlier disk copy is being deleted; retry shortly")
+        # A queued delete of its old disk copy (an eviction's that failed, or one a read
+        # lease deferred) is ours for the write: the retry must not take what we write.
+        own = mover.deletes.take_own(seq)
     m = seq.manifest
-    blocks = remote_blocks(mover, seq)
-    mover.evict_disk(m.nbytes, exclude=seq)
-    written = mover.disk.write(m, blocks, live=lambda: not seq.dropped)
-    with mover.catalog.lock:
-        stale = seq.dropped
-        if written and not stale:
-            seq.on_disk = True
-            seq.promotions += 1
-            mover.catalog.touch(seq, "disk")  # its place in the disk's eviction order
-        mover.catalog.notify()
+    written = False
+    try:
+        blocks = remote_blocks(mover, seq)
+        mover.evict_disk(m.nbytes, exclude=seq)
+        written = mover.disk.write(m, blocks, live=lambda: not seq.dropped)
+    finally:
+        with mover.catalog.lock:
+            stale = seq.dropped
+            if written and not stale:
+                seq.on_disk = True
+                seq.promotions += 1
+                mover.catalog.touch(seq, "disk")  # its place in the disk's eviction order
+            mover.deletes.taken_over(own, landed=written and not stale)
+            mover.catalog.notify()
     if written and stale:
         mover.deletes.delete_written(m)  # remove what we wrote
 

@@ -224,6 +224,9 @@ class Daemon:
         if self._health is not None:
             self._health.enter_graceful_shutdown()
         self._server.stop(grace).wait()
+        # A handler waiting for a pending id (a refused park's undo the disk keeps failing)
+        # gives up now, not at its deadline: the join below would wait for it.
+        self.engine.end_waits()
         # A cancelled call's handler thread may still be inside the engine (a disk write
         # of a windowed park, say): the engine closes once they are out, or a bounded
         # while later (a handler stuck for good must not hold the stop forever).

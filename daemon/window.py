@@ -253,7 +253,11 @@ class Windows:
         refused: BaseException | None = None
         with catalog.lock:
             try:
-                self.pending.wait(catalog, waits(spec, self.write_through), time.monotonic() + PENDING_WAIT_S)
+                # Every windowed park writes its disk copy at its commit, whatever the write
+                # mode: so as under write_through, one such commit of an id at a time, and a
+                # refused one undoes exactly its own write (two refused at once under
+                # write_back: the second put back the first's manifest, which was gone).
+                self.pending.wait(catalog, waits(spec, True), time.monotonic() + PENDING_WAIT_S)
             except BaseException as e:
                 refused = e
             else:
@@ -293,12 +297,13 @@ class Windows:
         gone: list[Seq] = []
         with self.catalog.lock:
             if not won:
-                # A newer generation of the id reached the disk first (under write_through
-                # no other commit of the id runs meanwhile: one adopted from another daemon).
-                # Ours is gone from disk: superseded when a newer version stands in the
-                # index, else refused (never acknowledged without a copy).
+                # A newer generation of the id reached the disk first (a flushed overwrite,
+                # or one adopted from another daemon). Ours is gone from disk: superseded
+                # when a newer version stands in the index, else refused, in either write
+                # mode (one that is not standing may yet be refused: acknowledging ours as
+                # superseded by it would be a success that never took effect).
                 cur = catalog.find(m.seq_id)
-                if self.write_through and (cur is None or cur.gen < final.gen):
+                if cur is None or cur.gen < final.gen:
                     self.pending.done(catalog, ids)
                     raise Unavailable(f"park of {m.seq_id!r}: a newer generation of it on disk that no version "
                                       "in the index stands for kept its write out; park it again")

@@ -73,6 +73,8 @@ SUBSET = [
     "tests/daemon/test_windowed_refusal_undo.py", "tests/daemon/test_evict_retry_race.py",
     "tests/daemon/test_pin_revert.py", "tests/daemon/test_retry_exception.py",
     "tests/daemon/test_close_waiter.py", "tests/daemon/test_drop_overlap.py",
+    "tests/daemon/test_stop_flush_queued_delete.py", "tests/daemon/test_windowed_double_refusal.py",
+    "tests/daemon/test_reader_overtakes_eviction.py", "tests/daemon/test_stop_waiter.py",
 ]
 def _spawning() -> list[str]:
     """The subset's test files that start child processes (daemons, clients) and may kill
