@@ -69,6 +69,10 @@ class Deletes:
         # The same, for entries with their Seq, by its identity (``take_own``; each entry
         # holds its Seq, so the identity is not reused while queued). REQUIRES: index lock.
         self._queued_seqs: dict[int, int] = {}
+        # Queued deletes a writer has taken over for its write (``take_own``), by (id,
+        # generation): still queued for a drop (``_queued``), which must delete the manifest
+        # they left in LMDB before it answers. REQUIRES: index lock.
+        self._taken: dict[tuple[str, int], int] = {}
         # Queued undos of refused writes whose first try failed: (id, generation) -> the
         # manifest to put back (``DiskStore.revert``), so the retry is the same undo and
         # never a plain delete of the manifest. REQUIRES: index lock.
@@ -172,12 +176,21 @@ class Deletes:
                     counts[key] = n
                 else:
                     counts.pop(key, None)
+            key = (m.seq_id, m.gen)
+            self._taken[key] = self._taken.get(key, 0) + 1
         return mine
 
     def taken_over(self, entries: list[tuple[Manifest, Seq | None]], landed: bool) -> None:
         """The write that took ``entries`` over (``take_own``) is over: ``landed``, its
         records are the sequence's own disk copy now (kept no more); else queued again.
         REQUIRES: index lock."""
+        for m, _ in entries:
+            key = (m.seq_id, m.gen)
+            n = self._taken.get(key, 0) - 1
+            if n > 0:
+                self._taken[key] = n
+            else:
+                self._taken.pop(key, None)
         if landed:
             for m, _ in entries:
                 self.disk.unkeep(m)
@@ -307,8 +320,9 @@ class Deletes:
 
     def _queued(self, m: Manifest) -> bool:
         """A delete of ``m``'s generation waits in the queue (it failed once, or a lease
-        reads the copy). REQUIRES: index lock."""
-        return (m.seq_id, m.gen) in self._queued_n
+        reads the copy), or a writer has taken it over for its write. REQUIRES: index lock."""
+        key = (m.seq_id, m.gen)
+        return key in self._queued_n or key in self._taken
 
     def _enqueue(self, entries: list[tuple[Manifest, Seq | None]]) -> None:
         """Queue records for ``retry``. REQUIRES: index lock."""
