@@ -50,6 +50,9 @@ def fetch_remote_locked(mover: "Mover", seq: Seq) -> None:
         # A queued delete of its old disk copy (an eviction's that failed, or one a read
         # lease deferred) is ours for the write: the retry must not take what we write.
         own = mover.deletes.take_own(seq)
+        # A disk write of it in flight: a pin meanwhile waits for it to land (``Engine.pin``),
+        # or the manifest written here would miss that pin.
+        mover.catalog.copy_begin(seq)
     m = seq.manifest
     written = False
     try:
@@ -58,6 +61,8 @@ def fetch_remote_locked(mover: "Mover", seq: Seq) -> None:
         written = mover.disk.write(m, blocks, live=lambda: not seq.dropped)
     finally:
         with mover.catalog.lock:
+            mover.catalog.copy_end(seq)
+            mover.catalog.release_dropped(seq)
             stale = seq.dropped
             if written and not stale:
                 seq.on_disk = True
@@ -88,13 +93,20 @@ def remote_guard(mover: "Mover", seq: Seq, read: Callable[[], T]) -> T:
         return read()
     except (NotFound, DataLoss):
         with mover.catalog.lock:
-            if mover.catalog.find(seq.seq_id) is seq:
+            mine = mover.catalog.find(seq.seq_id) is seq
+            if mine:
                 mover.catalog.retire(seq)
             orphans = mover.catalog.take_orphans()
         # Shared blocks it was the last user of leave the index; those held here lose
         # their disk copies too (memory went with ``retire``). Their remote copies stay:
         # other daemons' sequences may use them.
         mover.delete_all(orphans)  # every one tried; a failure is logged and retried later
+        if mine:
+            # Its own old disk copy, if an eviction's failed delete left it in LMDB (queued,
+            # or taken over by the fetch that met this): the manifest goes before we answer
+            # that the sequence is gone, or a crash would bring it back. Failing that, the
+            # answer is the disk's error, not NOT_FOUND.
+            mover.deletes.delete(seq)
         raise
 
 
