@@ -13,11 +13,13 @@ Primitives:
 - ``HeldAfterCommit``: ``after_hold`` / ``after_entered`` / ``after_gate``: one write held
   just after its transaction committed; ``HeldBeforeAndAfter``: both holds on one store.
 - ``crash_image(disk, dst)``: a consistent copy of LMDB now (what a SIGKILL would leave).
+- ``waiting_in(function, module)``: a thread is blocked in a wait inside that function.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 from typing import Sequence
 
@@ -97,3 +99,17 @@ def crash_image(disk: DiskStore, dst: str) -> str:
     os.makedirs(dst, exist_ok=True)
     disk.env.copy(dst)
     return dst
+
+
+def waiting_in(function: str, module: str) -> bool:
+    """Some thread is blocked in a condition or event wait inside ``function`` of the
+    file ``module`` (its name, e.g. ``"engine.py"``): how a test knows a call it started
+    has reached a wait the product makes, without a sleep."""
+    for frame in sys._current_frames().values():
+        names, f = [], frame
+        while f is not None:
+            names.append((f.f_code.co_name, f.f_code.co_filename))
+            f = f.f_back
+        if names and names[0][0] == "wait" and any(n == function and fn.endswith(module) for n, fn in names):
+            return True
+    return False

@@ -7,7 +7,6 @@ it, and a fresh daemon is started on that copy. Found by a fresh-eyes attack."""
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from typing import Callable, Sequence
@@ -19,7 +18,7 @@ from kvpark.daemon.server import Daemon
 from kvpark.proto.errors import NotFound
 from kvpark.tiers.disk import DiskStore, Write
 
-from .disk_seams import crash_image
+from .disk_seams import crash_image, waiting_in
 from .test_evict_retry_race import Seam, full, seam  # noqa: F401 (fixture)
 
 MiB = 1 << 20
@@ -103,18 +102,6 @@ def held():
     HeldFetch.gate.set()
 
 
-def _pin_waiting() -> bool:
-    """A thread is inside ``Engine.pin``, waiting on a condition."""
-    for frame in sys._current_frames().values():
-        names, f = [], frame
-        while f is not None:
-            names.append((f.f_code.co_name, f.f_code.co_filename))
-            f = f.f_back
-        if names and names[0][0] == "wait" and any(n == "pin" and fn.endswith("engine.py") for n, fn in names):
-            return True
-    return False
-
-
 def test_a_pin_acknowledged_during_a_fetch_from_redis_survives_a_crash(
         daemon: Callable[..., Daemon], held: type[HeldFetch], redis_server, tmp_path) -> None:
     """``Engine.pin`` waits for a disk write reading the sequence (``seq.moving``) before
@@ -153,7 +140,7 @@ def test_a_pin_acknowledged_during_a_fetch_from_redis_survives_a_crash(
         # The pin answers at once (it does not see the fetch), or it waits for the fetch to
         # land (it does): then let the fetch go on.
         deadline = time.monotonic() + 30
-        while p.is_alive() and not _pin_waiting() and time.monotonic() < deadline:
+        while p.is_alive() and not waiting_in("pin", "engine.py") and time.monotonic() < deadline:
             time.sleep(0.01)
         held.gate.set()
         t.join(30)

@@ -5,7 +5,6 @@ used to end it. Found by a fresh-eyes attack."""
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from typing import Callable
@@ -18,6 +17,7 @@ from kvpark.daemon import commit as commit_mod
 from kvpark.daemon import server as server_mod
 from kvpark.daemon.server import Daemon
 
+from .disk_seams import waiting_in
 from .test_retry_exception import Flaky, flaky  # noqa: F401 (fixture)
 
 WT = {"policy.write": "write_through"}
@@ -25,17 +25,6 @@ WT = {"policy.write": "write_through"}
 
 def full(n: int, v: int) -> torch.Tensor:
     return torch.full((n,), v, dtype=torch.uint8)
-
-
-def _waiting_in_pending() -> bool:
-    """Some thread is inside ``Pending.wait`` now."""
-    for frame in sys._current_frames().values():
-        f = frame
-        while f is not None:
-            if f.f_code.co_name == "wait" and f.f_code.co_filename.endswith("commit.py"):
-                return True
-            f = f.f_back
-    return False
 
 
 def test_a_stop_ends_a_handlers_wait_on_a_pending_id_before_it_waits_for_that_handler(
@@ -67,9 +56,9 @@ def test_a_stop_ends_a_handlers_wait_on_a_pending_id_before_it_waits_for_that_ha
     handler = threading.Thread(target=client_waiter, daemon=True)
     handler.start()
     deadline = time.monotonic() + 30
-    while not _waiting_in_pending() and time.monotonic() < deadline:
+    while not waiting_in("wait", "commit.py") and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert _waiting_in_pending(), "the park never waited on x's pending hold"
+    assert waiting_in("wait", "commit.py"), "the park never waited on x's pending hold"
     stopper = threading.Thread(target=d.stop, args=(0.5,), daemon=True)
     stopper.start()
     stopper.join(30)  # "at once": far below the handler wait

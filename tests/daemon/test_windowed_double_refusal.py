@@ -9,7 +9,6 @@ fresh-eyes attack."""
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from pathlib import Path
@@ -22,6 +21,8 @@ from kvpark.client import Client, KVParkError
 from kvpark.daemon.server import Daemon
 from kvpark.tiers.disk import DiskStore, Manifest
 
+from .disk_seams import waiting_in
+
 SMALL = {"tiers.host.capacity": "4MiB"}
 BIG = 5 * (1 << 20) + 1
 
@@ -30,22 +31,11 @@ def full(n: int, v: int) -> torch.Tensor:
     return torch.full((n,), v, dtype=torch.uint8)
 
 
-def _waiting_in_pending() -> bool:
-    """Some thread is inside ``Pending.wait`` now."""
-    for frame in sys._current_frames().values():
-        f = frame
-        while f is not None:
-            if f.f_code.co_name == "wait" and f.f_code.co_filename.endswith("commit.py"):
-                return True
-            f = f.f_back
-    return False
-
-
 def _second_arrives(second: threading.Event, open_first: threading.Event) -> None:
     """Wait until the second overwrite reaches its disk commit. If it waits for the first
     one's pending commit instead (the rule now), let the first one go on first."""
     deadline = time.monotonic() + 60
-    while not second.is_set() and not _waiting_in_pending() and time.monotonic() < deadline:
+    while not second.is_set() and not waiting_in("wait", "commit.py") and time.monotonic() < deadline:
         time.sleep(0.01)
     if not second.is_set():
         open_first.set()  # the first goes on, is refused and undone; then the second comes
