@@ -502,6 +502,11 @@ class Engine:
             deadline = time.monotonic() + PIN_WAIT_S
             while seq.moving and not seq.on_disk and time.monotonic() < deadline:
                 self.catalog.changed.wait(deadline - time.monotonic())
+            if seq.moving and not seq.on_disk:
+                # The write still runs (a stalled disk): pinned now, in memory only, the pin
+                # would be acknowledged and lost at a crash. Not acknowledged, not applied.
+                raise Unavailable(f"sequence {seq_id!r}: a disk write of it has not landed in "
+                                  f"{PIN_WAIT_S:.0f} s; pin it again")
             seq.manifest.pinned = pinned
             on_disk, manifest = seq.on_disk, seq.manifest
         if on_disk:

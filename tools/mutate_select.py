@@ -76,7 +76,7 @@ SUBSET = [
     "tests/daemon/test_stop_flush_queued_delete.py", "tests/daemon/test_windowed_double_refusal.py",
     "tests/daemon/test_reader_overtakes_eviction.py", "tests/daemon/test_stop_waiter.py",
     "tests/daemon/test_drop_during_takeover.py", "tests/daemon/test_drop_during_fetch_takeover.py",
-    "tests/daemon/test_fetch_takeover_attacks.py",
+    "tests/daemon/test_fetch_takeover_attacks.py", "tests/daemon/test_absence_before_durable.py",
 ]
 def _spawning() -> list[str]:
     """The subset's test files that start child processes (daemons, clients) and may kill

@@ -156,3 +156,55 @@ def test_a_pin_acknowledged_during_a_fetch_from_redis_survives_a_crash(
     assert info.pinned and after.pinned, (
         f"pin(x) answered pinned={info.pinned} during a fetch from Redis; after a crash "
         f"x pinned={after.pinned}: the acknowledged pin was lost")
+
+
+def test_a_pin_whose_wait_for_a_disk_write_runs_out_is_not_acknowledged(
+        daemon: Callable[..., Daemon], held: type[HeldFetch], redis_server, tmp_path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fetch of x from Redis committed its manifest (unpinned) and has not yet marked
+    x on disk when a pin of x arrives; the disk stalls there longer than the pin waits
+    (``PIN_WAIT_S``, shortened here). The pin answers UNAVAILABLE and applies nothing:
+    acknowledged there, it would be in memory only and lost at a crash."""
+    from kvpark.client import Unavailable
+    from kvpark.daemon import engine as engine_mod
+    from kvpark.daemon.disk_evict import disk_to_remote
+
+    monkeypatch.setattr(engine_mod, "PIN_WAIT_S", 0.3)
+    d = daemon(disk_factory=held, **_over(redis_server.url))
+    eng = d.engine
+    assert eng is not None
+    with Client(d.address) as c:
+        c.park("x", [full(MiB, 5)])
+        c.flush()
+        assert eng.mover.demote("x", "host")
+        assert disk_to_remote(eng.mover, "x")
+        seq = eng.catalog.find("x")
+        assert seq is not None
+        held.hold = True
+        errs: list[BaseException] = []
+
+        def fetch() -> None:
+            try:
+                eng.mover.fetch_remote(seq)
+            except BaseException as e:  # noqa: BLE001
+                errs.append(e)
+
+        t = threading.Thread(target=fetch)
+        t.start()
+        assert held.entered.wait(30)  # committed, unpinned; x not marked on disk yet
+        try:
+            answered = c.pin("x", True, timeout=30).pinned  # once its bounded wait ran out
+        except Unavailable:
+            answered = False
+        live = c.info("x").pinned
+        held.gate.set()
+        t.join(30)
+        assert not errs, errs
+        image = crash_image(eng.disk, str(tmp_path / "crash"))
+    d.stop(0.5)
+    d2 = daemon(**{"tiers.disk.path": image, "policy.flush_on_shutdown": "false"})
+    with Client(d2.address) as c2:
+        after = c2.info("x")
+    assert not answered and not live and not after.pinned, (
+        f"pin(x) answered pinned={answered} after its wait for the fetch ran out (live {live}); "
+        f"after a crash x pinned={after.pinned}")

@@ -1,0 +1,195 @@
+"""A known gap, pinned as strict expected failures: an id leaves the index before the disk
+delete of its retired version lands (the delete runs after the index lock), so another
+client can be told the id is gone (a drop answering False, ``present`` False, a restore
+NOT_FOUND) while its manifest is still in LMDB, and a SIGKILL right then brings the id
+back at the next start. The retiring call itself never answered (or answered
+UNAVAILABLE): what is lost is another client's observation of absence, not an
+acknowledged drop. docs/protocol.md ("Absence before it is durable") says what closes it;
+these tests pass (xfail strict fails) once it is closed. Found by a fresh-eyes attack."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import pytest
+
+from kvpark.client import Client
+from kvpark.daemon.server import Daemon
+from kvpark.tiers.disk import Manifest
+
+from .disk_seams import crash_image
+from .test_evict_retry_race import Seam, full
+
+MiB = 1 << 20
+GAP = "absence is answered before the retired version's disk delete lands (docs/protocol.md)"
+
+
+class HeldUnpublish(Seam):
+    """``Seam`` (deletes of x's block records fail while ``fail``), and the next
+    ``unpublish`` of "x" waits at ``u_gate`` (``u_entered`` set) once ``u_hold``."""
+
+    u_hold = False
+    u_entered = threading.Event()
+    u_gate = threading.Event()
+
+    def unpublish(self, m: Manifest, sync: bool = False) -> None:
+        cls = HeldUnpublish
+        if cls.u_hold and m.seq_id == "x":
+            cls.u_hold = False
+            cls.u_entered.set()
+            assert cls.u_gate.wait(60), "the test never opened the unpublish gate"
+        super().unpublish(m, sync=sync)
+
+
+@pytest.fixture
+def held():
+    for e in (Seam.del_entered, Seam.del_gate, Seam.w_entered, Seam.w_gate,
+              HeldUnpublish.u_entered, HeldUnpublish.u_gate):
+        e.clear()
+    Seam.fail = Seam.del_hold = Seam.w_hold = False
+    HeldUnpublish.u_hold = False
+    yield HeldUnpublish
+    Seam.fail = Seam.del_hold = Seam.w_hold = False
+    HeldUnpublish.u_hold = False
+    for e in (Seam.del_gate, Seam.w_gate, HeldUnpublish.u_gate):
+        e.set()
+
+
+def _over(redis_url: str) -> dict:
+    from .test_remote_tier import _new_ns, _remote
+
+    return {"policy.promote_on_restore": "false", "policy.flush_on_shutdown": "false",
+            "policy.write": "write_through", **_remote(redis_url, _new_ns(), write="on_evict")}
+
+
+@pytest.mark.xfail(strict=True, reason=GAP)
+def test_a_drop_answered_while_remote_guard_retires_x_never_sees_x_come_back(
+        daemon: Callable[..., Daemon], held: type[HeldUnpublish], redis_server, tmp_path) -> None:
+    """x's disk copy was evicted to Redis and the disk delete failed (its manifest stays
+    in LMDB, queued). Redis lost x. A restore of x fetches it, meets NotFound, and
+    ``remote_guard`` retires x and then deletes that manifest; before the delete lands,
+    another client drops x: the drop finds x gone and answers (nothing to drop; x is not
+    present). SIGKILL right then: the restart indexes x again from the old manifest."""
+    from kvpark.daemon.disk_evict import disk_to_remote
+
+    d = daemon(disk_factory=held, **_over(redis_server.url))
+    eng = d.engine
+    assert eng is not None
+    with Client(d.address) as c, Client(d.address) as c2:
+        c.park("x", [full(MiB, 5)])
+        c.flush()
+        assert eng.mover.demote("x", "host")  # its only copy on disk
+        Seam.fail = True  # deletes of x's block records fail from now on
+        moved = disk_to_remote(eng.mover, "x")  # copied to Redis; the disk delete failed: queued
+        assert eng.deletes.pending >= 1 and c.info("x").tier == "remote", (moved, c.info("x"))
+        seq = eng.catalog.find("x")
+        assert seq is not None and eng.remote is not None
+        eng.remote.store.delete(seq.manifest)  # Redis lost it
+        held.u_hold = True
+        errs: list[BaseException] = []
+
+        def restore() -> None:
+            try:
+                c.restore("x", timeout=30)
+            except BaseException as e:  # noqa: BLE001
+                errs.append(e)
+
+        t = threading.Thread(target=restore)
+        t.start()
+        assert held.u_entered.wait(30), "the restore never reached remote_guard's delete"
+        # x is out of the index now; its old manifest is still in LMDB.
+        dropped = c2.drop("x", timeout=20)
+        present = c2.present(["x"], timeout=20)
+        image = crash_image(eng.disk, str(tmp_path / "crash"))  # SIGKILL now
+        held.u_gate.set()
+        t.join(30)
+    Seam.fail = False
+    d.stop(0.5)
+    d2 = daemon(**{"tiers.disk.path": image, "policy.flush_on_shutdown": "false"})
+    with Client(d2.address) as c3:
+        after = c3.present(["x"])
+    assert after == [False], (
+        f"restore(x) raised {errs!r}; drop(x) answered dropped={dropped} and present(x)={present} while remote_guard was retiring x; "
+        f"after a SIGKILL right then present(x)={after}: the old manifest brought x back")
+
+
+class FailingUnpublish(Seam):
+    """``Seam``, and every ``unpublish`` of "x" fails (EIO) while ``u_fail``."""
+
+    u_fail = False
+
+    def unpublish(self, m: Manifest, sync: bool = False) -> None:
+        if FailingUnpublish.u_fail and m.seq_id == "x":
+            import lmdb
+
+            raise self._write_error(lmdb.Error("injected: EIO"))
+        super().unpublish(m, sync=sync)
+
+
+@pytest.mark.xfail(strict=True, reason=GAP)
+def test_after_remote_guard_answers_unavailable_no_call_says_not_found_before_the_retry(
+        daemon: Callable[..., Daemon], held: type[HeldUnpublish], redis_server, tmp_path) -> None:
+    """As above, but remote_guard's delete of the old manifest fails (the disk errs for a
+    moment): the restore that met it answers UNAVAILABLE, as 173906d intends; x is out of
+    the index already, so the next restore answers NOT_FOUND and a drop answers "not
+    there", with no wait and the manifest still in LMDB. A crash brings x back."""
+    from kvpark.daemon.disk_evict import disk_to_remote
+    from kvpark.proto.errors import NotFound, Unavailable
+
+    FailingUnpublish.u_fail = False
+    d = daemon(disk_factory=FailingUnpublish, **_over(redis_server.url))
+    eng = d.engine
+    assert eng is not None
+    try:
+        with Client(d.address) as c:
+            c.park("x", [full(MiB, 5)])
+            c.flush()
+            assert eng.mover.demote("x", "host")
+            Seam.fail = True
+            disk_to_remote(eng.mover, "x")
+            assert eng.deletes.pending >= 1 and c.info("x").tier == "remote"
+            seq = eng.catalog.find("x")
+            assert seq is not None and eng.remote is not None
+            eng.remote.store.delete(seq.manifest)
+            FailingUnpublish.u_fail = True
+            with pytest.raises(Unavailable):
+                c.restore("x", timeout=20)  # remote_guard's delete failed: UNAVAILABLE
+            with pytest.raises(NotFound):
+                c.restore("x", timeout=20)  # answered: x is gone
+            dropped = c.drop("x", timeout=20)
+            image = crash_image(eng.disk, str(tmp_path / "crash"))
+    finally:
+        FailingUnpublish.u_fail = False
+        Seam.fail = False
+    d.stop(0.5)
+    d2 = daemon(**{"tiers.disk.path": image, "policy.flush_on_shutdown": "false"})
+    with Client(d2.address) as c3:
+        after = c3.present(["x"])
+    assert after == [False], (
+        f"a restore answered NOT_FOUND and drop(x) answered {dropped}; after a crash present(x)={after}")
+
+
+@pytest.mark.xfail(strict=True, reason=GAP)
+def test_a_second_drop_answered_during_the_first_drops_delete_never_sees_x_come_back(
+        daemon: Callable[..., Daemon], held: type[HeldUnpublish], tmp_path) -> None:
+    """No Redis: drop A retires x and is held in its disk delete; drop B finds nothing and
+    answers; SIGKILL then. Same window as remote_guard's (pre-existing for drops)."""
+    d = daemon(disk_factory=held, **{"policy.write": "write_through", "policy.flush_on_shutdown": "false"})
+    eng = d.engine
+    assert eng is not None
+    with Client(d.address) as c, Client(d.address) as c2:
+        c.park("x", [full(MiB, 5)])
+        Seam.del_hold = True
+        t = threading.Thread(target=lambda: c.drop("x", timeout=30))
+        t.start()
+        assert Seam.del_entered.wait(30)
+        second = c2.drop("x", timeout=20)
+        image = crash_image(eng.disk, str(tmp_path / "crash"))
+        Seam.del_gate.set()
+        t.join(30)
+    d.stop(0.5)
+    d2 = daemon(**{"tiers.disk.path": image, "policy.flush_on_shutdown": "false"})
+    with Client(d2.address) as c3:
+        after = c3.present(["x"])
+    assert after == [False], f"second drop answered {second}; after a crash present(x)={after}"
