@@ -170,13 +170,9 @@ class Deletes:
         mine = [e for e in self._undeleted if e[1] is seq]
         self._undeleted = [e for e in self._undeleted if e[1] is not seq]
         for m, s in mine:
-            for counts, key in ((self._queued_n, (m.seq_id, m.gen)), (self._queued_seqs, id(s))):
-                n = counts.get(key, 0) - 1
-                if n > 0:
-                    counts[key] = n
-                else:
-                    counts.pop(key, None)
             key = (m.seq_id, m.gen)
+            _uncount(self._queued_n, key)
+            _uncount(self._queued_seqs, id(s))
             self._taken[key] = self._taken.get(key, 0) + 1
         return mine
 
@@ -185,12 +181,7 @@ class Deletes:
         records are the sequence's own disk copy now (kept no more); else queued again.
         REQUIRES: index lock."""
         for m, _ in entries:
-            key = (m.seq_id, m.gen)
-            n = self._taken.get(key, 0) - 1
-            if n > 0:
-                self._taken[key] = n
-            else:
-                self._taken.pop(key, None)
+            _uncount(self._taken, (m.seq_id, m.gen))
         if landed:
             for m, _ in entries:
                 self.disk.unkeep(m)
@@ -310,12 +301,7 @@ class Deletes:
     def _done(self, ms: list[Manifest]) -> None:
         with self.catalog.lock:
             for m in ms:
-                key = (m.seq_id, m.gen)
-                n = self._busy.get(key, 0) - 1
-                if n > 0:
-                    self._busy[key] = n
-                else:
-                    self._busy.pop(key, None)
+                _uncount(self._busy, (m.seq_id, m.gen))
             self.catalog.changed.notify_all()
 
     def _queued(self, m: Manifest) -> bool:
@@ -368,3 +354,13 @@ class Deletes:
         """Records waiting for a retry, and those a retry is deleting now."""
         with self.catalog.lock:
             return len(self._undeleted) + self._retrying
+
+
+def _uncount(counts: dict, key: object) -> None:
+    """One fewer of ``key`` in ``counts``; a count that reaches 0 leaves the dict (a
+    membership test is the question asked of these). REQUIRES: the index lock."""
+    n = counts.get(key, 0) - 1
+    if n > 0:
+        counts[key] = n
+    else:
+        counts.pop(key, None)
