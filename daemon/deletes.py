@@ -30,6 +30,14 @@ Primitives:
   (the maintenance pass); how many went.
 - ``pending``: records waiting for a retry or being retried; ``held()``: which wait
   (REQUIRES: index lock).
+- ``claim(seqs)`` (REQUIRES: index lock, in the step that retired them) and
+  ``delete_all(seqs, claimed=True)``: their ids count as being deleted from the moment
+  they leave the index, not only once their delete starts.
+- ``settle(seq_ids)``: absence made durable before it is answered. For each id, wait for
+  the deletes under way of any version of it (``Unavailable`` past ``SETTLE_WAIT_S``),
+  then delete the manifests queued deletes of it may have left in LMDB (``Unavailable``
+  if that fails): a crash after the answer never brings a retired version back. O(1)
+  for an id with nothing under way or queued (every miss of a prefix lookup asks).
 - ``adoptable(manifests, deadline)``: adopting remote versions waits for the deletes
   under way of their generations (REQUIRES: index lock). A version adopted again under a
   retired one's generation (the same record keys) keeps its records: no delete of the
@@ -42,13 +50,17 @@ import logging
 import time
 from typing import Callable
 
-from kvpark.proto.errors import KVParkError
+from kvpark.proto.errors import KVParkError, Unavailable
 from kvpark.tiers.disk import DiskStore, Manifest
 
 from .catalog import Catalog
 from .model import Seq
 
 log = logging.getLogger("kvpark.mover")
+
+# How long an answer of absence waits for a delete under way of a version of that id
+# (one LMDB transaction: only a stalled disk takes this long) before UNAVAILABLE.
+SETTLE_WAIT_S = 10.0
 
 
 class Deletes:
@@ -60,6 +72,17 @@ class Deletes:
         # one's generation (its twin: the same record keys) is then never deleted by the
         # retired one's delete, which checks for a twin first. REQUIRES: index lock.
         self._busy: dict[tuple[str, int], int] = {}  # how many deletes of each are under way
+        # Per id: deletes under way (``_begin``) and versions retired and claimed for a
+        # delete not yet begun (``claim``). ``settle`` waits while an id has any.
+        # REQUIRES: index lock.
+        self._ids_busy: dict[str, int] = {}
+        # Per id: entries of ``_undeleted``; ``settle`` looks at an id's entries only when
+        # it has some. REQUIRES: index lock.
+        self._ids_queued: dict[str, int] = {}
+        # (id, generation) of queued entries whose manifest is known gone from LMDB (its
+        # unpublish landed): ``settle`` leaves them be. A conservative hint: an entry
+        # queued afresh after a failure clears its key. REQUIRES: index lock.
+        self._gone: set[tuple[str, int]] = set()
         # Records still to delete: failed deletes (no Seq), and retired copies a read lease
         # still reads (their Seq: deleted once its disk readers are gone). REQUIRES: index lock.
         self._undeleted: list[tuple[Manifest, Seq | None]] = []
@@ -146,10 +169,17 @@ class Deletes:
                 # A failure is the drop's answer (UNAVAILABLE): the manifest then goes with
                 # those records.
                 self.disk.unpublish(m)
-        except KVParkError:
-            if how == "delete":
                 with self.catalog.lock:
+                    self._unpublished([m])
+        except KVParkError:
+            with self.catalog.lock:
+                if how == "delete":
                     self._enqueue([(m, seq)])
+                elif not self._queued(m):
+                    # A write's manifest (its ``delete_written`` comes later): queued too,
+                    # so until a retry or a ``settle`` deletes it nobody is told the id is
+                    # gone while its manifest is still in LMDB.
+                    self._enqueue([(m, None)])
             raise
         finally:
             self._done([m])
@@ -173,6 +203,7 @@ class Deletes:
             key = (m.seq_id, m.gen)
             _uncount(self._queued_n, key)
             _uncount(self._queued_seqs, id(s))
+            _uncount(self._ids_queued, m.seq_id)
             self._taken[key] = self._taken.get(key, 0) + 1
         return mine
 
@@ -186,9 +217,16 @@ class Deletes:
             for m, _ in entries:
                 self.disk.unkeep(m)
         else:
-            self._enqueue(entries)
+            self._enqueue(entries, fresh=False)  # the write published nothing of them
 
-    def delete_all(self, seqs: list[Seq]) -> KVParkError | None:
+    def claim(self, seqs: list[Seq]) -> None:
+        """Count ``seqs`` (just retired, in this lock step) as being deleted until
+        ``delete_all(seqs, claimed=True)`` has tried each: an answer of absence for their
+        ids waits from the moment they left the index. REQUIRES: index lock."""
+        for s in seqs:
+            self._ids_busy[s.seq_id] = self._ids_busy.get(s.seq_id, 0) + 1
+
+    def delete_all(self, seqs: list[Seq], claimed: bool = False) -> KVParkError | None:
         first: KVParkError | None = None
         for s in seqs:
             try:
@@ -196,7 +234,60 @@ class Deletes:
             except KVParkError as e:
                 log.warning("delete of %r from disk failed (retried later): %s", s.seq_id, e)
                 first = first or e
+            finally:
+                if claimed:
+                    with self.catalog.lock:
+                        _uncount(self._ids_busy, s.seq_id)
+                        self.catalog.changed.notify_all()
         return first
+
+    def settle(self, seq_ids: list[str]) -> None:
+        """Make the absence of these ids durable before a caller answers it (a drop that
+        found nothing or just dropped, ``present`` False, NOT_FOUND): wait for the deletes
+        under way of any version of each, then unpublish what queued deletes of it may
+        have left in LMDB (generation-exact: never a newer version's manifest, never a
+        twin's). ``Unavailable`` when the wait runs out or an unpublish fails: the id may
+        still come back at a crash, so absence is not the answer yet. Call without the
+        index lock."""
+        with self.catalog.lock:
+            ids = [sid for sid in dict.fromkeys(seq_ids) if sid in self._ids_busy or sid in self._ids_queued]
+        if not ids:
+            return
+        deadline = time.monotonic() + SETTLE_WAIT_S
+        for sid in ids:
+            while True:
+                with self.catalog.lock:
+                    while sid in self._ids_busy:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise Unavailable(f"sequence {sid!r}: the delete of a retired version of it has not "
+                                              f"landed in {SETTLE_WAIT_S:.0f} s; ask again")
+                        self.catalog.changed.wait(left)
+                    todo = list({(m.seq_id, m.gen): m for m, _ in self._undeleted
+                                 if m.seq_id == sid and (sid, m.gen) not in self._gone
+                                 and self._twin(m) is None}.values()) if sid in self._ids_queued else []
+                    if not todo:
+                        break
+                    self._begin(todo)  # a writer or an adoption of the generation waits for it
+                try:
+                    for m in todo:
+                        self.disk.unpublish(m)
+                except KVParkError as e:
+                    raise Unavailable(f"sequence {sid!r}: the manifest of a retired version of it could not be "
+                                      f"deleted yet ({e}); ask again") from None
+                else:
+                    with self.catalog.lock:
+                        self._unpublished(todo)
+                finally:
+                    self._done(todo)
+
+    def _unpublished(self, ms: list[Manifest]) -> None:
+        """These generations' manifests are gone from LMDB: their queued entries, if any,
+        leave ``settle`` be. REQUIRES: index lock."""
+        for m in ms:
+            key = (m.seq_id, m.gen)
+            if key in self._queued_n:
+                self._gone.add(key)
 
     def delete_written(self, m: Manifest, refused: bool = False, hold: bool = False) -> bool:
         """Delete a record just written for a version retired meanwhile (a demotion, a
@@ -255,7 +346,8 @@ class Deletes:
             self._undeleted = []
             self._queued_n.clear()
             self._queued_seqs.clear()
-            self._enqueue(keep)
+            self._ids_queued.clear()
+            self._enqueue(keep, fresh=False)
             self._begin([m for m, _ in todo])
             self._retrying += len(todo)
         try:
@@ -275,12 +367,13 @@ class Deletes:
                     log.warning("delete of %r from disk failed again: %s", m.seq_id, e,
                                 exc_info=not isinstance(e, KVParkError))
                     with self.catalog.lock:
-                        self._enqueue(todo[i:])
+                        self._enqueue(todo[i:], fresh=False)
                     return i
             return len(todo)
         finally:
             with self.catalog.lock:
                 self._retrying -= len(todo)
+                self._gone &= self._queued_n.keys()  # marks of entries no longer queued go
             self._done([m for m, _ in todo])
 
     def adoptable(self, manifests: list[Manifest], deadline: float) -> None:
@@ -297,11 +390,13 @@ class Deletes:
         for m in ms:
             key = (m.seq_id, m.gen)
             self._busy[key] = self._busy.get(key, 0) + 1
+            self._ids_busy[m.seq_id] = self._ids_busy.get(m.seq_id, 0) + 1
 
     def _done(self, ms: list[Manifest]) -> None:
         with self.catalog.lock:
             for m in ms:
                 _uncount(self._busy, (m.seq_id, m.gen))
+                _uncount(self._ids_busy, m.seq_id)
             self.catalog.changed.notify_all()
 
     def _queued(self, m: Manifest) -> bool:
@@ -310,12 +405,17 @@ class Deletes:
         key = (m.seq_id, m.gen)
         return key in self._queued_n or key in self._taken
 
-    def _enqueue(self, entries: list[tuple[Manifest, Seq | None]]) -> None:
-        """Queue records for ``retry``. REQUIRES: index lock."""
+    def _enqueue(self, entries: list[tuple[Manifest, Seq | None]], fresh: bool = True) -> None:
+        """Queue records for ``retry``. ``fresh``: queued after a failure, so their
+        manifests may be in LMDB (``settle`` looks); else queued again as they were.
+        REQUIRES: index lock."""
         for m, s in entries:
             self._undeleted.append((m, s))
             key = (m.seq_id, m.gen)
             self._queued_n[key] = self._queued_n.get(key, 0) + 1
+            self._ids_queued[m.seq_id] = self._ids_queued.get(m.seq_id, 0) + 1
+            if fresh:
+                self._gone.discard(key)
             if s is not None:
                 self._queued_seqs[id(s)] = self._queued_seqs.get(id(s), 0) + 1
 

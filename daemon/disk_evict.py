@@ -115,7 +115,8 @@ def disk_drop(mover: "Mover", victim: Seq | str) -> bool:
             if not seq.res:  # the disk held its only copy: it leaves the index too
                 mover.catalog.retire(seq)
                 todo += mover.catalog.take_orphans()
-        mover.delete_all(todo)  # a failed delete is retried; the accounting follows the index
+            mover.deletes.claim(todo)  # an answer of absence waits for these deletes
+        mover.delete_all(todo, claimed=True)  # a failed delete is retried; the accounting follows the index
         with mover.catalog.lock:
             mover.catalog.notify()
         mover.count_eviction("disk")

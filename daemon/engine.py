@@ -51,6 +51,7 @@ Invariants and locks:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import secrets
@@ -65,6 +66,7 @@ from kvpark.proto.errors import (
     InvalidArgument,
     KVParkError,
     LeaseExpired,
+    NotFound,
     ResourceExhausted,
     Unavailable,
 )
@@ -422,13 +424,25 @@ class Engine:
         self.check_open()
         tier = self.placement.tier(seq_id, self.tier_arg(tier))
         reads.adopt(self, [seq_id])
-        with self.catalog.lock:
-            seq = self.catalog.get(seq_id)
-            # About to be read: not the first victim of the demotion its own promotion may
-            # start (a cold sequence prefetched to a full tier would leave it again at once).
-            seq.manifest.last_access = time.time()
-            self.catalog.touch(seq)
-        return self.mover.prefetch(seq, tier, wait, timeout, then)
+        with self.absent([seq_id]):
+            with self.catalog.lock:
+                seq = self.catalog.get(seq_id)
+                # About to be read: not the first victim of the demotion its own promotion may
+                # start (a cold sequence prefetched to a full tier would leave it again at once).
+                seq.manifest.last_access = time.time()
+                self.catalog.touch(seq)
+            return self.mover.prefetch(seq, tier, wait, timeout, then)
+
+    @contextlib.contextmanager
+    def absent(self, seq_ids: list[str]) -> Iterator[None]:
+        """A ``NotFound`` leaving this block is answered only once the absence of these
+        ids is durable (``Deletes.settle``; ``Unavailable`` instead when it is not yet).
+        The index lock must not be held when it leaves."""
+        try:
+            yield
+        except NotFound:
+            self.deletes.settle(seq_ids)
+            raise
 
     # ------------------------------------------------------------------ queries
 
@@ -443,12 +457,16 @@ class Engine:
             reads.adopt(self, [seq_id])
         with self.catalog.lock:
             seq = self.catalog.find(seq_id)
-            if seq is None:
-                return False
-            todo = maintenance.retire(self, seq)
-            forget = self.retire_remote([seq]) if everywhere else []
-        maintenance.finish_drop(self, todo, forget)
-        return True
+            if seq is not None:
+                todo = maintenance.retire(self, seq)
+                forget = self.retire_remote([seq]) if everywhere else []
+                self.deletes.claim(todo)  # absence waits for these deletes from now on
+        if seq is not None:
+            maintenance.finish_drop(self, todo, forget, claimed=True)
+        # Nothing of any version of the id left in LMDB to come back at a crash (an older
+        # version whose delete failed, another drop's delete under way) before we answer.
+        self.deletes.settle([seq_id])
+        return seq is not None
 
     def present(self, seq_ids: list[str]) -> list[bool]:
         """For each id, whether it is parked (prefix lookups and dedup)."""
@@ -462,6 +480,8 @@ class Engine:
             ask = [sid for sid, p in zip(seq_ids, out) if not p]
             there = dict(zip(ask, self.remote.present(ask)))
             out = [p or there[sid] for sid, p in zip(seq_ids, out)]
+        if not all(out):
+            self.deletes.settle([sid for sid, p in zip(seq_ids, out) if not p])  # absence, durable
         return out
 
     def in_memory(self, seq_ids: list[str]) -> bool:
@@ -473,7 +493,7 @@ class Engine:
     def info(self, seq_id: str) -> SeqInfo:
         validate_seq_id(seq_id)
         reads.adopt(self, [seq_id])
-        with self.catalog.lock:
+        with self.absent([seq_id]), self.catalog.lock:
             return self.catalog.info(self.catalog.get(seq_id))
 
     def list(self) -> list[SeqInfo]:
@@ -494,7 +514,7 @@ class Engine:
         """Pin (never demoted below the tier it is in) or unpin ``seq_id``; kept on disk too."""
         validate_seq_id(seq_id)
         self.check_open()
-        with self.catalog.lock:
+        with self.absent([seq_id]), self.catalog.lock:
             seq = self.catalog.get(seq_id)
             # A disk write reading this sequence (demotion, flush, write-back) encodes the
             # manifest as it is then, and marks it on disk only after: pinning in between

@@ -113,16 +113,18 @@ def drop_version(engine: "Engine", seq: Seq, everywhere: bool) -> bool:
             return False
         todo = retire(engine, seq)
         forget = engine.retire_remote([seq]) if everywhere else []
-    finish_drop(engine, todo, forget)
+        engine.deletes.claim(todo)
+    finish_drop(engine, todo, forget, claimed=True)
     return True
 
 
-def finish_drop(engine: "Engine", todo: list[Seq], remote: list[Manifest]) -> None:
+def finish_drop(engine: "Engine", todo: list[Seq], remote: list[Manifest], claimed: bool = False) -> None:
     """Delete the disk copies of ``todo`` and the remote copies of ``remote`` (tombstoned
     by ``Engine.retire_remote`` when they left the index). Every
     delete is tried: one that fails is left to the maintenance pass to retry (the disk
-    accounting already follows the index), and the first failure is raised after."""
-    failed = engine.mover.delete_all(todo)
+    accounting already follows the index), and the first failure is raised after.
+    ``claimed``: ``Deletes.claim(todo)`` was called as they left the index."""
+    failed = engine.mover.delete_all(todo, claimed=claimed)
     # Not orphaned blocks: other daemons' sequences may use them.
     failed = engine.forget_remote(remote) or failed
     if failed is not None:

@@ -547,10 +547,10 @@ class Mover:
     def delete_from_disk(self, seq: Seq) -> None:
         self.deletes.delete(seq)
 
-    def delete_all(self, seqs: list[Seq]) -> KVParkError | None:
+    def delete_all(self, seqs: list[Seq], claimed: bool = False) -> KVParkError | None:
         """Delete the disk copies of ``seqs``, every one tried; the first failure is
         returned, and what failed is deleted again by ``retry_deletes`` (``deletes.py``)."""
-        return self.deletes.delete_all(seqs)
+        return self.deletes.delete_all(seqs, claimed=claimed)
 
     def retry_deletes(self) -> int:
         return self.deletes.retry()

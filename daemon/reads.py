@@ -76,13 +76,14 @@ def acquire(engine: "Engine", seq_ids: str | list[str], need: str | None = None,
     # An overwrite that lands while this restore promotes the old version from disk
     # retires (and deletes) it under us. The id was never absent, so the answer is the
     # old or the new version: lease the current one again. Only a drop is NOT_FOUND.
-    for attempt in range(REPLACED_RETRIES):
-        tops: list[Seq] = []
-        try:
-            return _acquire_once(engine, ids, need, stream, expect_layout, inline_max, tops)
-        except (NotFound, DataLoss):
-            if attempt == REPLACED_RETRIES - 1 or not replaced(engine, tops):
-                raise
+    with engine.absent(ids):  # NOT_FOUND only once the absence is durable
+        for attempt in range(REPLACED_RETRIES):
+            tops: list[Seq] = []
+            try:
+                return _acquire_once(engine, ids, need, stream, expect_layout, inline_max, tops)
+            except (NotFound, DataLoss):
+                if attempt == REPLACED_RETRIES - 1 or not replaced(engine, tops):
+                    raise
     raise AssertionError("unreachable")
 
 
@@ -223,8 +224,11 @@ def iter_chunks(engine: "Engine", handle: ReadHandle, chunk_size: int) -> Iterat
     if all(p.alloc is not None for p in handle.parts):
         yield from regroup(views(None), chunk_size)
         return
-    with engine.disk.read_txn() as r:
-        yield from regroup(views(r), chunk_size)
+    # A NOT_FOUND mid-stream (dropped under the read) waits for the absence to be
+    # durable, after the read transaction is over.
+    with engine.absent([p.manifest.seq_id for p in handle.parts]):
+        with engine.disk.read_txn() as r:
+            yield from regroup(views(r), chunk_size)
 
 
 def evicted(engine: "Engine", seq: Seq | None) -> bool:

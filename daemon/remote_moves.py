@@ -97,16 +97,19 @@ def remote_guard(mover: "Mover", seq: Seq, read: Callable[[], T]) -> T:
             if mine:
                 mover.catalog.retire(seq)
             orphans = mover.catalog.take_orphans()
+            mover.deletes.claim(orphans + ([seq] if mine else []))  # absence waits for these deletes
         # Shared blocks it was the last user of leave the index; those held here lose
         # their disk copies too (memory went with ``retire``). Their remote copies stay:
         # other daemons' sequences may use them.
-        mover.delete_all(orphans)  # every one tried; a failure is logged and retried later
+        mover.delete_all(orphans, claimed=True)  # every one tried; a failure is logged and retried later
         if mine:
             # Its own old disk copy, if an eviction's failed delete left it in LMDB (queued,
             # or taken over by the fetch that met this): the manifest goes before we answer
             # that the sequence is gone, or a crash would bring it back. Failing that, the
             # answer is the disk's error, not NOT_FOUND.
-            mover.deletes.delete(seq)
+            err = mover.delete_all([seq], claimed=True)
+            if err is not None:
+                raise err from None
         raise
 
 

@@ -1,11 +1,14 @@
-"""A known gap, pinned as strict expected failures: an id leaves the index before the disk
-delete of its retired version lands (the delete runs after the index lock), so another
-client can be told the id is gone (a drop answering False, ``present`` False, a restore
-NOT_FOUND) while its manifest is still in LMDB, and a SIGKILL right then brings the id
-back at the next start. The retiring call itself never answered (or answered
-UNAVAILABLE): what is lost is another client's observation of absence, not an
-acknowledged drop. docs/protocol.md ("Absence before it is durable") says what closes it;
-these tests pass (xfail strict fails) once it is closed. Found by a fresh-eyes attack."""
+"""An id leaves the index before the disk delete of its retired version lands (the delete
+runs after the index lock). Absence is answered only once it is durable: another
+client asking meanwhile (a drop answering False, ``present`` False, a restore
+NOT_FOUND) waits for that delete, or is answered UNAVAILABLE while a failed one is
+still queued, so a SIGKILL right after its answer never brings the id back
+(docs/protocol.md, "Absence is durable when it is answered"). Found by a fresh-eyes
+attack; these failed before ``Deletes.settle``.
+
+Each test takes the crash image in the thread that got the answer, right after it:
+what a SIGKILL at that moment would leave.
+"""
 
 from __future__ import annotations
 
@@ -18,11 +21,36 @@ from kvpark.client import Client
 from kvpark.daemon.server import Daemon
 from kvpark.tiers.disk import Manifest
 
-from .disk_seams import crash_image
+from .disk_seams import crash_image, waiting_in
 from .test_evict_retry_race import Seam, full
 
 MiB = 1 << 20
-GAP = "absence is answered before the retired version's disk delete lands (docs/protocol.md)"
+
+
+def answer_then_crash(eng, ask: Callable[[], object], dst: str) -> tuple[threading.Thread, dict]:
+    """Run ``ask`` in a thread; the moment it answers, take the crash image (``dst``)."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["answer"] = ask()
+        except BaseException as e:  # noqa: BLE001
+            out["answer"] = e
+        out["image"] = crash_image(eng.disk, dst)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t, out
+
+
+def settle_or_answer(t: threading.Thread) -> None:
+    """Until ``t`` has answered or waits in ``Deletes.settle`` (the fix; before it, the
+    answer came at once)."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while t.is_alive() and not waiting_in("settle", "deletes.py") and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 class HeldUnpublish(Seam):
@@ -63,7 +91,6 @@ def _over(redis_url: str) -> dict:
             "policy.write": "write_through", **_remote(redis_url, _new_ns(), write="on_evict")}
 
 
-@pytest.mark.xfail(strict=True, reason=GAP)
 def test_a_drop_answered_while_remote_guard_retires_x_never_sees_x_come_back(
         daemon: Callable[..., Daemon], held: type[HeldUnpublish], redis_server, tmp_path) -> None:
     """x's disk copy was evicted to Redis and the disk delete failed (its manifest stays
@@ -99,19 +126,21 @@ def test_a_drop_answered_while_remote_guard_retires_x_never_sees_x_come_back(
         t.start()
         assert held.u_entered.wait(30), "the restore never reached remote_guard's delete"
         # x is out of the index now; its old manifest is still in LMDB.
-        dropped = c2.drop("x", timeout=20)
-        present = c2.present(["x"], timeout=20)
-        image = crash_image(eng.disk, str(tmp_path / "crash"))  # SIGKILL now
+        b, out = answer_then_crash(eng, lambda: (c2.drop("x", timeout=30), c2.present(["x"], timeout=30)),
+                                   str(tmp_path / "crash"))
+        settle_or_answer(b)
         held.u_gate.set()
+        b.join(60)
         t.join(30)
     Seam.fail = False
     d.stop(0.5)
-    d2 = daemon(**{"tiers.disk.path": image, "policy.flush_on_shutdown": "false"})
+    d2 = daemon(**{"tiers.disk.path": out["image"], "policy.flush_on_shutdown": "false"})
     with Client(d2.address) as c3:
         after = c3.present(["x"])
+    assert out["answer"] == (False, [False]), out["answer"]
     assert after == [False], (
-        f"restore(x) raised {errs!r}; drop(x) answered dropped={dropped} and present(x)={present} while remote_guard was retiring x; "
-        f"after a SIGKILL right then present(x)={after}: the old manifest brought x back")
+        f"restore(x) raised {errs!r}; (drop(x), present(x)) answered {out['answer']} while remote_guard was "
+        f"retiring x; after a SIGKILL right then present(x)={after}: the old manifest brought x back")
 
 
 class FailingUnpublish(Seam):
@@ -127,7 +156,6 @@ class FailingUnpublish(Seam):
         super().unpublish(m, sync=sync)
 
 
-@pytest.mark.xfail(strict=True, reason=GAP)
 def test_after_remote_guard_answers_unavailable_no_call_says_not_found_before_the_retry(
         daemon: Callable[..., Daemon], held: type[HeldUnpublish], redis_server, tmp_path) -> None:
     """As above, but remote_guard's delete of the old manifest fails (the disk errs for a
@@ -155,9 +183,17 @@ def test_after_remote_guard_answers_unavailable_no_call_says_not_found_before_th
             FailingUnpublish.u_fail = True
             with pytest.raises(Unavailable):
                 c.restore("x", timeout=20)  # remote_guard's delete failed: UNAVAILABLE
-            with pytest.raises(NotFound):
-                c.restore("x", timeout=20)  # answered: x is gone
-            dropped = c.drop("x", timeout=20)
+            # x is out of the index, its manifest still in LMDB: no call may say it is gone.
+            with pytest.raises(Unavailable):
+                c.restore("x", timeout=20)
+            with pytest.raises(Unavailable):
+                c.drop("x", timeout=20)
+            with pytest.raises(Unavailable):
+                c.present(["x"], timeout=20)
+            with pytest.raises(Unavailable):
+                c.info("x", timeout=20)
+            FailingUnpublish.u_fail = False  # the disk is back: absence is answered, durably
+            assert c.present(["x"], timeout=20) == [False]
             image = crash_image(eng.disk, str(tmp_path / "crash"))
     finally:
         FailingUnpublish.u_fail = False
@@ -166,11 +202,9 @@ def test_after_remote_guard_answers_unavailable_no_call_says_not_found_before_th
     d2 = daemon(**{"tiers.disk.path": image, "policy.flush_on_shutdown": "false"})
     with Client(d2.address) as c3:
         after = c3.present(["x"])
-    assert after == [False], (
-        f"a restore answered NOT_FOUND and drop(x) answered {dropped}; after a crash present(x)={after}")
+    assert after == [False], f"present(x) answered [False]; after a crash present(x)={after}"
 
 
-@pytest.mark.xfail(strict=True, reason=GAP)
 def test_a_second_drop_answered_during_the_first_drops_delete_never_sees_x_come_back(
         daemon: Callable[..., Daemon], held: type[HeldUnpublish], tmp_path) -> None:
     """No Redis: drop A retires x and is held in its disk delete; drop B finds nothing and
@@ -184,12 +218,14 @@ def test_a_second_drop_answered_during_the_first_drops_delete_never_sees_x_come_
         t = threading.Thread(target=lambda: c.drop("x", timeout=30))
         t.start()
         assert Seam.del_entered.wait(30)
-        second = c2.drop("x", timeout=20)
-        image = crash_image(eng.disk, str(tmp_path / "crash"))
+        b, out = answer_then_crash(eng, lambda: c2.drop("x", timeout=30), str(tmp_path / "crash"))
+        settle_or_answer(b)
         Seam.del_gate.set()
+        b.join(60)
         t.join(30)
     d.stop(0.5)
-    d2 = daemon(**{"tiers.disk.path": image, "policy.flush_on_shutdown": "false"})
+    d2 = daemon(**{"tiers.disk.path": out["image"], "policy.flush_on_shutdown": "false"})
     with Client(d2.address) as c3:
         after = c3.present(["x"])
-    assert after == [False], f"second drop answered {second}; after a crash present(x)={after}"
+    assert out["answer"] is False, out["answer"]
+    assert after == [False], f"second drop answered {out['answer']}; after a crash present(x)={after}"
