@@ -193,11 +193,14 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
                 seq.on_disk = False
         orphans = catalog.take_orphans()
         forget = engine.retire_remote(gone)
+        engine.deletes.claim(gone + orphans)  # shared blocks left unreferenced: absent from now on
     free = list(held)
     try:
-        if undo is not None and engine.deletes.delete_written(undo, refused=True, hold=True):
-            free.remove(undo.seq_id)  # its queued undo owns that hold now
-        engine.deletes.delete_all(gone + orphans)  # a failure is retried: the park is visible
+        try:
+            if undo is not None and engine.deletes.delete_written(undo, refused=True, hold=True):
+                free.remove(undo.seq_id)  # its queued undo owns that hold now
+        finally:
+            engine.deletes.delete_all(gone + orphans, claimed=True)  # a failure is retried: the park is visible
     finally:
         engine.disk.settle([s.manifest for s in mine])  # nothing of ours is undone from here on
         with catalog.lock:

@@ -38,6 +38,7 @@ Primitives:
   then delete the manifests queued deletes of it may have left in LMDB (``Unavailable``
   if that fails): a crash after the answer never brings a retired version back. O(1)
   for an id with nothing under way or queued (every miss of a prefix lookup asks).
+- ``close()``: the stop has begun; waits in ``settle`` end.
 - ``adoptable(manifests, deadline)``: adopting remote versions waits for the deletes
   under way of their generations (REQUIRES: index lock). A version adopted again under a
   retired one's generation (the same record keys) keeps its records: no delete of the
@@ -108,6 +109,9 @@ class Deletes:
         # pending, so a caller waiting for ``pending == 0`` waits for their delete too.
         # REQUIRES: index lock.
         self._retrying = 0
+        # The daemon is stopping: a ``settle`` waiting for a delete gives up (UNAVAILABLE),
+        # so its handler leaves before the stop's grace runs out. REQUIRES: index lock.
+        self._closed = False
 
     def delete(self, seq: Seq) -> None:
         """Delete ``seq``'s disk copy; raises the disk's typed error when that fails (the
@@ -258,6 +262,8 @@ class Deletes:
             while True:
                 with self.catalog.lock:
                     while sid in self._ids_busy:
+                        if self._closed:
+                            raise Unavailable(f"sequence {sid!r}: the daemon is stopping; ask again")
                         left = deadline - time.monotonic()
                         if left <= 0:
                             raise Unavailable(f"sequence {sid!r}: the delete of a retired version of it has not "
@@ -280,6 +286,11 @@ class Deletes:
                         self._unpublished(todo)
                 finally:
                     self._done(todo)
+
+    def close(self) -> None:
+        """The stop has begun: ``settle`` waits end (UNAVAILABLE). REQUIRES: index lock."""
+        self._closed = True
+        self.catalog.changed.notify_all()
 
     def _unpublished(self, ms: list[Manifest]) -> None:
         """These generations' manifests are gone from LMDB: their queued entries, if any,

@@ -201,6 +201,7 @@ class Engine:
             self._closed = True
             self.catalog.wake.notify_all()
             self.pending.close(self.catalog)  # parks waiting on a pending id answer UNAVAILABLE now
+            self.deletes.close()  # and answers of absence waiting for a delete
         self.mover.close()
         if self._thread is not None:
             self._thread.join()
@@ -219,10 +220,12 @@ class Engine:
         self.memory.close()
 
     def end_waits(self) -> None:
-        """The stop has begun: parks waiting for a pending id give up (``UNAVAILABLE``), so
-        their handlers leave before the engine closes (``close`` does this too)."""
+        """The stop has begun: parks waiting for a pending id, and answers of absence waiting
+        for a delete, give up (``UNAVAILABLE``), so their handlers leave before the engine
+        closes (``close`` does this too)."""
         with self.catalog.lock:
             self.pending.close(self.catalog)
+            self.deletes.close()
 
     def flush(self) -> int:
         """Write every memory-only sequence to disk (keeping its memory copies)."""

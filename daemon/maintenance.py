@@ -158,11 +158,12 @@ def reconcile(engine: "Engine") -> int:
             (b := cat.find(r)) is None or not b.shared for r in s.refs)]
         for seq in broken:
             cat.retire(seq)
-        todo = broken + cat.take_orphans()
+        todo = broken + cat.take_orphans() if broken else []
+        engine.deletes.claim(todo)
     if not broken:
         return 0
     log.warning("start-up: %d sequence(s) referenced shared blocks that are gone (a crash); removed", len(broken))
-    failed = engine.mover.delete_all(todo)
+    failed = engine.mover.delete_all(todo, claimed=True)
     if failed is not None:
         log.warning("start-up: removing them failed (%s); retried in the background", failed)
     return len(broken)

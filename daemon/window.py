@@ -320,11 +320,14 @@ class Windows:
             orphans = self.catalog.take_orphans()
             remote = self.mover.remote
             forget = remote.retired(gone) if remote is not None else []
+            self.deletes.claim(gone + orphans)  # shared blocks left unreferenced: absent from now on
         owned = False
         try:
-            if failed is not None:
-                owned = self.deletes.delete_written(final, refused=True, hold=True)
-            self.deletes.delete_all(gone + orphans)
+            try:
+                if failed is not None:
+                    owned = self.deletes.delete_written(final, refused=True, hold=True)
+            finally:
+                self.deletes.delete_all(gone + orphans, claimed=True)
         finally:
             self.disk.settle([final])
             if not owned:

@@ -229,3 +229,99 @@ def test_a_second_drop_answered_during_the_first_drops_delete_never_sees_x_come_
         after = c3.present(["x"])
     assert out["answer"] is False, out["answer"]
     assert after == [False], f"second drop answered {out['answer']}; after a crash present(x)={after}"
+
+
+def test_a_stop_ends_an_answer_of_absence_waiting_for_a_delete(
+        daemon: Callable[..., Daemon], held: type[HeldUnpublish], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drop A is held in its disk delete; drop B waits in ``settle`` for it. A stop ends
+    B's wait at once (UNAVAILABLE), as it ends waits on pending ids: the stop does not
+    sit out its handler wait (``HANDLER_WAIT_S``) for a wait only a delete ends."""
+    import time
+
+    from kvpark.daemon import deletes as deletes_mod
+    from kvpark.daemon import server as server_mod
+
+    monkeypatch.setattr(deletes_mod, "SETTLE_WAIT_S", 600.0)  # no wait ends by its own deadline here
+    monkeypatch.setattr(server_mod, "HANDLER_WAIT_S", 300.0)
+    d = daemon(disk_factory=held, **{"policy.write": "write_through", "policy.flush_on_shutdown": "false"})
+    with Client(d.address) as c:
+        c.park("x", [full(MiB, 5)])
+    Seam.del_hold = True
+    out: dict = {}
+
+    def drop(key: str) -> None:
+        try:
+            with Client(d.address) as cc:
+                out[key] = cc.drop("x", timeout=600)
+        except BaseException as e:  # noqa: BLE001 (the stop cancels the call)
+            out[key] = e
+
+    a = threading.Thread(target=drop, args=("a",), daemon=True)
+    a.start()
+    assert Seam.del_entered.wait(30)
+    b = threading.Thread(target=drop, args=("b",), daemon=True)
+    b.start()
+    deadline = time.monotonic() + 30
+    while not waiting_in("settle", "deletes.py") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert waiting_in("settle", "deletes.py"), f"drop B never waited for drop A's delete: {out}"
+    stopper = threading.Thread(target=d.stop, args=(0.5,), daemon=True)
+    stopper.start()
+    # The stop joins handlers for HANDLER_WAIT_S; B's handler must leave before, at once.
+    deadline = time.monotonic() + 30
+    while waiting_in("settle", "deletes.py") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    b_stuck = waiting_in("settle", "deletes.py")  # B's handler, whatever its client saw
+    Seam.del_gate.set()  # let drop A's delete land and the test end
+    stopper.join(120)
+    a.join(60)
+    b.join(60)
+    assert not b_stuck, "drop B still waited in settle 30 s into the stop"
+
+
+@pytest.mark.parametrize("retire", ["drop", "overwrite_orphans_x"])
+def test_absence_waits_from_the_moment_the_version_leaves_the_index(
+        daemon: Callable[..., Daemon], held: type[HeldUnpublish], monkeypatch: pytest.MonkeyPatch,
+        tmp_path, retire: str) -> None:
+    """The retiring call is paused after the index lock, before its delete of x begins
+    (a thread descheduled there). A ``present`` of x meanwhile must wait: the delete is
+    claimed in the step that unindexed x (``Deletes.claim``), not only once it starts.
+    ``overwrite_orphans_x``: x is a shared block that an overwrite of the composite using
+    it leaves unreferenced (retired with the commit)."""
+    from kvpark.daemon.deletes import Deletes
+
+    gate, entered = threading.Event(), threading.Event()
+    original = Deletes.delete
+
+    def paused(self: Deletes, seq) -> None:  # widens the window the claim covers; changes nothing else
+        if seq.seq_id == "x" and not gate.is_set():
+            entered.set()
+            assert gate.wait(60)
+        original(self, seq)
+
+    monkeypatch.setattr(Deletes, "delete", paused)
+    d = daemon(disk_factory=held, **{"policy.write": "write_through", "policy.flush_on_shutdown": "false"})
+    eng = d.engine
+    assert eng is not None
+    with Client(d.address) as c, Client(d.address) as c2:
+        if retire == "drop":
+            c.park("x", [full(MiB, 5)])
+            t = threading.Thread(target=lambda: c.drop("x", timeout=30))
+        else:
+            c.park("c", [full(MiB, 1)], refs=["x"], new_blocks={"x": [full(MiB, 5)]})
+            t = threading.Thread(target=lambda: c.park("c", [full(MiB, 2)], overwrite=True, timeout=30))
+        t.start()
+        try:
+            assert entered.wait(30), "the retiring call never reached its delete of x"
+            b, out = answer_then_crash(eng, lambda: c2.present(["x"], timeout=30), str(tmp_path / "crash"))
+            settle_or_answer(b)
+        finally:
+            gate.set()
+        b.join(60)
+        t.join(30)
+    d.stop(0.5)
+    d2 = daemon(**{"tiers.disk.path": out["image"], "policy.flush_on_shutdown": "false"})
+    with Client(d2.address) as c3:
+        after = c3.present(["x"])
+    assert out["answer"] == [False], out["answer"]
+    assert after == [False], f"present(x) answered {out['answer']}; after a crash present(x)={after}"
