@@ -175,7 +175,7 @@ class Deletes:
                 self.disk.unpublish(m)
                 with self.catalog.lock:
                     self._unpublished([m])
-        except KVParkError:
+        except Exception:  # typed or not: what failed stays queued, never forgotten
             with self.catalog.lock:
                 if how == "delete":
                     self._enqueue([(m, seq)])
@@ -235,9 +235,11 @@ class Deletes:
         for s in seqs:
             try:
                 self.delete(s)
-            except KVParkError as e:
-                log.warning("delete of %r from disk failed (retried later): %s", s.seq_id, e)
-                first = first or e
+            except Exception as e:  # noqa: BLE001 (every one is tried; an untyped failure too)
+                log.warning("delete of %r from disk failed (retried later): %s", s.seq_id, e,
+                            exc_info=not isinstance(e, KVParkError))
+                first = first or (e if isinstance(e, KVParkError) else
+                                  Unavailable(f"the disk delete of {s.seq_id!r} failed: {e}"))
             finally:
                 if claimed:
                     with self.catalog.lock:

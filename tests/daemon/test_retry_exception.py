@@ -93,3 +93,30 @@ def test_a_retry_that_meets_a_non_lmdb_error_keeps_the_undo_queued(
     assert restarted in ([1], [3]) and not stuck and on_disk_gen == indexed_gen and later == "ok", (
         f"x pending={stuck}; LMDB's manifest of x: generation {on_disk_gen}, the index's {indexed_gen}; "
         f"a later overwrite of x: {later}; after a clean restart x restores {restarted}")
+
+
+def test_a_drop_whose_delete_meets_a_non_lmdb_error_is_typed_queued_and_never_comes_back(
+        daemon: Callable[..., Daemon], flaky: type[Flaky], tmp_path) -> None:
+    """The drop's own disk delete raises something untyped (an OSError from below LMDB).
+    It used to leave that delete unqueued (only typed failures were) and answer INTERNAL:
+    the manifest stayed in LMDB with nothing to delete it, the next ``present`` said x was
+    gone, and a crash brought x back. Now: UNAVAILABLE, queued, and absence is answered
+    only once the manifest is gone."""
+    from kvpark.proto.errors import Unavailable
+
+    from .disk_seams import crash_image
+
+    d = daemon(disk_factory=flaky, **{**WT, "policy.flush_on_shutdown": "false"})
+    eng = d.engine
+    assert eng is not None
+    with Client(d.address, transport="inline") as c:
+        c.park("x", [full(4096, 1)])
+        flaky.odd = True
+        with pytest.raises(Unavailable):
+            c.drop("x")
+        assert c.present(["x"]) == [False]
+        image = crash_image(eng.disk, str(tmp_path / "crash"))
+    d.stop(0.5)
+    d2 = daemon(**{"tiers.disk.path": image, "policy.flush_on_shutdown": "false"})
+    with Client(d2.address) as c2:
+        assert c2.present(["x"]) == [False]
