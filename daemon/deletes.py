@@ -73,16 +73,18 @@ class Deletes:
         # one's generation (its twin: the same record keys) is then never deleted by the
         # retired one's delete, which checks for a twin first. REQUIRES: index lock.
         self._busy: dict[tuple[str, int], int] = {}  # how many deletes of each are under way
-        # Per id: deletes under way (``_begin``) and versions retired and claimed for a
-        # delete not yet begun (``claim``). ``settle`` waits while an id has any.
-        # REQUIRES: index lock.
-        self._ids_busy: dict[str, int] = {}
+        # Per id, per generation: deletes under way (``_begin``) and versions retired and
+        # claimed for a delete not yet begun (``claim``). ``settle`` waits while an id has
+        # any whose manifest is not known gone. REQUIRES: index lock.
+        self._ids_busy: dict[str, dict[int, int]] = {}
         # Per id: entries of ``_undeleted``; ``settle`` looks at an id's entries only when
         # it has some. REQUIRES: index lock.
         self._ids_queued: dict[str, int] = {}
-        # (id, generation) of queued entries whose manifest is known gone from LMDB (its
-        # unpublish landed): ``settle`` leaves them be. A conservative hint: an entry
-        # queued afresh after a failure clears its key. REQUIRES: index lock.
+        # (id, generation) of queued or busy deletes whose manifest is known gone from LMDB
+        # (an unpublish of it landed): ``settle`` neither waits for them nor unpublishes
+        # again. A conservative hint: an entry queued afresh after a failure, or a version
+        # adopted again, clears its key; a key neither queued nor busy leaves. REQUIRES:
+        # index lock.
         self._gone: set[tuple[str, int]] = set()
         # Records still to delete: failed deletes (no Seq), and retired copies a read lease
         # still reads (their Seq: deleted once its disk readers are gone). REQUIRES: index lock.
@@ -228,7 +230,7 @@ class Deletes:
         ``delete_all(seqs, claimed=True)`` has tried each: an answer of absence for their
         ids waits from the moment they left the index. REQUIRES: index lock."""
         for s in seqs:
-            self._ids_busy[s.seq_id] = self._ids_busy.get(s.seq_id, 0) + 1
+            self._busy_add(s.seq_id, s.gen)
 
     def delete_all(self, seqs: list[Seq], claimed: bool = False) -> KVParkError | None:
         first: KVParkError | None = None
@@ -243,7 +245,7 @@ class Deletes:
             finally:
                 if claimed:
                     with self.catalog.lock:
-                        _uncount(self._ids_busy, s.seq_id)
+                        self._busy_sub(s.seq_id, s.gen)
                         self.catalog.changed.notify_all()
         return first
 
@@ -263,7 +265,7 @@ class Deletes:
         for sid in ids:
             while True:
                 with self.catalog.lock:
-                    while sid in self._ids_busy:
+                    while self._unsettled_busy(sid):
                         if self._closed:
                             raise Unavailable(f"sequence {sid!r}: the daemon is stopping; ask again")
                         left = deadline - time.monotonic()
@@ -271,9 +273,14 @@ class Deletes:
                             raise Unavailable(f"sequence {sid!r}: the delete of a retired version of it has not "
                                               f"landed in {SETTLE_WAIT_S:.0f} s; ask again")
                         self.catalog.changed.wait(left)
+                    # Not a twin's manifest (adopted again under that generation), and not a
+                    # refused write's while the id is indexed: its queued undo puts the
+                    # version that stands back (``revert``), which an unpublish would defeat.
+                    indexed = self.catalog.find(sid) is not None
                     todo = list({(m.seq_id, m.gen): m for m, _ in self._undeleted
-                                 if m.seq_id == sid and (sid, m.gen) not in self._gone
-                                 and self._twin(m) is None}.values()) if sid in self._ids_queued else []
+                                 if m.seq_id == sid and (sid, m.gen) not in self._gone and self._twin(m) is None
+                                 and not (indexed and (sid, m.gen) in self._reverts)}.values()
+                                ) if sid in self._ids_queued else []
                     if not todo:
                         break
                     self._begin(todo)  # a writer or an adoption of the generation waits for it
@@ -295,12 +302,32 @@ class Deletes:
         self.catalog.changed.notify_all()
 
     def _unpublished(self, ms: list[Manifest]) -> None:
-        """These generations' manifests are gone from LMDB: their queued entries, if any,
-        leave ``settle`` be. REQUIRES: index lock."""
+        """These generations' manifests are gone from LMDB: their queued entries and
+        deletes under way, if any, hold no ``settle`` up. REQUIRES: index lock."""
         for m in ms:
             key = (m.seq_id, m.gen)
-            if key in self._queued_n:
+            if key in self._queued_n or m.gen in self._ids_busy.get(m.seq_id, ()):
                 self._gone.add(key)
+
+    def _unsettled_busy(self, sid: str) -> bool:
+        """A delete of a version of ``sid`` is under way or claimed whose manifest may
+        still be in LMDB. REQUIRES: index lock."""
+        return any((sid, g) not in self._gone for g in self._ids_busy.get(sid, ()))
+
+    def _busy_add(self, sid: str, gen: int) -> None:
+        gens = self._ids_busy.setdefault(sid, {})
+        gens[gen] = gens.get(gen, 0) + 1
+
+    def _busy_sub(self, sid: str, gen: int) -> None:
+        """REQUIRES: index lock. A generation neither busy nor queued drops its gone mark."""
+        gens = self._ids_busy.get(sid)
+        if gens is None:
+            return
+        _uncount(gens, gen)
+        if not gens:
+            del self._ids_busy[sid]
+        if gen not in gens and (sid, gen) not in self._queued_n:
+            self._gone.discard((sid, gen))
 
     def delete_written(self, m: Manifest, refused: bool = False, hold: bool = False) -> bool:
         """Delete a record just written for a version retired meanwhile (a demotion, a
@@ -386,7 +413,8 @@ class Deletes:
         finally:
             with self.catalog.lock:
                 self._retrying -= len(todo)
-                self._gone &= self._queued_n.keys()  # marks of entries no longer queued go
+                # Marks of generations no longer queued nor busy go.
+                self._gone = {k for k in self._gone if k in self._queued_n or k[1] in self._ids_busy.get(k[0], ())}
             self._done([m for m, _ in todo])
 
     def adoptable(self, manifests: list[Manifest], deadline: float) -> None:
@@ -395,21 +423,23 @@ class Deletes:
         while any((m.seq_id, m.gen) in self._busy for m in manifests):
             left = deadline - time.monotonic()
             if left <= 0:
-                return
+                break
             self.catalog.changed.wait(left)
+        for m in manifests:  # adopted again under that generation: its manifest may come back
+            self._gone.discard((m.seq_id, m.gen))
 
     def _begin(self, ms: list[Manifest]) -> None:
         """Count deletes of these generations as under way. REQUIRES: index lock."""
         for m in ms:
             key = (m.seq_id, m.gen)
             self._busy[key] = self._busy.get(key, 0) + 1
-            self._ids_busy[m.seq_id] = self._ids_busy.get(m.seq_id, 0) + 1
+            self._busy_add(m.seq_id, m.gen)
 
     def _done(self, ms: list[Manifest]) -> None:
         with self.catalog.lock:
             for m in ms:
                 _uncount(self._busy, (m.seq_id, m.gen))
-                _uncount(self._ids_busy, m.seq_id)
+                self._busy_sub(m.seq_id, m.gen)
             self.catalog.changed.notify_all()
 
     def _queued(self, m: Manifest) -> bool:

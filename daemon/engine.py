@@ -378,9 +378,11 @@ class Engine:
             if lease.ended:
                 raise LeaseExpired(f"write lease {lease_id!r} is gone (expired, aborted or never issued)")
             lease.ended = True
-        if lease.window is not None:
-            return self.windows.commit(lease, expect_nbytes)
-        return commit.commit(self, lease, expect_nbytes)
+        # NOT_FOUND for a shared block it names (dropped meanwhile) once that is durable.
+        with self.absent(list(lease.spec.refs)):
+            if lease.window is not None:
+                return self.windows.commit(lease, expect_nbytes)
+            return commit.commit(self, lease, expect_nbytes)
 
     def window(self, lease_id: str, index: int) -> tuple[tuple[int, int], ...]:
         """Window ``index`` of a windowed park or restore: where its bytes lie (``window.py``)."""
@@ -440,11 +442,15 @@ class Engine:
     def absent(self, seq_ids: list[str]) -> Iterator[None]:
         """A ``NotFound`` leaving this block is answered only once the absence of these
         ids is durable (``Deletes.settle``; ``Unavailable`` instead when it is not yet).
+        Only the ids the index lacks then: a present id's queued deletes are its older
+        versions' business (a refused write's undo puts back the version that stands).
         The index lock must not be held when it leaves."""
         try:
             yield
         except NotFound:
-            self.deletes.settle(seq_ids)
+            with self.catalog.lock:
+                gone = [sid for sid in seq_ids if self.catalog.find(sid) is None]
+            self.deletes.settle(gone)
             raise
 
     # ------------------------------------------------------------------ queries

@@ -294,7 +294,7 @@ class TenantView:
             if quota_tier(to) in self.tenant.quota and to in self.engine.tiers:
                 # Room within the quota first: a promotion never takes the tenant over it.
                 info = self.engine.info(sid)
-                with self.engine.catalog.lock:
+                with self.engine.absent([sid]), self.engine.catalog.lock:  # NOT_FOUND once durable
                     there = to in self.engine.catalog.get(sid).res
                 with self.quotas.lock(self.tenant.name):
                     self.quotas.make_room(self.tenant, self.prefix, to, 0 if there else info.nbytes)
