@@ -31,8 +31,8 @@ Primitives:
 - ``pending``: records waiting for a retry or being retried; ``held()``: which wait
   (REQUIRES: index lock).
 - ``claim(seqs)`` (REQUIRES: index lock, in the step that retired them) and
-  ``delete_all(seqs, claimed=True)``: their ids count as being deleted from the moment
-  they leave the index, not only once their delete starts.
+  ``delete_all(seqs, claimed=True)`` or ``unclaim(seqs)``: their ids count as being
+  deleted from the moment they leave the index, not only once their delete starts.
 - ``settle(seq_ids)``: absence made durable before it is answered. For each id, wait for
   the deletes under way of any version of it (``Unavailable`` past ``SETTLE_WAIT_S``),
   then delete the manifests queued deletes of it may have left in LMDB (``Unavailable``
@@ -73,10 +73,14 @@ class Deletes:
         # one's generation (its twin: the same record keys) is then never deleted by the
         # retired one's delete, which checks for a twin first. REQUIRES: index lock.
         self._busy: dict[tuple[str, int], int] = {}  # how many deletes of each are under way
-        # Per id, per generation: deletes under way (``_begin``) and versions retired and
-        # claimed for a delete not yet begun (``claim``). ``settle`` waits while an id has
-        # any whose manifest is not known gone. REQUIRES: index lock.
+        # Per id, per generation: deletes under way (``_begin``). ``settle`` waits while an
+        # id has any whose manifest is not known gone. REQUIRES: index lock.
         self._ids_busy: dict[str, dict[int, int]] = {}
+        # Per id: versions retired and claimed (``claim``) whose retiring call has not
+        # finished making their absence durable (its deletes, a drop's remote tombstones).
+        # ``settle`` waits while an id has any, whatever it already deleted. REQUIRES:
+        # index lock.
+        self._ids_claimed: dict[str, int] = {}
         # Per id: entries of ``_undeleted``; ``settle`` looks at an id's entries only when
         # it has some. REQUIRES: index lock.
         self._ids_queued: dict[str, int] = {}
@@ -230,7 +234,16 @@ class Deletes:
         ``delete_all(seqs, claimed=True)`` has tried each: an answer of absence for their
         ids waits from the moment they left the index. REQUIRES: index lock."""
         for s in seqs:
-            self._busy_add(s.seq_id, s.gen)
+            self._ids_claimed[s.seq_id] = self._ids_claimed.get(s.seq_id, 0) + 1
+
+    def unclaim(self, seqs: list[Seq]) -> None:
+        """End the claims ``claim(seqs)`` took (a caller that deletes with
+        ``delete_all(seqs)`` and has more to make durable before absence may be answered:
+        a drop's remote tombstones)."""
+        with self.catalog.lock:
+            for s in seqs:
+                _uncount(self._ids_claimed, s.seq_id)
+            self.catalog.changed.notify_all()
 
     def delete_all(self, seqs: list[Seq], claimed: bool = False) -> KVParkError | None:
         first: KVParkError | None = None
@@ -244,9 +257,7 @@ class Deletes:
                                   Unavailable(f"the disk delete of {s.seq_id!r} failed: {e}"))
             finally:
                 if claimed:
-                    with self.catalog.lock:
-                        self._busy_sub(s.seq_id, s.gen)
-                        self.catalog.changed.notify_all()
+                    self.unclaim([s])
         return first
 
     def settle(self, seq_ids: list[str]) -> None:
@@ -258,14 +269,15 @@ class Deletes:
         still come back at a crash, so absence is not the answer yet. Call without the
         index lock."""
         with self.catalog.lock:
-            ids = [sid for sid in dict.fromkeys(seq_ids) if sid in self._ids_busy or sid in self._ids_queued]
+            ids = [sid for sid in dict.fromkeys(seq_ids)
+                   if sid in self._ids_busy or sid in self._ids_queued or sid in self._ids_claimed]
         if not ids:
             return
         deadline = time.monotonic() + SETTLE_WAIT_S
         for sid in ids:
             while True:
                 with self.catalog.lock:
-                    while self._unsettled_busy(sid):
+                    while sid in self._ids_claimed or self._unsettled_busy(sid):
                         if self._closed:
                             raise Unavailable(f"sequence {sid!r}: the daemon is stopping; ask again")
                         left = deadline - time.monotonic()
@@ -287,7 +299,7 @@ class Deletes:
                 try:
                     for m in todo:
                         self.disk.unpublish(m)
-                except KVParkError as e:
+                except Exception as e:  # noqa: BLE001 (typed or not: not durable yet, ask again)
                     raise Unavailable(f"sequence {sid!r}: the manifest of a retired version of it could not be "
                                       f"deleted yet ({e}); ask again") from None
                 else:
@@ -310,8 +322,8 @@ class Deletes:
                 self._gone.add(key)
 
     def _unsettled_busy(self, sid: str) -> bool:
-        """A delete of a version of ``sid`` is under way or claimed whose manifest may
-        still be in LMDB. REQUIRES: index lock."""
+        """A delete of a version of ``sid`` is under way whose manifest may still be in
+        LMDB. REQUIRES: index lock."""
         return any((sid, g) not in self._gone for g in self._ids_busy.get(sid, ()))
 
     def _busy_add(self, sid: str, gen: int) -> None:

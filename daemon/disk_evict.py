@@ -112,11 +112,12 @@ def disk_drop(mover: "Mover", victim: Seq | str) -> bool:
                     or (seq.shared and mover.catalog.refcount(seq_id)) or not mover.catalog.current(seq)):
                 return False
             todo = [seq]
-            if not seq.res:  # the disk held its only copy: it leaves the index too
+            retired = not seq.res
+            if retired:  # the disk held its only copy: it leaves the index too
                 mover.catalog.retire(seq)
                 todo += mover.catalog.take_orphans()
-            mover.deletes.claim(todo)  # an answer of absence waits for these deletes
-        mover.delete_all(todo, claimed=True)  # a failed delete is retried; the accounting follows the index
+                mover.deletes.claim(todo)  # an answer of absence waits for these deletes
+        mover.delete_all(todo, claimed=retired)  # a failed delete is retried; the accounting follows the index
         with mover.catalog.lock:
             mover.catalog.notify()
         mover.count_eviction("disk")

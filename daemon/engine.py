@@ -450,8 +450,18 @@ class Engine:
         except NotFound:
             with self.catalog.lock:
                 gone = [sid for sid in seq_ids if self.catalog.find(sid) is None]
-            self.deletes.settle(gone)
+            self.settle(gone)
             raise
+
+    def settle(self, seq_ids: list[str]) -> None:
+        """Before answering that these ids are gone: nothing of them in LMDB to come back at
+        a crash (``Deletes.settle``), nor in Redis behind a tombstone that holds in memory
+        only. ``Unavailable`` while either is so."""
+        self.deletes.settle(seq_ids)
+        loose = self.remote.loose(seq_ids) if self.remote is not None and seq_ids else []
+        if loose:
+            raise Unavailable(f"sequence {loose[0]!r}: a dropped version of it is still in Redis and its "
+                              "tombstone could not be written to disk; ask again")
 
     # ------------------------------------------------------------------ queries
 
@@ -474,7 +484,7 @@ class Engine:
             maintenance.finish_drop(self, todo, forget, claimed=True)
         # Nothing of any version of the id left in LMDB to come back at a crash (an older
         # version whose delete failed, another drop's delete under way) before we answer.
-        self.deletes.settle([seq_id])
+        self.settle([seq_id])
         return seq is not None
 
     def present(self, seq_ids: list[str]) -> list[bool]:
@@ -490,7 +500,7 @@ class Engine:
             there = dict(zip(ask, self.remote.present(ask)))
             out = [p or there[sid] for sid, p in zip(seq_ids, out)]
         if not all(out):
-            self.deletes.settle([sid for sid, p in zip(seq_ids, out) if not p])  # absence, durable
+            self.settle([sid for sid, p in zip(seq_ids, out) if not p])  # absence, durable
         return out
 
     def in_memory(self, seq_ids: list[str]) -> bool:

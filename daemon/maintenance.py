@@ -124,9 +124,15 @@ def finish_drop(engine: "Engine", todo: list[Seq], remote: list[Manifest], claim
     delete is tried: one that fails is left to the maintenance pass to retry (the disk
     accounting already follows the index), and the first failure is raised after.
     ``claimed``: ``Deletes.claim(todo)`` was called as they left the index."""
-    failed = engine.mover.delete_all(todo, claimed=claimed)
-    # Not orphaned blocks: other daemons' sequences may use them.
-    failed = engine.forget_remote(remote) or failed
+    try:
+        failed = engine.mover.delete_all(todo)
+        # Not orphaned blocks: other daemons' sequences may use them. Still claimed while
+        # the tombstones are written: absence is durable only once a restart cannot adopt
+        # the remote copy back.
+        failed = engine.forget_remote(remote) or failed
+    finally:
+        if claimed:
+            engine.deletes.unclaim(todo)
     if failed is not None:
         raise failed
 

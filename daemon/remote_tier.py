@@ -33,6 +33,8 @@ Primitives:
 - ``submit(what, fn)``: run ``fn()`` in the background; failures are logged.
 - ``copy_later(what, fn) -> bool``: ``submit`` a copy, unless ``max_pending`` copies
   wait already (False: skipped and counted in ``skipped``).
+- ``loose(ids)``: ids whose dropped version's tombstone is in memory only and still in
+  Redis (absence of them is not durable yet).
 - ``retired(seqs) -> list[Manifest]`` (REQUIRES: index lock): tombstone the versions
   leaving the index that may have a remote copy; ``forget(manifests)`` (no lock): write
   their tombstones to disk and delete them from Redis in the background;
@@ -83,6 +85,11 @@ class RemoteTier:
         # Versions dropped here whose remote copies are not yet known deleted: never adopted.
         self._tombs: dict[Key, Manifest] = {}
         self._tomb_ids: Counter[str] = Counter()
+        # Tombstones that hold in memory only (their disk write failed) of versions Redis
+        # may still hold: a restart would adopt them back, so absence of their ids is not
+        # durable until their Redis delete lands (``loose``). Guarded by ``_lock``.
+        self._loose: dict[tuple[str, int], None] = {}
+        self._loose_ids: Counter[str] = Counter()
         # Tombstones whose delete is queued or running -> whether another was asked for
         # meanwhile (a copy that landed after it started: that delete must run again).
         self._deleting: dict[Key, bool] = {}
@@ -264,6 +271,11 @@ class RemoteTier:
                             len(manifests), e)
                 failed = Unavailable(f"the drop's tombstone could not be written to the disk tier ({e}); "
                                      "its remote copy is being deleted")
+                with self._lock:
+                    for m in manifests:
+                        if (m.seq_id, m.gen) not in self._loose:
+                            self._loose[(m.seq_id, m.gen)] = None
+                            self._loose_ids[m.seq_id] += 1
         for m in manifests:
             self._delete_later(m)
         return failed
@@ -287,6 +299,10 @@ class RemoteTier:
                     # A copy of it still under way may land after this delete: its
                     # tombstone stays, and that copy's end forgets it again.
                     ok = ok and not again and not self._putting[k]
+                    if ok and self._loose.pop(k, 0) is None:  # gone from Redis: nothing to adopt back
+                        self._loose_ids[m.seq_id] -= 1
+                        if not self._loose_ids[m.seq_id]:
+                            del self._loose_ids[m.seq_id]
                     if ok and self._tombs.pop(k, None) is not None:
                         self._epoch += 1
                         self._tomb_ids[m.seq_id] -= 1
@@ -319,6 +335,12 @@ class RemoteTier:
                 self.store.ping()
             except KVParkError:
                 pass  # still down: the breaker opened again
+
+    def loose(self, seq_ids: Sequence[str]) -> list[str]:
+        """The ids with a dropped version whose tombstone is in memory only and whose Redis
+        delete has not landed: a restart would adopt it back."""
+        with self._lock:
+            return [sid for sid in seq_ids if self._loose_ids[sid]] if self._loose_ids else []
 
     def retry_forgets(self) -> int:
         """Resubmit the deletes of tombstoned versions that failed (at most every

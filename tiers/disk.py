@@ -231,6 +231,18 @@ class Write:
     live: Callable[[], bool] | None = None
 
 
+def _readable(raw: bytes | None) -> Manifest | None:
+    """The manifest in ``raw``; None when there is none or it cannot be decoded (rotten
+    bytes): a start skips such a manifest (``load_manifests``), so it is no version of
+    its id, and no write or delete may fail on it for ever (an untyped error each time)."""
+    if raw is None:
+        return None
+    try:
+        return Manifest.decode(raw)
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 def block_key(seq_id: str, gen: int, index: int) -> bytes:
     return seq_id.encode() + b"\x00" + _KEY_TAIL.pack(gen, index)
 
@@ -579,8 +591,7 @@ class DiskStore:
 
     def _put(self, txn: lmdb.Transaction, w: Write, replaced: dict[tuple[str, int], Manifest]) -> bool:
         m = w.manifest
-        raw = txn.get(m.seq_id.encode(), db=self._manifests)
-        cur = Manifest.decode(raw) if raw is not None else None
+        cur = _readable(txn.get(m.seq_id.encode(), db=self._manifests))
         if cur is not None and cur.gen > m.gen:
             return False  # a later commit of this id is already on disk: this one is stale
         if w.live is not None and not w.live():
@@ -605,8 +616,8 @@ class DiskStore:
         generation is no longer the one on disk."""
         try:
             with self.env.begin(write=True) as txn:
-                cur = txn.get(m.seq_id.encode(), db=self._manifests)
-                if cur is None or Manifest.decode(cur).gen != m.gen:
+                cur = _readable(txn.get(m.seq_id.encode(), db=self._manifests))
+                if cur is None or cur.gen != m.gen:
                     return False
                 txn.put(m.seq_id.encode(), m.encode(), db=self._manifests)
         except lmdb.Error as e:
@@ -621,8 +632,8 @@ class DiskStore:
                 self._kept.discard((m.seq_id, m.key_gen))
             with self.env.begin(write=True) as txn:
                 self._delete_blocks(txn, m)
-                cur = txn.get(m.seq_id.encode(), db=self._manifests)
-                if cur is not None and Manifest.decode(cur).gen == m.gen:
+                cur = _readable(txn.get(m.seq_id.encode(), db=self._manifests))
+                if cur is not None and cur.gen == m.gen:
                     txn.delete(m.seq_id.encode(), db=self._manifests)
         except lmdb.Error as e:
             raise self._write_error(e) from None
@@ -661,8 +672,8 @@ class DiskStore:
             with self.env.begin(write=True) as txn:
                 self._delete_blocks(txn, m)
                 name = m.seq_id.encode()
-                cur = txn.get(name, db=self._manifests)
-                if cur is not None and Manifest.decode(cur).gen == m.gen:
+                cur = _readable(txn.get(name, db=self._manifests))
+                if cur is not None and cur.gen == m.gen:
                     with self._acct:
                         live = previous is not None and (previous.seq_id, previous.gen) in self._held and (
                             previous.seq_id, previous.key_gen) not in self._kept
@@ -700,8 +711,8 @@ class DiskStore:
         its start-up sweep deletes the records no manifest owns."""
         try:
             with self.env.begin(write=True) as txn:
-                cur = txn.get(m.seq_id.encode(), db=self._manifests)
-                if cur is not None and Manifest.decode(cur).gen == m.gen:
+                cur = _readable(txn.get(m.seq_id.encode(), db=self._manifests))
+                if cur is not None and cur.gen == m.gen:
                     txn.delete(m.seq_id.encode(), db=self._manifests)
         except lmdb.Error as e:
             raise self._write_error(e) from None
@@ -756,8 +767,7 @@ class DiskStore:
         key = (m.seq_id, m.key_gen)  # charged under the generation it was staged as
         try:
             with self.env.begin(write=True) as txn:
-                raw = txn.get(m.seq_id.encode(), db=self._manifests)
-                prev = Manifest.decode(raw) if raw is not None else None
+                prev = _readable(txn.get(m.seq_id.encode(), db=self._manifests))
                 won = prev is None or prev.gen <= m.gen
                 if won:
                     if replace is not None and replace.gen != m.gen:
@@ -850,10 +860,8 @@ class DiskStore:
         """Whether the blocks under ``prefix`` belong to a manifest or a staged write."""
         if txn.get(prefix, db=self._staging) is not None:
             return True
-        raw = txn.get(prefix[:-9], db=self._manifests)
-        if raw is None:
-            return False
-        return Manifest.decode(raw).key_gen == struct.unpack(">Q", prefix[-8:])[0]
+        cur = _readable(txn.get(prefix[:-9], db=self._manifests))
+        return cur is not None and cur.key_gen == struct.unpack(">Q", prefix[-8:])[0]
 
     @contextmanager
     def read_txn(self) -> Iterator[ReadTxn]:

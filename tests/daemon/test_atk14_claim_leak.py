@@ -18,6 +18,7 @@ from kvpark.daemon.server import Daemon
 from kvpark.proto.errors import KVParkError
 
 from .disk_seams import crash_image
+from .test_retry_exception import flaky  # noqa: F401 (fixture)
 
 
 def full(n: int, v: int) -> torch.Tensor:
@@ -25,23 +26,24 @@ def full(n: int, v: int) -> torch.Tensor:
 
 
 def test_an_untyped_failure_deleting_one_version_never_leaves_its_orphans_unavailable_forever(
-        daemon: Callable[..., Daemon], tmp_path) -> None:
-    """write_through. "p" references shared block "b" (its only user). p's manifest in LMDB
-    is damaged (bit rot: not JSON any more). A drop of p retires p and b and claims both;
-    the delete of p raises ``ValueError`` (decoding the damaged manifest), which
-    ``delete_all`` does not catch: b's claim is never released and b's delete never runs.
-    Every later ``present(["b"])`` waits 10 s and answers UNAVAILABLE, forever. (Were the
-    claim merely released, ``present`` would answer False with b's manifest still in
-    LMDB: the crash image after the answers must not hold b either.)"""
-    d = daemon(**{"policy.write": "write_through", "policy.flush_on_shutdown": "false"})
+        daemon: Callable[..., Daemon], flaky, tmp_path) -> None:
+    """write_through. "x" references shared block "b" (its only user). A drop of x retires
+    x and b and claims both; the delete of x raises an untyped ``OSError`` (from below
+    LMDB), which ``delete_all`` did not catch: b's claim was never released and b's
+    delete never ran, so every later ``present(["b"])`` waited 10 s and answered
+    UNAVAILABLE, for ever. (Were the claim merely released, ``present`` would answer
+    False with b's manifest still in LMDB: the crash image after the answers must not
+    hold b either.) First written with a rotten manifest as the untyped failure; a
+    rotten manifest is no version now (``tiers/disk.py``, ``_readable``), so the failure
+    is injected below LMDB instead."""
+    d = daemon(disk_factory=flaky, **{"policy.write": "write_through", "policy.flush_on_shutdown": "false"})
     eng = d.engine
     assert eng is not None
     with Client(d.address) as c:
-        c.park("p", [full(4096, 1)], refs=["b"], new_blocks={"b": [full(4096, 2)]})
-        with eng.disk.env.begin(write=True) as txn:  # p's manifest rots on disk
-            txn.put(b"p", b"\xff not a manifest", db=eng.disk._manifests)
+        c.park("x", [full(4096, 1)], refs=["b"], new_blocks={"b": [full(4096, 2)]})
+        flaky.odd = True  # the next delete of x's records raises OSError, once
         with pytest.raises(KVParkError):
-            c.drop("p", timeout=30)  # the damaged manifest: an error is fair here
+            c.drop("x", timeout=30)  # an error is fair here (UNAVAILABLE: queued)
         answers = []
         for _ in range(2):
             try:
@@ -54,6 +56,6 @@ def test_an_untyped_failure_deleting_one_version_never_leaves_its_orphans_unavai
     with Client(d2.address) as c3:
         after = c3.present(["b"])
     assert answers == [[False], [False]], (
-        f"b (nothing wrong with it; dropped with p) answers present(b) = {answers}: a claim left by "
-        "delete_all after p's untyped failure keeps b 'being deleted' forever")
+        f"b (nothing wrong with it; dropped with x) answers present(b) = {answers}: a claim left by "
+        "delete_all after x's untyped failure keeps b 'being deleted' forever")
     assert after == [False], f"present(b) answered {answers}; after a SIGKILL then present(b)={after}"
