@@ -197,15 +197,20 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
     free = list(held)
     try:
         try:
-            if undo is not None and engine.deletes.delete_written(undo, refused=True, hold=True):
-                free.remove(undo.seq_id)  # its queued undo owns that hold now
+            try:
+                if undo is not None and engine.deletes.delete_written(undo, refused=True, hold=True):
+                    free.remove(undo.seq_id)  # its queued undo owns that hold now
+            finally:
+                engine.deletes.delete_all(gone + orphans)  # a failure is retried: the park is visible
         finally:
-            engine.deletes.delete_all(gone + orphans, claimed=True)  # a failure is retried: the park is visible
+            engine.disk.settle([s.manifest for s in mine])  # nothing of ours is undone from here on
+            with catalog.lock:
+                pending.done(catalog, free)
+        # Still claimed: the replaced versions' tombstones go to disk first, or a drop of the
+        # id answered meanwhile, then a crash, would let the restart adopt them from Redis.
+        engine.forget_remote(forget)
     finally:
-        engine.disk.settle([s.manifest for s in mine])  # nothing of ours is undone from here on
-        with catalog.lock:
-            pending.done(catalog, free)
-    engine.forget_remote(forget)
+        engine.deletes.unclaim(gone + orphans)
     if failed is not None:
         raise failed
     if engine.remote is not None and engine.remote.write_through:

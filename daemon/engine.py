@@ -374,6 +374,13 @@ class Engine:
         """Publish a reserved park: validate under the index lock, write disk without it, publish."""
         with self.catalog.lock:
             lease = self.leases.take_write(lease_id)
+        if lease.spec.refs:
+            # Shared blocks it names that only the remote tier holds are indexed first, as a
+            # restore of them would (``present`` says they are parked): never NOT_FOUND.
+            try:
+                reads.adopt(self, list(lease.spec.refs))
+            except KVParkError as e:  # a miss is safe: the commit's checks answer for the refs
+                log.debug("adopting the shared blocks a park names failed: %s", e)
         with lease.lock:  # no chunk lands after this; the reaper no longer owns the slots
             if lease.ended:
                 raise LeaseExpired(f"write lease {lease_id!r} is gone (expired, aborted or never issued)")

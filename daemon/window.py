@@ -324,17 +324,22 @@ class Windows:
         owned = False
         try:
             try:
-                if failed is not None:
-                    owned = self.deletes.delete_written(final, refused=True, hold=True)
+                try:
+                    if failed is not None:
+                        owned = self.deletes.delete_written(final, refused=True, hold=True)
+                finally:
+                    self.deletes.delete_all(gone + orphans)
             finally:
-                self.deletes.delete_all(gone + orphans, claimed=True)
+                self.disk.settle([final])
+                if not owned:
+                    with catalog.lock:
+                        self.pending.done(catalog, ids)
+            if remote is not None:
+                # Not the orphaned blocks: other daemons' sequences may use them. Still
+                # claimed: the tombstones are on disk before a drop of the id may answer.
+                remote.forget(forget)
         finally:
-            self.disk.settle([final])
-            if not owned:
-                with catalog.lock:
-                    self.pending.done(catalog, ids)
-        if remote is not None:
-            remote.forget(forget)  # not the orphaned blocks: other daemons' sequences may use them
+            self.deletes.unclaim(gone + orphans)
         if failed is not None:
             raise failed
         if remote is not None and remote.write_through and not seq.dropped:
