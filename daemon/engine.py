@@ -372,6 +372,14 @@ class Engine:
 
     def commit(self, lease_id: str, expect_nbytes: int | None = None) -> SeqInfo:
         """Publish a reserved park: validate under the index lock, write disk without it, publish."""
+        try:
+            spec: ParkSpec | None = self.leases.get_write(lease_id).spec
+        except KVParkError:
+            spec = None  # ``take_write`` answers for it below
+        if spec is not None and not spec.overwrite and spec.seq_id:
+            # A create's success says the id was absent: durably so first (``settle``),
+            # or a crash could bring back a version dropped just before it.
+            self.settle([spec.seq_id])
         with self.catalog.lock:
             lease = self.leases.take_write(lease_id)
         if lease.spec.refs:
@@ -415,10 +423,25 @@ class Engine:
         """(payload offset, views) pieces of at most ``chunk_size`` bytes, in payload order (``reads.py``)."""
         return reads.iter_chunks(self, handle, chunk_size)
 
-    def retire_remote(self, gone: list[Seq]) -> list[Manifest]:
+    def retire_remote(self, gone: list[Seq], shadows: list[Manifest] | None = None) -> list[Manifest]:
         """Tombstone the remote copies of versions leaving the index (``RemoteTier.retired``):
-        no later miss adopts them back. REQUIRES: index lock, in the step that unindexed them."""
-        return self.remote.retired(gone) if self.remote is not None and gone else []
+        no later miss adopts them back. ``shadows`` (``remote_shadows``): other versions
+        Redis holds under a dropped id; those of other generations go too. REQUIRES: index
+        lock, in the step that unindexed them."""
+        if self.remote is None or not gone:
+            return []
+        gens = {(s.seq_id, s.gen) for s in gone}
+        other = [m for m in shadows or () if (m.seq_id, m.gen) not in gens and not self.remote.tombed(m)]
+        return self.remote.retired(gone) + (self.remote.retired_shadows(other) if other else [])
+
+    def remote_shadows(self, seq_id: str) -> list[Manifest]:
+        """What Redis holds under ``seq_id`` (looked up before a drop of it, no lock held): a
+        version the index never adopted, older than the one indexed (a park here did not
+        look in Redis), would otherwise outlive the drop and be adopted back after it.
+        Miss-safe: Redis unreachable, nothing."""
+        if self.remote is None:
+            return []
+        return [m for m in self.remote.manifests([seq_id]) if m is not None]
 
     def forget_remote(self, gone: list[Manifest]) -> KVParkError | None:
         """Delete what ``retire_remote`` returned from Redis (in the background), the
@@ -449,15 +472,13 @@ class Engine:
     def absent(self, seq_ids: list[str]) -> Iterator[None]:
         """A ``NotFound`` leaving this block is answered only once the absence of these
         ids is durable (``Deletes.settle``; ``Unavailable`` instead when it is not yet).
-        Only the ids the index lacks then: a present id's queued deletes are its older
-        versions' business (a refused write's undo puts back the version that stands).
-        The index lock must not be held when it leaves."""
+        Every one of them, even one indexed again by now (the answer was decided when it
+        was not): ``Deletes.settle`` never touches what a present id's versions need (a
+        refused write's undo). The index lock must not be held when it leaves."""
         try:
             yield
         except NotFound:
-            with self.catalog.lock:
-                gone = [sid for sid in seq_ids if self.catalog.find(sid) is None]
-            self.settle(gone)
+            self.settle(seq_ids)
             raise
 
     def settle(self, seq_ids: list[str]) -> None:
@@ -479,13 +500,15 @@ class Engine:
         remote tier has is dropped there.
         """
         validate_seq_id(seq_id)
+        shadows: list[Manifest] = []
         if everywhere:
             reads.adopt(self, [seq_id])
+            shadows = self.remote_shadows(seq_id)
         with self.catalog.lock:
             seq = self.catalog.find(seq_id)
             if seq is not None:
                 todo = maintenance.retire(self, seq)
-                forget = self.retire_remote([seq]) if everywhere else []
+                forget = self.retire_remote([seq], shadows) if everywhere else []
                 self.deletes.claim(todo)  # absence waits for these deletes from now on
         if seq is not None:
             maintenance.finish_drop(self, todo, forget, claimed=True)
@@ -540,6 +563,7 @@ class Engine:
         """Pin (never demoted below the tier it is in) or unpin ``seq_id``; kept on disk too."""
         validate_seq_id(seq_id)
         self.check_open()
+        reads.adopt(self, [seq_id])  # held only in Redis: pinned like any other (``present`` says it is)
         with self.absent([seq_id]), self.catalog.lock:
             seq = self.catalog.get(seq_id)
             # A disk write reading this sequence (demotion, flush, write-back) encodes the

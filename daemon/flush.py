@@ -156,6 +156,7 @@ def write_batch(mover: "Mover", seqs: list[Seq], evict: bool = True) -> int:
                 if written and written[k]:
                     if s.dropped:  # dropped or overwritten while we wrote
                         stale.append(s)
+                        mover.cleanups += 1
                     else:
                         s.on_disk = landed = True
                         cat.dirty.untrack(s)
@@ -165,7 +166,10 @@ def write_batch(mover: "Mover", seqs: list[Seq], evict: bool = True) -> int:
             # Waiters may demote these now. No version bump: see Mover.write_to_disk.
             cat.changed.notify_all()
     for s in stale:
-        mover.deletes.delete_written(s.manifest)  # remove what we wrote
+        try:
+            mover.deletes.delete_written(s.manifest)  # remove what we wrote
+        finally:
+            mover.cleaned()
     if mover.metrics is not None and written:
         share = (time.perf_counter() - t0) / len(picked)
         for (s, src, _), ok in zip(picked, written):
@@ -217,11 +221,16 @@ def write_one(mover: "Mover", seq: Seq) -> bool:
                 mover.catalog.touch(seq, "disk")
             mover.deletes.taken_over(own, landed=written and not stale)
             mover.catalog.release_dropped(seq)
+            if written and stale:
+                mover.cleanups += 1
             # Waiters may demote it now. No version bump: a write that failed (disk
             # full) must not send a make_room loop straight back to the same victim.
             mover.catalog.changed.notify_all()
             if written and mover.catalog.over_high():
                 mover.catalog.wake.notify_all()  # the disk, say, past its high mark
     if written and stale:
-        mover.deletes.delete_written(seq.manifest)  # remove what we wrote
+        try:
+            mover.deletes.delete_written(seq.manifest)  # remove what we wrote
+        finally:
+            mover.cleaned()
     return written and not stale

@@ -36,7 +36,8 @@ Primitives:
 - ``write_to_disk(seq) -> bool`` (the shared blocks it references first); ``flush() -> int``
   (batched: ``flush.py``).
 - ``delete_from_disk(seq)``; ``delete_all(seqs) -> KVParkError | None`` (every one tried);
-  ``retry_deletes()`` (the maintenance pass): ``deletes.py``.
+  ``retry_deletes()`` (the maintenance pass): ``deletes.py``. ``cleanups`` / ``cleaned()``:
+  records a write landed for a version retired meanwhile, not yet deleted (``quiet`` waits).
 - The remote tier (when configured), below disk: ``promote`` reads a sequence known
   only from remote straight into memory (verified); ``fetch_remote(seq)`` brings one
   onto the local disk instead (when memory has no room, or it is served from disk);
@@ -122,6 +123,11 @@ class Mover:
         self.slot_size = slot_size
         self.closed = False
         self._paused = 0  # quiet() holders: no demotion starts
+        # Disk writes that landed for a version retired meanwhile, their records not yet
+        # deleted (``delete_written`` runs after the copy has ended): quiet() waits for
+        # them too, or the store would hold a generation the index no longer counts.
+        # REQUIRES: index lock.
+        self.cleanups = 0
         self.deletes = Deletes(catalog, disk)  # a failed delete is retried (``deletes.py``)
         self.prefetches = Prefetches(self)
 
@@ -143,7 +149,7 @@ class Mover:
         with self.catalog.lock:
             self._paused += 1
             deadline = time.monotonic() + timeout
-            while self.catalog.busy() and time.monotonic() < deadline:
+            while (self.catalog.busy() or self.cleanups) and time.monotonic() < deadline:
                 self.catalog.changed.wait(deadline - time.monotonic())
         try:
             yield
@@ -543,6 +549,12 @@ class Mover:
         """Make sure ``seq`` has a disk copy (the shared blocks it references first); its
         memory copies are kept (``flush.write_one``)."""
         return flush.write_one(self, seq)
+
+    def cleaned(self) -> None:
+        """One ``cleanups`` entry is over (its records deleted, or queued for a retry)."""
+        with self.catalog.lock:
+            self.cleanups -= 1
+            self.catalog.changed.notify_all()
 
     def delete_from_disk(self, seq: Seq) -> None:
         self.deletes.delete(seq)

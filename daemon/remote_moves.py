@@ -69,9 +69,14 @@ def fetch_remote_locked(mover: "Mover", seq: Seq) -> None:
                 seq.promotions += 1
                 mover.catalog.touch(seq, "disk")  # its place in the disk's eviction order
             mover.deletes.taken_over(own, landed=written and not stale)
+            if written and stale:
+                mover.cleanups += 1
             mover.catalog.notify()
     if written and stale:
-        mover.deletes.delete_written(m)  # remove what we wrote
+        try:
+            mover.deletes.delete_written(m)  # remove what we wrote
+        finally:
+            mover.cleaned()
 
 
 def remote_blocks(mover: "Mover", seq: Seq) -> list[memoryview]:
