@@ -77,6 +77,12 @@ SUBSET = [
     "tests/daemon/test_reader_overtakes_eviction.py", "tests/daemon/test_stop_waiter.py",
     "tests/daemon/test_drop_during_takeover.py", "tests/daemon/test_drop_during_fetch_takeover.py",
     "tests/daemon/test_fetch_takeover_attacks.py", "tests/daemon/test_absence_before_durable.py",
+    "tests/daemon/test_drop_settles_older.py", "tests/daemon/test_atk14_settle_refused.py",
+    "tests/daemon/test_atk14_unsettled_notfound.py", "tests/daemon/test_atk14_commit_orphans.py",
+    "tests/daemon/test_atk14_claim_leak.py", "tests/daemon/test_atk15_rotten_settle.py",
+    "tests/daemon/test_atk15_tombstone_window.py", "tests/daemon/test_atk16_overwrite_tombstone.py",
+    "tests/daemon/test_atk16_ref_in_redis.py", "tests/daemon/test_atk17_redis_older_version.py",
+    "tests/daemon/test_atk17_pin_redis.py", "tests/daemon/test_atk17_reindexed_absent.py",
 ]
 def _spawning() -> list[str]:
     """The subset's test files that start child processes (daemons, clients) and may kill
