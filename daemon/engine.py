@@ -423,25 +423,10 @@ class Engine:
         """(payload offset, views) pieces of at most ``chunk_size`` bytes, in payload order (``reads.py``)."""
         return reads.iter_chunks(self, handle, chunk_size)
 
-    def retire_remote(self, gone: list[Seq], shadows: list[Manifest] | None = None) -> list[Manifest]:
+    def retire_remote(self, gone: list[Seq]) -> list[Manifest]:
         """Tombstone the remote copies of versions leaving the index (``RemoteTier.retired``):
-        no later miss adopts them back. ``shadows`` (``remote_shadows``): other versions
-        Redis holds under a dropped id; those of other generations go too. REQUIRES: index
-        lock, in the step that unindexed them."""
-        if self.remote is None or not gone:
-            return []
-        gens = {(s.seq_id, s.gen) for s in gone}
-        other = [m for m in shadows or () if (m.seq_id, m.gen) not in gens and not self.remote.tombed(m)]
-        return self.remote.retired(gone) + (self.remote.retired_shadows(other) if other else [])
-
-    def remote_shadows(self, seq_id: str) -> list[Manifest]:
-        """What Redis holds under ``seq_id`` (looked up before a drop of it, no lock held): a
-        version the index never adopted, older than the one indexed (a park here did not
-        look in Redis), would otherwise outlive the drop and be adopted back after it.
-        Miss-safe: Redis unreachable, nothing."""
-        if self.remote is None:
-            return []
-        return [m for m in self.remote.manifests([seq_id]) if m is not None]
+        no later miss adopts them back. REQUIRES: index lock, in the step that unindexed them."""
+        return self.remote.retired(gone) if self.remote is not None and gone else []
 
     def forget_remote(self, gone: list[Manifest]) -> KVParkError | None:
         """Delete what ``retire_remote`` returned from Redis (in the background), the
@@ -500,15 +485,13 @@ class Engine:
         remote tier has is dropped there.
         """
         validate_seq_id(seq_id)
-        shadows: list[Manifest] = []
         if everywhere:
             reads.adopt(self, [seq_id])
-            shadows = self.remote_shadows(seq_id)
         with self.catalog.lock:
             seq = self.catalog.find(seq_id)
             if seq is not None:
                 todo = maintenance.retire(self, seq)
-                forget = self.retire_remote([seq], shadows) if everywhere else []
+                forget = self.retire_remote([seq]) if everywhere else []
                 self.deletes.claim(todo)  # absence waits for these deletes from now on
         if seq is not None:
             maintenance.finish_drop(self, todo, forget, claimed=True)

@@ -108,12 +108,11 @@ def retire(engine: "Engine", seq: Seq) -> list[Seq]:
 def drop_version(engine: "Engine", seq: Seq, everywhere: bool) -> bool:
     """Drop ``seq`` if it is still the indexed version of its id; False when it was
     dropped or replaced since it was chosen (the newer version stays)."""
-    shadows = engine.remote_shadows(seq.seq_id) if everywhere else []
     with engine.catalog.lock:
         if not engine.catalog.current(seq):
             return False
         todo = retire(engine, seq)
-        forget = engine.retire_remote([seq], shadows) if everywhere else []
+        forget = engine.retire_remote([seq]) if everywhere else []
         engine.deletes.claim(todo)
     finish_drop(engine, todo, forget, claimed=True)
     return True

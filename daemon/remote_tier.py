@@ -33,8 +33,6 @@ Primitives:
 - ``submit(what, fn)``: run ``fn()`` in the background; failures are logged.
 - ``copy_later(what, fn) -> bool``: ``submit`` a copy, unless ``max_pending`` copies
   wait already (False: skipped and counted in ``skipped``).
-- ``retired_shadows(manifests)`` (REQUIRES: index lock): tombstone versions Redis holds
-  under a dropped id that the index never adopted.
 - ``loose(ids)``: ids whose dropped version's tombstone is in memory only and still in
   Redis (absence of them is not durable yet).
 - ``retired(seqs) -> list[Manifest]`` (REQUIRES: index lock): tombstone the versions
@@ -224,17 +222,6 @@ class RemoteTier:
                     out.append(s.manifest)
                     self._tomb(s.manifest)
                 self._tried.discard(k)
-        return out
-
-    def retired_shadows(self, manifests: Iterable[Manifest]) -> list[Manifest]:
-        """Tombstone versions Redis holds under ids leaving the index that the index never
-        adopted (an older one an overwrite here did not know of, as nothing looked): a
-        drop of the id drops them too. REQUIRES: index lock (the step that unindexed the
-        id). Returns them for ``forget``."""
-        out = list(manifests)
-        with self._lock:
-            for m in out:
-                self._tomb(m)
         return out
 
     def started(self, counter: int) -> None:
