@@ -24,6 +24,7 @@ from kvpark.client import Client
 from kvpark.daemon.server import Daemon
 from kvpark.tiers.tombs import Tombs
 
+from ..conftest import wait_until
 from .disk_seams import crash_image
 from .test_absence_before_durable import answer_then_crash, settle_or_answer
 from .test_remote_tier import _new_ns, _remote
@@ -64,10 +65,7 @@ def test_present_answered_while_a_drop_writes_its_tombstone_never_sees_x_come_ba
     out: dict = {}
     with Client(d.address) as c, Client(d.address) as c2:
         c.park("x", [full(MiB, 5)])
-        deadline = time.monotonic() + 30
-        while not eng.catalog.find("x").on_remote and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert eng.catalog.find("x").on_remote, "x never reached Redis"
+        assert wait_until(lambda: eng.catalog.find("x").on_remote, timeout=30), "x never reached Redis"
         t = threading.Thread(target=lambda: out.setdefault("drop", c.drop("x", timeout=60)))
         t.start()
         try:
@@ -122,10 +120,7 @@ def test_a_drop_whose_tombstone_write_failed_is_not_answered_absent_while_redis_
     assert eng is not None and eng.remote is not None
     with Client(d.address) as c:
         c.park("x", [full(MiB, 5)])
-        deadline = time.monotonic() + 30
-        while not eng.catalog.find("x").on_remote and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert eng.catalog.find("x").on_remote, "x never reached Redis"
+        assert wait_until(lambda: eng.catalog.find("x").on_remote, timeout=30), "x never reached Redis"
         store_cls = type(eng.remote.store)
         real_delete = store_cls.delete
         monkeypatch.setattr(store_cls, "delete", _never_deleted)

@@ -18,7 +18,6 @@ is present again with its *older* bytes. No fault at all: only a slow tombstone 
 from __future__ import annotations
 
 import threading
-import time
 from typing import Callable
 
 import pytest
@@ -28,6 +27,7 @@ from kvpark.client import Client
 from kvpark.daemon.server import Daemon
 from kvpark.tiers.tombs import Tombs
 
+from ..conftest import wait_until
 from .test_absence_before_durable import answer_then_crash, settle_or_answer
 from .test_atk15_tombstone_window import _never_deleted
 from .test_remote_tier import _new_ns, _remote
@@ -64,10 +64,7 @@ def test_a_drop_answered_while_an_overwrite_writes_the_old_versions_tombstone_ne
     out: dict = {}
     with Client(d.address, transport="inline") as c, Client(d.address, transport="inline") as c2:
         c.park("x", [full(nbytes, 1)])
-        deadline = time.monotonic() + 30
-        while not eng.catalog.find("x").on_remote and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert eng.catalog.find("x").on_remote, "x v1 never reached Redis"
+        assert wait_until(lambda: eng.catalog.find("x").on_remote, timeout=30), "x v1 never reached Redis"
         old_gen.append(eng.catalog.find("x").gen)
         assert bool(eng.catalog.find("x").res) == (nbytes < 4 * MiB), "windowed: straight to disk, never in memory"
         t = threading.Thread(target=lambda: out.setdefault("park", c.park("x", [full(nbytes, 2)], overwrite=True,

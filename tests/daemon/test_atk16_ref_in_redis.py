@@ -14,7 +14,6 @@ parked (and a second park naming b succeeds once anything else has adopted it)."
 
 from __future__ import annotations
 
-import time
 from typing import Callable
 
 import torch
@@ -23,6 +22,7 @@ from kvpark.client import Client
 from kvpark.daemon.server import Daemon
 from kvpark.proto.errors import KVParkError, NotFound
 
+from ..conftest import wait_until
 from .disk_seams import crash_image
 from .test_remote_tier import _new_ns, _remote
 
@@ -40,10 +40,7 @@ def test_a_park_naming_a_shared_block_held_in_redis_is_not_refused_not_found_whi
     assert eng is not None
     with Client(d.address) as c:
         c.park("x", [full(4096, 1)], refs=["b"], new_blocks={"b": [full(4096, 2)]})
-        deadline = time.monotonic() + 30
-        while not eng.catalog.find("b").on_remote and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert eng.catalog.find("b").on_remote, "b never reached Redis"
+        assert wait_until(lambda: eng.catalog.find("b").on_remote, timeout=30), "b never reached Redis"
         assert c.drop("x") is True  # b has no user here now: its local copy goes, its Redis copy stays
         before = c.present(["b"])
         try:
