@@ -13,6 +13,10 @@ Primitives:
   Cluster on free loopback ports, one each per test session (tests keep apart by
   namespace); ``fresh_redis``: a standalone server of the test's own, to kill and
   restart. They skip, with the reason, only when redis-server is not installed.
+- A backstop for hangs: a test still running ``HANG_S`` after it began (pytest-timeout's
+  180 s failed to end it: a wait in C that a signal cannot interrupt, or a teardown that
+  hangs after the timeout fired) prints every thread's stack and ends the run (exit
+  status 1), instead of holding CI until its own limit with nothing said.
 - With ``KVPARK_TESTS_SKIP_MISSING=1`` (the GPU check sets it), a test module that cannot
   be collected because a third-party package is not installed is reported as skipped,
   with the package's name, instead of aborting the whole run. Elsewhere (CI, `make test`)
@@ -21,6 +25,7 @@ Primitives:
 
 from __future__ import annotations
 
+import faulthandler
 import importlib.util
 import os
 import queue
@@ -52,6 +57,33 @@ collect_ignore = [] if _HAVE_VLLM else ["vllm"]
 
 def pytest_report_header(config: Any) -> str | None:
     return None if _HAVE_VLLM else "tests/vllm: left out here (no vllm); `make test-vllm` runs them in .venv-vllm"
+
+
+HANG_S = int(os.environ.get("KVPARK_TESTS_HANG_S", "420"))
+_real_stderr: list[int] = []
+
+
+def pytest_configure(config: Any) -> None:
+    # The terminal's stderr, kept before any test's capture replaces fd 2: the backstop's
+    # stacks must reach the log of a run it ends.
+    _real_stderr.append(os.dup(2))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: Any, nextitem: Any) -> Iterator[None]:
+    fd = _real_stderr[0]
+    # The name first (a Python thread: it needs the GIL, which a hang in C may hold), then
+    # the stacks and the exit from faulthandler's own thread, which needs nothing.
+    name = threading.Timer(HANG_S - 5, os.write, args=(fd, f"\n{item.nodeid} still running after "
+                                                          f"{HANG_S - 5} s; its stacks follow\n".encode()))
+    name.daemon = True
+    name.start()
+    faulthandler.dump_traceback_later(HANG_S, exit=True, file=fd)
+    try:
+        yield
+    finally:
+        name.cancel()
+        faulthandler.cancel_dump_traceback_later()
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
