@@ -175,6 +175,9 @@ def disk_to_remote(mover: "Mover", victim: Seq | str) -> bool:
             if (seq.dropped or not seq.on_disk or seq.readers.get("disk") or seq.pinned
                     or not mover.catalog.current(seq)):
                 return False
+        # Redis alone will hold it: a stub on disk keeps it indexed across a restart (an
+        # overwrite or drop after one must tombstone it, not leave it to be adopted back).
+        mover.remote.stub(seq)
         mover.delete_all([seq])  # a failed delete is retried; the copy is in remote either way
         with mover.catalog.lock:
             mover.catalog.notify()

@@ -78,6 +78,7 @@ from kvpark.tiers.copy import CopyEngine
 from kvpark.tiers.arena import Allocation
 from kvpark.tiers.disk import DiskStore, Manifest
 from kvpark.tiers.memory import MemTier
+from kvpark.tiers.stubs import Stubs
 from kvpark.tiers.tombs import Tombs
 
 from . import commit, maintenance, reads
@@ -126,7 +127,7 @@ class Engine:
             self.remote = RemoteTier(opts, config.tiers.remote.write) if opts is not None else None
             try:
                 if self.remote is not None:  # before any lookup: what the last run dropped stays dropped
-                    self.remote.load_tombs(Tombs(self.disk.env))
+                    self.remote.load_tombs(Tombs(self.disk.env), Stubs(self.disk.env))
                 self.memory = MemoryTiers.open(config.tiers, config.policy)
             except BaseException:
                 if self.remote is not None:
@@ -184,6 +185,17 @@ class Engine:
         total = self.catalog.load(manifests)
         if manifests:
             log.info("disk tier: %d sequence(s), %d MiB, rebuilt from manifests", len(manifests), total >> 20)
+        # The versions a disk eviction moved to Redis: indexed as before the restart, so an
+        # overwrite or a drop of their ids retires (tombstones) them (``tiers/stubs.py``).
+        def indexed(sid: str) -> Manifest | None:
+            seq = self.catalog.find(sid)
+            return seq.manifest if seq is not None else None
+
+        adopted = self.remote.load_stubs(indexed) if self.remote is not None else []
+        if adopted:
+            with self.catalog.lock:
+                self.catalog.adopt(adopted)
+        if manifests or adopted:
             maintenance.reconcile(self)  # versions a crash left without their shared blocks
 
     def start(self) -> None:

@@ -130,6 +130,10 @@ def finish_drop(engine: "Engine", todo: list[Seq], remote: list[Manifest], claim
         # the tombstones are written: absence is durable only once a restart cannot adopt
         # the remote copy back.
         failed = engine.forget_remote(remote) or failed
+        if engine.remote is not None:
+            # A version kept in Redis by a local-only drop: its stub goes too (a restart
+            # would index it again; a miss adopts it from Redis all the same).
+            engine.remote.unstub([s.manifest for s in todo])
     finally:
         if claimed:
             engine.deletes.unclaim(todo)

@@ -107,6 +107,8 @@ def remote_guard(mover: "Mover", seq: Seq, read: Callable[[], T]) -> T:
         # their disk copies too (memory went with ``retire``). Their remote copies stay:
         # other daemons' sequences may use them.
         mover.delete_all(orphans, claimed=True)  # every one tried; a failure is logged and retried later
+        # Its stub (a disk eviction moved it to Redis) would index it again at a restart.
+        kept = mine and not mover.remote.unstub([seq.manifest])
         if mine:
             # Its own old disk copy, if an eviction's failed delete left it in LMDB (queued,
             # or taken over by the fetch that met this): the manifest goes before we answer
@@ -115,6 +117,9 @@ def remote_guard(mover: "Mover", seq: Seq, read: Callable[[], T]) -> T:
             err = mover.delete_all([seq], claimed=True)
             if err is not None:
                 raise err from None
+        if kept:
+            raise Unavailable(f"sequence {seq.seq_id!r}: its remote copy is gone, and the disk's record that it "
+                              "was moved there could not be removed; ask again") from None
         raise
 
 

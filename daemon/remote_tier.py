@@ -38,7 +38,12 @@ Primitives:
 - ``retired(seqs) -> list[Manifest]`` (REQUIRES: index lock): tombstone the versions
   leaving the index that may have a remote copy; ``forget(manifests)`` (no lock): write
   their tombstones to disk and delete them from Redis in the background;
-  ``retry_forgets()``: resubmit the deletes that failed; ``load_tombs(durable)`` at start.
+  ``retry_forgets()``: resubmit the deletes that failed; ``load_tombs(durable, stubs)``
+  at start (their deletes begin at ``started``).
+- ``stub(seq)``: before a disk eviction deletes the local records of a version Redis now
+  holds alone, its stub on disk (``tiers/stubs.py``); ``unstub(manifests)``: versions
+  found gone from Redis lose theirs (a tombstone's ``forget`` removes them too);
+  ``load_stubs(indexed) -> list[Manifest]`` at start: the remote-only versions to index.
 - ``put_begin(manifest)`` (REQUIRES: index lock), ``put_end(manifest)``: around a copy
   to Redis that a drop may overtake.
 - ``probe()`` at start: one ping; down means a warning and a degraded ``stat``;
@@ -59,6 +64,7 @@ from kvpark.proto.errors import DeadlineExceeded, KVParkError, Unavailable
 from kvpark.proto.types import RemoteStat
 from kvpark.tiers.disk import Manifest
 from kvpark.tiers.remote import TENANT_SEP, RemoteOptions, RemoteStore
+from kvpark.tiers.stubs import Stubs
 from kvpark.tiers.tombs import Tombs
 
 from .model import INSTANCE_BITS, NS_SEP, Seq
@@ -104,6 +110,14 @@ class RemoteTier:
         # manifest whose tombstone it never saw (``epoch``, ``adoptable``).
         self._epoch = 0
         self._durable: Tombs | None = None
+        # Versions only Redis holds that a disk eviction moved there: id -> the generation
+        # of its stub on disk (``tiers/stubs.py``), which indexes it again after a restart.
+        # ``_stub_lock`` orders a stub's write after its version's drop has been seen, or
+        # the drop's removal of it after the write (``stub``, ``_unstub``).
+        self._stubs: Stubs | None = None
+        self._stubbed: dict[str, int] = {}
+        self._left: list[Manifest] = []  # the last run's tombstones, until ``started``
+        self._stub_lock = threading.Lock()
         self._last_retry = 0.0
         log.info("remote tier: %s%s, namespace %r, %s, %s", opts.url.split("@")[-1],
                  " (cluster)" if opts.cluster else "", opts.namespace, write,
@@ -226,8 +240,13 @@ class RemoteTier:
 
     def started(self, counter: int) -> None:
         """The generation counter after the index was loaded: versions at or below it
-        were committed by an earlier run (``retired`` treats them as maybe in Redis)."""
+        were committed by an earlier run (``retired`` treats them as maybe in Redis).
+        The deletes of the tombstones the last run left start now, once the stubs were
+        read against them (``load_stubs``)."""
         self._floor = counter
+        left, self._left = self._left, []
+        for m in left:
+            self._delete_later(m)
 
     @property
     def epoch(self) -> int:
@@ -276,6 +295,8 @@ class RemoteTier:
                         if (m.seq_id, m.gen) not in self._loose:
                             self._loose[(m.seq_id, m.gen)] = None
                             self._loose_ids[m.seq_id] += 1
+            else:
+                self._unstub(manifests)  # the tombstones hold at a restart now: the stubs may go
         for m in manifests:
             self._delete_later(m)
         return failed
@@ -308,7 +329,9 @@ class RemoteTier:
                         self._tomb_ids[m.seq_id] -= 1
                         if not self._tomb_ids[m.seq_id]:
                             del self._tomb_ids[m.seq_id]
-                if ok and self._durable is not None:
+                # A stub left (its removal failed) goes before the tombstone does: a stub
+                # without one would index the deleted version again at the next start.
+                if ok and self._durable is not None and self._unstub([m]):
                     try:
                         self._durable.remove([m])
                     except Exception as e:  # found again at the next start: deleted again, harmlessly
@@ -355,20 +378,104 @@ class RemoteTier:
             self._delete_later(m)
         return len(todo)
 
-    def load_tombs(self, durable: Tombs) -> int:
+    def load_tombs(self, durable: Tombs, stubs: Stubs | None = None) -> int:
         """At start: the tombstones a previous run left (its deletes unconfirmed) hold
-        again, and their deletes are retried."""
+        again; their deletes are retried from ``started``. ``stubs``: where this disk
+        keeps its remote-only versions (``load_stubs``)."""
         self._durable = durable
+        self._stubs = stubs
         left = durable.load()
         with self._lock:
             for m in left:
                 self._tomb(m)
-        for m in left:
-            self._delete_later(m)
+        self._left = left
         if left:
             log.info("remote tier: %d dropped version(s) not yet deleted from Redis by the last run; deleting",
                      len(left))
         return len(left)
+
+    # ------------------------------------------------------------------ remote-only stubs
+
+    def stub(self, seq: Seq) -> None:
+        """Before a disk eviction deletes ``seq``'s local records (Redis holds the
+        version): its stub, so a restart indexes it again. ``Unavailable`` when the write
+        fails (the eviction keeps the local copy). Nothing for a version dropped already:
+        a drop from now on sees the stub and removes it (``_unstub``, same lock)."""
+        if self._stubs is None:
+            return
+        m = seq.manifest
+        with self._stub_lock:
+            if seq.dropped:  # set under the index lock before the drop's ``forget``
+                return
+            try:
+                self._stubs.put(m)
+            except Exception as e:  # noqa: BLE001 - LMDB's errors, typed here
+                raise Unavailable(f"the remote-only stub of {m.seq_id!r} could not be written to disk ({e}); "
+                                  "its local copy stays") from None
+            self._stubbed[m.seq_id] = m.gen
+
+    def unstub(self, manifests: Sequence[Manifest]) -> bool:
+        """Versions that left the index with their Redis copy found gone or bad: their
+        stubs go (else a restart would index them again, to be found gone once more).
+        False when a removal failed."""
+        return self._unstub(manifests)
+
+    def _unstub(self, manifests: Sequence[Manifest]) -> bool:
+        """Remove the stubs of these versions; False when a removal failed (logged; a
+        stub whose version is tombstoned on disk is removed at the next start)."""
+        if self._stubs is None:
+            return True
+        ok = True
+        with self._stub_lock:
+            for m in manifests:
+                if self._stubbed.get(m.seq_id) != m.gen:
+                    continue
+                try:
+                    self._stubs.remove(m)
+                    del self._stubbed[m.seq_id]
+                except Exception as e:  # noqa: BLE001 - retried when the version's Redis delete lands
+                    log.warning("remote tier: stub of %r not removed from disk: %s", m.seq_id, e)
+                    ok = False
+        return ok
+
+    def load_stubs(self, indexed: Callable[[str], Manifest | None]) -> list[Manifest]:
+        """At start, after the disk's versions are indexed (``indexed(id)``: the manifest
+        indexed for the id, or None) and before ``started``: the remote-only versions to
+        index again. A stub of a tombstoned version goes; one under another generation of
+        its id on disk is a version that id's later write replaced (a crash before the
+        overwrite's tombstone): tombstoned and deleted from Redis now, as the overwrite
+        would have."""
+        durable = self._stubs
+        if durable is None:
+            return []
+        adopt: list[Manifest] = []
+        stale: list[Manifest] = []
+        gone: list[Manifest] = []
+        for m in durable.load():
+            cur = indexed(m.seq_id)
+            if self.tombed(m):
+                gone.append(m)
+            elif cur is None:
+                adopt.append(m)
+            elif cur.gen != m.gen:
+                stale.append(m)
+            # else: a crash between the stub and the local delete; the disk copy is it
+            if not self.tombed(m):
+                self._stubbed[m.seq_id] = m.gen
+        for m in gone:
+            try:
+                durable.remove(m)
+            except Exception as e:  # noqa: BLE001 - the tombstone stays until the stub goes
+                log.warning("remote tier: stub of dropped %r not removed from disk: %s", m.seq_id, e)
+                self._stubbed[m.seq_id] = m.gen
+        if stale:
+            log.info("remote tier: %d version(s) in Redis replaced here before a crash; deleting them", len(stale))
+            failed = self.forget(stale)
+            if failed is not None:
+                log.warning("remote tier: %s", failed)
+        if adopt:
+            log.info("remote tier: %d sequence(s) held only in Redis indexed again", len(adopt))
+        return adopt
 
     @property
     def tombs(self) -> int:

@@ -364,7 +364,7 @@ class DiskStore:
         self.env = lmdb.open(
             path,
             map_size=map_size,
-            max_dbs=5,  # blocks, manifests, meta, staging, tombs (``tombs.py``)
+            max_dbs=6,  # blocks, manifests, meta, staging, tombs (``tombs.py``), stubs (``stubs.py``)
             subdir=True,
             writemap=writemap,
             sync=False,  # durability points call sync() explicitly (write policy)

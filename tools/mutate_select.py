@@ -82,6 +82,7 @@ SUBSET = [
     "tests/daemon/test_atk14_claim_leak.py", "tests/daemon/test_atk15_rotten_settle.py",
     "tests/daemon/test_atk15_tombstone_window.py", "tests/daemon/test_atk16_overwrite_tombstone.py",
     "tests/daemon/test_atk16_ref_in_redis.py", "tests/daemon/test_atk17_redis_older_version.py",
+    "tests/daemon/test_remote_only_stubs.py",
     "tests/daemon/test_atk17_pin_redis.py", "tests/daemon/test_atk17_reindexed_absent.py",
 ]
 def _spawning() -> list[str]:

@@ -11,14 +11,14 @@ had evicted to Redis (x v1) is not in the index, so an overwrite of x publishes 
 nothing, and v1 stays in Redis untombstoned. A drop of x then unindexes v2 only and
 answers True; ``present(x)`` answers True straight after (Redis holds v1, no tombstone
 of it), and a restore of x serves v1's bytes: a dropped id is back with its old data,
-no crash needed."""
+no crash needed. Fixed by remote-only stubs (``tiers/stubs.py``): the restart indexes v1
+again, so the overwrite retires and tombstones it."""
 
 from __future__ import annotations
 
 import time
 from typing import Callable
 
-import pytest
 import torch
 
 from kvpark.client import Client
@@ -28,10 +28,6 @@ from kvpark.proto.errors import NotFound
 from .test_remote_tier import _new_ns, _remote, blob
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "open (docs/protocol.md, 'An older version only Redis holds'): a park never looks up its own "
-    "id in Redis, and a drop that looked (one Redis round trip) hung on a stopped Redis and deleted "
-    "other daemons' versions; the fix needs a per-id floor tombstone"))
 def test_a_drop_of_an_overwritten_id_never_leaves_its_older_redis_version_restorable(
         daemon: Callable[..., Daemon], redis_server) -> None:
     over = {"tiers.disk.capacity": "24MiB", **_remote(redis_server.url, _new_ns(), write="on_evict")}
