@@ -69,6 +69,15 @@ def pytest_configure(config: Any) -> None:
     _real_stderr.append(os.dup(2))
 
 
+_deadline: list[float] = []  # when the running test's backstop fires (time.monotonic)
+
+
+def _arm() -> None:
+    if _deadline:
+        left = max(1.0, _deadline[0] - time.monotonic())
+        faulthandler.dump_traceback_later(left, exit=True, file=_real_stderr[0])
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: Any, nextitem: Any) -> Iterator[None]:
     fd = _real_stderr[0]
@@ -78,12 +87,21 @@ def pytest_runtest_protocol(item: Any, nextitem: Any) -> Iterator[None]:
                                                           f"{HANG_S - 5} s; its stacks follow\n".encode()))
     name.daemon = True
     name.start()
-    faulthandler.dump_traceback_later(HANG_S, exit=True, file=fd)
+    _deadline[:] = [time.monotonic() + HANG_S]
+    _arm()
     try:
         yield
     finally:
         name.cancel()
+        _deadline.clear()
         faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_exception_interact() -> None:
+    # pytest's own faulthandler plugin cancels any pending dump when a test phase fails (a
+    # pytest-timeout expiry too): armed again, so a teardown that hangs after it ends too.
+    _arm()
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:

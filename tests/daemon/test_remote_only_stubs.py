@@ -41,8 +41,13 @@ def _evict_x_to_redis(c: Client) -> None:
 
 
 def _stubs(d: Daemon) -> dict[str, int]:
-    assert d.engine is not None
-    return {m.seq_id: m.gen for m in Stubs(d.engine.disk.env).load()}
+    # The daemon's own handle: a new ``Stubs(env)`` would open the sub-database, and
+    # LMDB's open_db without a transaction waits for the writer lock holding the GIL (a
+    # daemon thread in a write transaction then never finishes it: the process hangs).
+    assert d.engine is not None and d.engine.remote is not None
+    stubs = d.engine.remote._stubs  # noqa: SLF001
+    assert stubs is not None
+    return {m.seq_id: m.gen for m in stubs.load()}
 
 
 def _gen(d: Daemon, sid: str) -> int:
