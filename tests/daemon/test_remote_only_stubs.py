@@ -63,16 +63,21 @@ def _restore_or_not_found(c: Client, sid: str) -> object:
         return "NOT_FOUND"
 
 
-def test_a_version_only_redis_holds_is_indexed_again_after_a_restart(
-        daemon: Callable[..., Daemon], redis_server) -> None:
-    over = _over(redis_server.url)
+def _x_in_redis_then_restart(daemon: Callable[..., Daemon], over: dict) -> tuple[Daemon, int]:
+    """x evicted to Redis (its stub written), then a restart on the same disk: the new
+    daemon and x's generation."""
     d = daemon(**over)
     with Client(d.address, transport="inline") as c:
         _evict_x_to_redis(c)
         gen = _gen(d, "x")
     assert _stubs(d).get("x") == gen
     d.stop(0.5)
-    d2 = daemon(**over)
+    return daemon(**over), gen
+
+
+def test_a_version_only_redis_holds_is_indexed_again_after_a_restart(
+        daemon: Callable[..., Daemon], redis_server) -> None:
+    d2, gen = _x_in_redis_then_restart(daemon, _over(redis_server.url))
     assert d2.engine is not None
     with d2.engine.catalog.lock:  # indexed at start, not adopted by the lookups below
         seq = d2.engine.catalog.find("x")
@@ -86,12 +91,7 @@ def test_a_version_only_redis_holds_is_indexed_again_after_a_restart(
 def test_an_overwrite_after_a_restart_deletes_the_old_version_from_redis_and_its_stub(
         daemon: Callable[..., Daemon], redis_server) -> None:
     over = _over(redis_server.url)
-    d = daemon(**over)
-    with Client(d.address, transport="inline") as c:
-        _evict_x_to_redis(c)
-        old = _gen(d, "x")
-    d.stop(0.5)
-    d2 = daemon(**over)
+    d2, old = _x_in_redis_then_restart(daemon, over)
     eng = d2.engine
     assert eng is not None and eng.remote is not None
     with Client(d2.address, transport="inline") as c:
@@ -150,12 +150,7 @@ def test_a_stub_older_than_the_disks_version_is_deleted_from_redis_at_start(
     import lmdb
 
     over = _over(redis_server.url, **{"policy.write": "write_through"})  # v2 is on disk when acknowledged
-    d = daemon(**over)
-    with Client(d.address, transport="inline") as c:
-        _evict_x_to_redis(c)
-        v1 = _gen(d, "x")
-    d.stop(0.5)
-    d2 = daemon(**over)
+    d2, v1 = _x_in_redis_then_restart(daemon, over)
     eng = d2.engine
     assert eng is not None
     original = Tombs.add
