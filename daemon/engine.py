@@ -483,10 +483,13 @@ class Engine:
         a crash (``Deletes.settle``), nor in Redis behind a tombstone that holds in memory
         only. ``Unavailable`` while either is so."""
         self.deletes.settle(seq_ids)
+        if self.remote is not None and seq_ids:
+            self.remote.settle_stubs(seq_ids)
         loose = self.remote.loose(seq_ids) if self.remote is not None and seq_ids else []
         if loose:
-            raise Unavailable(f"sequence {loose[0]!r}: a dropped version of it is still in Redis and its "
-                              "tombstone could not be written to disk; ask again")
+            raise Unavailable(f"sequence {loose[0]!r}: a dropped version of it could come back at a restart "
+                              "(its tombstone, or the removal of its remote-only stub, could not be written "
+                              "to disk); ask again")
 
     # ------------------------------------------------------------------ queries
 
@@ -577,6 +580,10 @@ class Engine:
         if on_disk:
             # A later commit of the id replaced this generation: its own manifest stands.
             self.disk.update_manifest(manifest, sync=self.write_through)
+        if self.remote is not None:
+            # Held only in Redis (or about to be: an eviction's stub written): its stub
+            # carries the pin across a restart.
+            self.remote.restub(manifest)
         with self.catalog.lock:
             self.catalog.notify()  # an unpinned copy may be demoted now
             return self.catalog.info(seq)

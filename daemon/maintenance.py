@@ -132,8 +132,10 @@ def finish_drop(engine: "Engine", todo: list[Seq], remote: list[Manifest], claim
         failed = engine.forget_remote(remote) or failed
         if engine.remote is not None:
             # A version kept in Redis by a local-only drop: its stub goes too (a restart
-            # would index it again; a miss adopts it from Redis all the same).
-            engine.remote.unstub([s.manifest for s in todo])
+            # would index it again; a miss adopts it from Redis all the same). Never a
+            # tombstoned one's: ``forget`` removes that only once its tombstone is on disk.
+            tombed = {(m.seq_id, m.gen) for m in remote}
+            engine.remote.unstub([s.manifest for s in todo if (s.seq_id, s.gen) not in tombed])
     finally:
         if claimed:
             engine.deletes.unclaim(todo)
@@ -176,4 +178,6 @@ def reconcile(engine: "Engine") -> int:
     failed = engine.mover.delete_all(todo, claimed=True)
     if failed is not None:
         log.warning("start-up: removing them failed (%s); retried in the background", failed)
+    if engine.remote is not None:  # indexed from stubs, some of them: not again at the next start
+        engine.remote.unstub([s.manifest for s in todo])
     return len(broken)

@@ -13,8 +13,9 @@ disk or Redis I/O under the index lock.
 Primitives:
 - ``acquire(engine, seq_ids, need, stream, expect_layout, inline_max) -> ReadHandle``: a
   try that fails because an overwrite replaced a version under it (``NotFound`` or
-  ``DataLoss`` while its id is indexed as a newer version) leases the new version instead,
-  at most ``REPLACED_RETRIES`` times; a drop stays ``NotFound``.
+  ``DataLoss`` while its id is indexed as a newer version, or while Redis holds another
+  daemon's newer one) leases the new version instead, at most ``REPLACED_RETRIES`` times;
+  a drop stays ``NotFound``.
 - ``replaced(engine, tops) -> bool``: whether one of ``tops`` was overwritten, none dropped.
 - ``acquire_part(engine, seq, need, want, lease) -> Part``: one part, promoting first
   when the restore wants a memory tier.
@@ -82,8 +83,15 @@ def acquire(engine: "Engine", seq_ids: str | list[str], need: str | None = None,
             try:
                 return _acquire_once(engine, ids, need, stream, expect_layout, inline_max, tops)
             except (NotFound, DataLoss):
-                if attempt == REPLACED_RETRIES - 1 or not replaced(engine, tops):
+                if attempt == REPLACED_RETRIES - 1:
                     raise
+                if not replaced(engine, tops):
+                    # A version found gone from Redis leaves the index (``remote_guard``);
+                    # another daemon sharing the namespace may have replaced it there: looked
+                    # up again, that version is read. Nothing found (or a tombstone): gone.
+                    adopt(engine, ids)
+                    if not replaced(engine, tops):
+                        raise
     raise AssertionError("unreachable")
 
 

@@ -42,7 +42,9 @@ Primitives:
   at start (their deletes begin at ``started``).
 - ``stub(seq)``: before a disk eviction deletes the local records of a version Redis now
   holds alone, its stub on disk (``tiers/stubs.py``); ``unstub(manifests)``: versions
-  found gone from Redis lose theirs (a tombstone's ``forget`` removes them too);
+  found gone from Redis lose theirs (a tombstone's ``forget`` removes them too; a failed
+  removal is retried by ``retry_forgets`` and makes the id ``loose`` meanwhile);
+  ``restub(manifest)``: a pin changed: the stub follows;
   ``load_stubs(indexed) -> list[Manifest]`` at start: the remote-only versions to index.
 - ``put_begin(manifest)`` (REQUIRES: index lock), ``put_end(manifest)``: around a copy
   to Redis that a drop may overtake.
@@ -116,6 +118,10 @@ class RemoteTier:
         # the drop's removal of it after the write (``stub``, ``_unstub``).
         self._stubs: Stubs | None = None
         self._stubbed: dict[str, int] = {}
+        # Stubs whose removal failed (id -> that version): a restart would index it again,
+        # so absence of the id is not durable (``loose``) until ``retry_forgets`` removes it.
+        # Changed under ``_stub_lock`` and ``_lock``; read by ``loose`` under ``_lock``.
+        self._unstub_left: dict[str, Manifest] = {}
         self._left: list[Manifest] = []  # the last run's tombstones, until ``started``
         self._stub_lock = threading.Lock()
         self._last_retry = 0.0
@@ -296,7 +302,9 @@ class RemoteTier:
                             self._loose[(m.seq_id, m.gen)] = None
                             self._loose_ids[m.seq_id] += 1
             else:
-                self._unstub(manifests)  # the tombstones hold at a restart now: the stubs may go
+                # The tombstones hold at a restart now: the stubs may go (one that stays is
+                # removed at the next start, beside its tombstone).
+                self._unstub(manifests, note=False)
         for m in manifests:
             self._delete_later(m)
         return failed
@@ -320,7 +328,8 @@ class RemoteTier:
                     # A copy of it still under way may land after this delete: its
                     # tombstone stays, and that copy's end forgets it again.
                     ok = ok and not again and not self._putting[k]
-                    if ok and self._loose.pop(k, 0) is None:  # gone from Redis: nothing to adopt back
+                    was_loose = ok and self._loose.pop(k, 0) is None
+                    if was_loose:  # gone from Redis: nothing to adopt back
                         self._loose_ids[m.seq_id] -= 1
                         if not self._loose_ids[m.seq_id]:
                             del self._loose_ids[m.seq_id]
@@ -330,8 +339,9 @@ class RemoteTier:
                         if not self._tomb_ids[m.seq_id]:
                             del self._tomb_ids[m.seq_id]
                 # A stub left (its removal failed) goes before the tombstone does: a stub
-                # without one would index the deleted version again at the next start.
-                if ok and self._durable is not None and self._unstub([m]):
+                # without one would index the deleted version again at the next start. With
+                # no tombstone on disk (its write failed), a failure here leaves the id loose.
+                if ok and self._durable is not None and self._unstub([m], note=was_loose):
                     try:
                         self._durable.remove([m])
                     except Exception as e:  # found again at the next start: deleted again, harmlessly
@@ -361,9 +371,12 @@ class RemoteTier:
 
     def loose(self, seq_ids: Sequence[str]) -> list[str]:
         """The ids with a dropped version whose tombstone is in memory only and whose Redis
-        delete has not landed: a restart would adopt it back."""
+        delete has not landed, or whose stub's removal failed: a restart would adopt or
+        index it back."""
         with self._lock:
-            return [sid for sid in seq_ids if self._loose_ids[sid]] if self._loose_ids else []
+            if not self._loose_ids and not self._unstub_left:
+                return []
+            return [sid for sid in seq_ids if self._loose_ids[sid] or sid in self._unstub_left]
 
     def retry_forgets(self) -> int:
         """Resubmit the deletes of tombstoned versions that failed (at most every
@@ -374,6 +387,9 @@ class RemoteTier:
                 return 0
             self._last_retry = now
             todo = [m for k, m in self._tombs.items() if k not in self._deleting]
+            stubs = list(self._unstub_left.values())
+        if stubs:
+            self._unstub(stubs)
         for m in todo:
             self._delete_later(m)
         return len(todo)
@@ -420,23 +436,60 @@ class RemoteTier:
         False when a removal failed."""
         return self._unstub(manifests)
 
-    def _unstub(self, manifests: Sequence[Manifest]) -> bool:
-        """Remove the stubs of these versions; False when a removal failed (logged; a
-        stub whose version is tombstoned on disk is removed at the next start)."""
+    def settle_stubs(self, seq_ids: Sequence[str]) -> None:
+        """Before absence of these ids is answered: the stubs whose removal failed are
+        tried again now (``loose`` still names an id whose removal fails again)."""
+        with self._lock:
+            left = [self._unstub_left[sid] for sid in seq_ids if sid in self._unstub_left] \
+                if self._unstub_left else []
+        if left:
+            self._unstub(left)
+
+    def _unstub(self, manifests: Sequence[Manifest], note: bool = True) -> bool:
+        """Remove the stubs of these versions; False when a removal failed (logged, and
+        with ``note`` the id is ``loose`` until a retry removes it; without, the caller
+        knows the version's tombstone is on disk: the next start removes the stub)."""
         if self._stubs is None:
             return True
         ok = True
         with self._stub_lock:
             for m in manifests:
                 if self._stubbed.get(m.seq_id) != m.gen:
+                    self._note_unstub(m, False)  # gone, or a newer eviction's stub replaced it
                     continue
                 try:
                     self._stubs.remove(m)
                     del self._stubbed[m.seq_id]
-                except Exception as e:  # noqa: BLE001 - retried when the version's Redis delete lands
+                    self._note_unstub(m, False)
+                except Exception as e:  # noqa: BLE001 - retried by the maintenance pass
                     log.warning("remote tier: stub of %r not removed from disk: %s", m.seq_id, e)
+                    if note:
+                        self._note_unstub(m, True)
                     ok = False
         return ok
+
+    def _note_unstub(self, m: Manifest, failed: bool) -> None:
+        """REQUIRES: ``_stub_lock``."""
+        with self._lock:
+            if failed:
+                self._unstub_left[m.seq_id] = m
+            elif (left := self._unstub_left.get(m.seq_id)) is not None and left.gen == m.gen:
+                del self._unstub_left[m.seq_id]
+
+    def restub(self, m: Manifest) -> None:
+        """A pin changed on a version whose stub is on disk: the stub follows, so a
+        restart indexes it with that pin. ``Unavailable`` when the write fails (the pin
+        is then not acknowledged)."""
+        if self._stubs is None:
+            return
+        with self._stub_lock:
+            if self._stubbed.get(m.seq_id) != m.gen:
+                return
+            try:
+                self._stubs.put(m)
+            except Exception as e:  # noqa: BLE001 - LMDB's errors, typed here
+                raise Unavailable(f"the pin of {m.seq_id!r} could not be written to disk ({e}); "
+                                  "pin it again") from None
 
     def load_stubs(self, indexed: Callable[[str], Manifest | None]) -> list[Manifest]:
         """At start, after the disk's versions are indexed (``indexed(id)``: the manifest

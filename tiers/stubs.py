@@ -22,13 +22,10 @@ caller's to type (``lmdb.Error``).
 
 from __future__ import annotations
 
-import logging
-
 import lmdb
 
 from .disk import Manifest
-
-log = logging.getLogger(__name__)
+from .tombs import load_db
 
 
 class Stubs:
@@ -50,19 +47,7 @@ class Stubs:
                 txn.delete(key, db=self._db)
 
     def load(self) -> list[Manifest]:
-        out, bad = [], []
-        with self._env.begin() as txn:
-            for k, v in txn.cursor(db=self._db):
-                try:
-                    out.append(Manifest.decode(bytes(v)))
-                except Exception as e:  # noqa: BLE001 - any damage: skipped, as load_manifests does
-                    bad.append(bytes(k))
-                    log.error("remote-only stub %r unreadable, deleted: %s", bytes(k)[:80], e)
-        if bad:
-            with self._env.begin(write=True) as txn:
-                for k in bad:
-                    txn.delete(k, db=self._db)
-        return out
+        return load_db(self._env, self._db, "remote-only stub")
 
 
 def _gen(raw: bytes) -> int | None:

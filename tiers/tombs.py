@@ -13,8 +13,9 @@ delete needs its block lengths). Written without an fsync, like a drop: a commit
 transaction survives the daemon's death, which is what a tombstone must outlive.
 
 Primitives: ``Tombs(env)``; ``add(manifests)``, ``remove(manifests)``, ``load() ->
-list[Manifest]`` (unreadable records are logged and deleted). Write errors are the
-caller's to type (``lmdb.Error``).
+list[Manifest]`` (unreadable records are logged and deleted); ``load_db(env, db, what)``,
+that load for any sub-database of manifests. Write errors are the caller's to type
+(``lmdb.Error``).
 """
 
 from __future__ import annotations
@@ -55,16 +56,22 @@ class Tombs:
     def load(self) -> list[Manifest]:
         """The tombstones stored; one that does not parse is logged and deleted (it can
         name no delete to finish), never a reason not to start."""
-        out, bad = [], []
-        with self._env.begin() as txn:
-            for k, v in txn.cursor(db=self._db):
-                try:
-                    out.append(Manifest.decode(bytes(v)))
-                except Exception as e:  # noqa: BLE001 - any damage: skipped, as load_manifests does
-                    bad.append(bytes(k))
-                    log.error("remote tombstone %r unreadable, deleted: %s", bytes(k)[:80], e)
-        if bad:
-            with self._env.begin(write=True) as txn:
-                for k in bad:
-                    txn.delete(k, db=self._db)
-        return out
+        return load_db(self._env, self._db, "remote tombstone")
+
+
+def load_db(env: lmdb.Environment, db: object, what: str) -> list[Manifest]:
+    """The manifests stored as the values of ``db``; a record that does not parse is
+    logged (as ``what``) and deleted, as ``DiskStore.load_manifests`` skips one."""
+    out, bad = [], []
+    with env.begin() as txn:
+        for k, v in txn.cursor(db=db):
+            try:
+                out.append(Manifest.decode(bytes(v)))
+            except Exception as e:  # noqa: BLE001 - any damage: skipped
+                bad.append(bytes(k))
+                log.error("%s %r unreadable, deleted: %s", what, bytes(k)[:80], e)
+    if bad:
+        with env.begin(write=True) as txn:
+            for k in bad:
+                txn.delete(k, db=db)
+    return out

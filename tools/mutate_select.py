@@ -82,7 +82,9 @@ SUBSET = [
     "tests/daemon/test_atk14_claim_leak.py", "tests/daemon/test_atk15_rotten_settle.py",
     "tests/daemon/test_atk15_tombstone_window.py", "tests/daemon/test_atk16_overwrite_tombstone.py",
     "tests/daemon/test_atk16_ref_in_redis.py", "tests/daemon/test_atk17_redis_older_version.py",
-    "tests/daemon/test_remote_only_stubs.py",
+    "tests/daemon/test_remote_only_stubs.py", "tests/daemon/test_atk18_unstub_before_tomb.py",
+    "tests/daemon/test_atk18_gone_stub_retry.py", "tests/daemon/test_atk18_loose_tomb_stub.py",
+    "tests/daemon/test_atk18_stub_pin.py", "tests/daemon/test_atk18_stub_replaced_by_other_daemon.py",
     "tests/daemon/test_atk17_pin_redis.py", "tests/daemon/test_atk17_reindexed_absent.py",
 ]
 def _spawning() -> list[str]:
