@@ -423,12 +423,17 @@ class RemoteTier:
         with self._stub_lock:
             if seq.dropped:  # set under the index lock before the drop's ``forget``
                 return
-            try:
-                self._stubs.put(m)
-            except Exception as e:  # noqa: BLE001 - LMDB's errors, typed here
-                raise Unavailable(f"the remote-only stub of {m.seq_id!r} could not be written to disk ({e}); "
-                                  "its local copy stays") from None
+            self._put_stub(m, "its local copy stays")
             self._stubbed[m.seq_id] = m.gen
+
+    def _put_stub(self, m: Manifest, then: str) -> None:
+        """REQUIRES: ``_stub_lock``. ``Unavailable`` (saying ``then``) when the write fails."""
+        assert self._stubs is not None
+        try:
+            self._stubs.put(m)
+        except Exception as e:  # noqa: BLE001 - LMDB's errors, typed here
+            raise Unavailable(f"the remote-only stub of {m.seq_id!r} could not be written to disk ({e}); "
+                              f"{then}") from None
 
     def unstub(self, manifests: Sequence[Manifest]) -> bool:
         """Versions that left the index with their Redis copy found gone or bad: their
@@ -483,13 +488,8 @@ class RemoteTier:
         if self._stubs is None:
             return
         with self._stub_lock:
-            if self._stubbed.get(m.seq_id) != m.gen:
-                return
-            try:
-                self._stubs.put(m)
-            except Exception as e:  # noqa: BLE001 - LMDB's errors, typed here
-                raise Unavailable(f"the pin of {m.seq_id!r} could not be written to disk ({e}); "
-                                  "pin it again") from None
+            if self._stubbed.get(m.seq_id) == m.gen:
+                self._put_stub(m, "pin it again")
 
     def load_stubs(self, indexed: Callable[[str], Manifest | None]) -> list[Manifest]:
         """At start, after the disk's versions are indexed (``indexed(id)``: the manifest
