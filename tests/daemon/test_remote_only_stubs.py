@@ -11,7 +11,6 @@ that a restart neither forgets a version nor brings back one that is gone.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Callable
 
 import pytest
@@ -268,9 +267,7 @@ def test_a_drop_racing_the_stubs_write_never_leaves_the_stub_behind(
             assert entered.wait(60), "x's eviction never reached its stub"
             dropper = threading.Thread(target=lambda: out.setdefault("drop", c2.drop("x", timeout=60)))
             dropper.start()
-            deadline = time.monotonic() + 30
-            while dropper.is_alive() and not drop_waits_for_the_stub() and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: not dropper.is_alive() or drop_waits_for_the_stub(), timeout=30, interval=0.01)
         finally:
             gate.set()
         dropper.join(60)
