@@ -407,9 +407,11 @@ class DataChannelServer:
                     lease.received += n
                     self.engine.leases.extend(lease)
                 received += n
+            # Counted before the closing status, so a client that saw its call return
+            # also sees it counted.
+            self._count_transfer()
             sock.sendall(status_bytes(None))
             done = True
-            self.transfers += 1
         finally:
             if not done:
                 self._abort(ticket)
@@ -439,9 +441,14 @@ class DataChannelServer:
                 raise _Dropped(f"GET failed mid-stream: {type(e).__name__}: {e.message}") from None
         finally:
             self._abort(ticket)  # the lease ends with its transfer...
-        # ...before the closing status: a client whose restore returned sees it ended.
+        # ...before the closing status: a client whose restore returned sees it ended
+        # (and counted).
+        self._count_transfer()
         sock.sendall(status_bytes(None))
-        self.transfers += 1
+
+    def _count_transfer(self) -> None:
+        with self._lock:
+            self.transfers += 1
 
 
 def _recv_into_by(sock: socket.socket, view: memoryview, deadline: float) -> None:
