@@ -35,7 +35,7 @@ trap 'rm -rf "$work"' EXIT
 
 mkdir -p "$out" "$work/_import/kvpark"
 cp -r "$root/daemon" "$root/tiers" "$root/proto" "$root/client" "$root/tests" "$root/docs" "$root/deploy" "$root/examples" \
-  "$root/tools" "$root/pyproject.toml" "$work/"
+  "$root/tools" "$root/pyproject.toml" "$root/README.md" "$work/"
 find "$work" -name __pycache__ -prune -exec rm -rf {} +
 # The pristine sources: tools/mutate_select.py finds each mutant's file and lines by them.
 mkdir -p "$work/.pristine" && cp -r "$work/daemon" "$work/tiers" "$work/client" "$work/.pristine/"
