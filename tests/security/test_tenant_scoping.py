@@ -70,6 +70,24 @@ def test_stat_shows_a_tenant_only_its_own_counts_and_the_tiers_totals(daemon: Ca
         assert b.stat().sequences == 1
 
 
+def test_stat_counts_a_tenants_own_sequences_on_disk(daemon: Callable[..., Daemon]) -> None:
+    """A tenant's ``stat()`` says how many of its own sequences have a disk copy (the disk
+    tier's ``sequences``), counting each one, and none of another tenant's. Write-back,
+    flushed by hand, so what is on disk is exactly what each tenant flushed."""
+    d = daemon(**tenants(), **{"policy.write": "write_back"})
+    with Client(d.address, token=TOKENS["alice"]) as a, Client(d.address, token=TOKENS["bob"]) as b:
+        for i in range(3):
+            a.park(f"a{i}", [torch.ones(1024 * (i + 1))])
+        b.park("b0", [torch.ones(1024)])
+        assert a.stat().tiers["disk"].sequences == 0  # nothing written yet
+        assert a.flush() == 3
+        assert a.stat().tiers["disk"].sequences == 3
+        assert b.stat().tiers["disk"].sequences == 0  # alice's disk copies are not bob's
+        assert b.flush() == 1
+        assert b.stat().tiers["disk"].sequences == 1
+        assert a.stat().tiers["disk"].sequences == 3
+
+
 def test_a_foreign_lease_is_answered_exactly_as_a_nonexistent_one(daemon: Callable[..., Daemon]) -> None:
     d = daemon(**tenants())
     with grpc.insecure_channel(d.address) as ch:
