@@ -6,7 +6,12 @@
 # install, so an interrupted pass can never leave a mutant in the checkout.
 # MUTATE_SAMPLE mutants (default 60) are drawn at random with MUTATE_SEED (default 17).
 # MUTATE_JOBS=N (default 1) runs the sample as N shards in parallel, each in its own
-# scratch copy with its own DB (under .mutate/shard-K), and reports them together.
+# scratch copy with its own DB (under .mutate/shard-K), and reports them together; the
+# baseline runs once (under .mutate/baseline) and every shard reuses it.
+# MUTATE_RESUME=1 keeps a shard's DB where one exists: the mutants already judged are not
+# run again, so a sample too big for one sitting runs in several.
+# MUTATE_BASELINE=FILE reuses a baseline's coverage file (one of this same tree) instead of
+# running the baseline; MUTATE_BASELINE_ONLY=1 runs the baseline and stops.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 py="$root/.venv/bin/python"
@@ -18,6 +23,10 @@ shard=${MUTATE_SHARD:-0/1}
 
 if [ "$jobs" -gt 1 ]; then
   mkdir -p "$out"
+  if [ -z "${MUTATE_BASELINE:-}" ]; then
+    MUTATE_JOBS=1 MUTATE_BASELINE_ONLY=1 MUTATE_OUT="$out/baseline" "$0"
+    export MUTATE_BASELINE="$out/baseline/.coverage"
+  fi
   pids=()
   for k in $(seq 0 $((jobs - 1))); do
     MUTATE_JOBS=1 MUTATE_SHARD="$k/$jobs" MUTATE_OUT="$out/shard-$k" "$0" > "$out/shard-$k.log" 2>&1 &
@@ -44,16 +53,30 @@ cd "$work"
 export PYTHONPATH="$work/_import" PATH="$root/.venv/bin:$PATH"
 "$py" -c "import kvpark.daemon.engine as e, sys; sys.exit(0 if e.__file__.startswith('$work') else 'kvpark is not imported from the scratch copy: ' + e.__file__)"
 
-db="$out/session.sqlite"
-rm -f "$db"
-cosmic-ray init "$root/tools/mutate.toml" "$db"
-"$py" "$root/tools/mutate_sample.py" sample "$db" "$sample" "$seed" "$shard"
 # The baseline: the unmutated tree must pass the fast tests, or every mutant looks killed.
 # It runs under coverage, each test its own context: each mutant then runs only the tests
-# that execute its lines (tools/mutate_select.py).
-"$py" tools/mutate_select.py baseline "$out" > "$out/baseline.log" 2>&1 \
-  || { echo "baseline failed: see $out/baseline.log" >&2; exit 1; }
-export MUTATE_COVERAGE="$out/.coverage"
+# that execute its lines (tools/mutate_select.py, which matches files by their path inside
+# the tree, so a baseline taken in one scratch copy serves another).
+if [ -n "${MUTATE_BASELINE:-}" ]; then
+  [ -f "$MUTATE_BASELINE" ] || { echo "no baseline at $MUTATE_BASELINE" >&2; exit 1; }
+  export MUTATE_COVERAGE="$MUTATE_BASELINE"
+else
+  start=$(date +%s)
+  "$py" tools/mutate_select.py baseline "$out" > "$out/baseline.log" 2>&1 \
+    || { echo "baseline failed: see $out/baseline.log" >&2; exit 1; }
+  echo "baseline: $(( $(date +%s) - start )) s"
+  export MUTATE_COVERAGE="$out/.coverage"
+fi
+[ "${MUTATE_BASELINE_ONLY:-0}" = 1 ] && exit 0
+
+db="$out/session.sqlite"
+if [ "${MUTATE_RESUME:-0}" = 1 ] && [ -f "$db" ]; then
+  echo "resuming $db: the mutants it has judged are not run again"
+else
+  rm -f "$db"
+  cosmic-ray init "$root/tools/mutate.toml" "$db"
+  "$py" "$root/tools/mutate_sample.py" sample "$db" "$sample" "$seed" "$shard"
+fi
 start=$(date +%s)
 cosmic-ray exec "$root/tools/mutate.toml" "$db"
 echo "mutation pass: $(( $(date +%s) - start )) s for $sample mutants"

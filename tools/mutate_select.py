@@ -174,8 +174,9 @@ def select(path: str, lines: list[int], data_file: str) -> list[str] | None:
 
     data = coverage.CoverageData(basename=data_file)
     data.read()
-    want = os.path.realpath(path)
-    measured = next((f for f in data.measured_files() if os.path.realpath(f) == want), None)
+    # By the path inside the tree: the baseline may have run in another scratch copy.
+    want = os.sep + os.path.normpath(path)
+    measured = next((f for f in data.measured_files() if os.path.realpath(f).endswith(want)), None)
     if measured is None:
         return []
     by_line = data.contexts_by_lineno(measured)
