@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import itertools
 import os
+import queue
+import sys
+import threading
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from kvpark.client import Client
+from kvpark.client import Client, KVParkError, NotFound
 from kvpark.client.client import _header
 from kvpark.daemon import reads
 from kvpark.daemon.engine import Engine
 from kvpark.daemon.server import Daemon
 from kvpark.daemon.servicer import _spec
+from kvpark.tiers.disk import DiskStore
 
 from ..conftest import make_config, wait_until
 from ..redis_servers import RedisServer
@@ -81,3 +85,81 @@ def test_remote_blocks_splits_the_remote_copy_into_the_manifests_blocks(
     blocks = [bytes(b) for b in reads.remote_blocks(d.engine, m)]
     assert [len(b) for b in blocks] == list(m.block_lengths)
     assert b"".join(blocks) == data.numpy().tobytes()
+
+
+class _HeldPromotions(DiskStore):
+    """Holds each promotion's disk read (``Mover._promote_locked`` opening its read
+    transaction) until the test lets it go, while ``hold`` is set; the read then runs as
+    shipped. Nothing else is held: no other caller reads the disk in the test below."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.arrivals: queue.Queue[threading.Event] = queue.Queue()
+        self.hold = True
+
+    def read_txn(self):  # type: ignore[no-untyped-def]
+        if self.hold and sys._getframe(1).f_code.co_name == "_promote_locked":
+            go = threading.Event()
+            self.arrivals.put(go)
+            go.wait(60)
+        return super().read_txn()
+
+
+def _to_disk(c: Client, seq_id: str) -> None:
+    """Push ``seq_id`` out of the host tier (write-back: its demotion writes it to disk),
+    then drop the fillers that pushed it: the host tier has room again for a promotion
+    (one that finds none serves the restore from disk, without promoting)."""
+    n = 0
+    while c.info(seq_id).tier != "disk":
+        assert n < 40, f"{seq_id!r} still in memory after {n} fillers"
+        c.park(f"fill{n}", [torch.full((2 * MiB,), 1, dtype=torch.uint8)], overwrite=True)
+        n += 1
+    for i in range(n):
+        c.drop(f"fill{i}")
+    assert wait_until(lambda: c.stat().tiers["host"].used_bytes <= 4 * MiB, timeout=30)
+
+
+def test_a_restore_overwritten_on_every_try_answers_not_found(daemon: Callable[..., Daemon]) -> None:
+    """A restore whose version an overwrite replaces while it promotes it from disk tries
+    the current version again, ``reads.REPLACED_RETRIES`` times in all; past them the last
+    error stands: the caller gets NOT_FOUND ("dropped or overwritten during the
+    restore"), not an internal error. Each try is held at its disk read while the test
+    overwrites the id and pushes the new version to disk, so every try meets an overwrite."""
+    d = daemon(disk_factory=_HeldPromotions, **{"tiers.host.capacity": "8MiB", "policy.restore_to": "host"})
+    assert d.engine is not None
+    disk = d.engine.disk
+    assert isinstance(disk, _HeldPromotions)
+    out: dict[str, object] = {}
+    with Client(d.address, transport="inline") as c, Client(d.address, transport="inline") as reader:
+        c.park("s", [_blob(100, 2 * MiB)])
+        _to_disk(c, "s")
+
+        def restore() -> None:
+            try:
+                out["got"] = reader.restore("s", timeout=120)
+            except KVParkError as e:
+                out["err"] = e
+
+        t = threading.Thread(target=restore)
+        t.start()
+        try:
+            for k in range(reads.REPLACED_RETRIES):
+                go = disk.arrivals.get(timeout=60)  # try k is at its disk read
+                c.park("s", [_blob(101 + k, 2 * MiB)], overwrite=True)
+                _to_disk(c, "s")  # so the next try promotes from disk again
+                go.set()
+        finally:
+            if t.is_alive() and not disk.arrivals.empty():  # failed above: let a held try go
+                disk.hold = False
+                disk.arrivals.get().set()
+        t.join(120)
+        assert not t.is_alive()
+        assert disk.arrivals.empty()  # no try past the last
+        disk.hold = False
+        err = out.get("err")
+        assert isinstance(err, NotFound), f"restore answered {out}"
+        assert "overwritten during the restore" in str(err)
+        # The id holds the last overwrite, whole.
+        (got,) = c.restore("s")
+        assert torch.equal(got, _blob(100 + reads.REPLACED_RETRIES, 2 * MiB))
+    d.engine.check_invariants()
