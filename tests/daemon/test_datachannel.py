@@ -397,6 +397,25 @@ def test_a_restore_served_from_disk_streams_from_the_records(daemon: Callable[..
 
 # ---------------------------------------------------------------------- TLS and tenants
 
+
+def test_a_client_that_gives_tls_only_a_ca_moves_its_bytes_over_the_tls_channel(daemon: Callable[..., Daemon],
+                                                                              tmp_path) -> None:
+    """Server-side TLS only (no client certificates): a client that gives only a CA still
+    builds a TLS context for the data channel, rather than falling back to gRPC streams."""
+    from ..certs import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    d = daemon(**{"server.tls_cert": pki.server_cert, "server.tls_key": pki.server_key})
+    assert d.datachannel is not None and d.datachannel.tls
+    x = [torch.randn(600_000)]
+    before = d.datachannel.transfers
+    with Client(d.address, tls_ca=pki.ca, transport="inline") as c:
+        assert c.server.data_channel.tls
+        c.park("s", x)
+        assert torch.equal(c.restore("s")[0], x[0])
+        assert wait_until(lambda: d.datachannel.transfers == before + 2)  # both over the TLS channel
+    settled(d)
+
 def test_the_channel_speaks_tls_when_grpc_does_and_carries_the_tenant(daemon: Callable[..., Daemon],
                                                                       tmp_path) -> None:
     from ..certs import make_pki
