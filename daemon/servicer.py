@@ -125,6 +125,17 @@ _TRANSPORT = {"host": "shm", "device": "cuda_ipc"}  # the tier of a reservation 
 _MAX_PENDING = 100_000  # reservations timed at once; beyond it the oldest (expired, surely) are forgotten
 
 
+
+PARK_END_GRACE_S = 0.5  # how long a park stream that ended with no commit waits to learn whether its client left
+
+
+def _await_termination(context: grpc.ServicerContext, timeout: float) -> None:
+    """Return once the RPC has terminated (a cancelled one terminates at once), or after
+    ``timeout``: a live client that ended its stream early keeps its RPC open for our answer."""
+    done = threading.Event()
+    if context.add_callback(done.set):
+        done.wait(timeout)
+
 class Servicer:
     def __init__(self, engine: Engine, config: ServerConfig, hostname: str, boot_id: str,
                  metrics: Metrics | None = None, tenants: Tenants | None = None,
@@ -195,6 +206,10 @@ class Servicer:
                 info = eng.commit(lease_id, expect_nbytes=msg.commit.nbytes)
                 self._parked("inline", info.nbytes, t0)
                 return convert.info_to_pb(info)
+            # gRPC may end the request iterator of a client that went away before it records
+            # the cancellation (two completion events race): wait for that record briefly, so
+            # the log below tells a client that went away from one that ended its stream early.
+            _await_termination(context, PARK_END_GRACE_S)
             raise InvalidArgument("park stream ended before its commit message; nothing was stored")
         finally:
             if lease is not None:

@@ -242,3 +242,25 @@ def test_a_client_that_goes_away_mid_park_is_logged_as_exactly_that(
     assert wait_until(lambda: any("abandoned mid-stream: the client went away" in r.getMessage()
                                   for r in caplog.records))
     assert not any("LeaseExpired" in r.getMessage() for r in caplog.records)
+
+
+def test_a_park_stream_ended_before_its_commit_is_invalid_not_abandoned(
+        daemon: Callable[..., Daemon], caplog: pytest.LogCaptureFixture) -> None:
+    """A client that is still there but ends its stream with no commit is told so (typed);
+    the log does not call it a client that went away, and nothing is stored."""
+    import logging
+
+    caplog.set_level(logging.INFO, logger="kvpark")
+    d = daemon()
+    with grpc.insecure_channel(d.address) as ch:
+        call = ch.stream_unary("/kvpark.v1.KVPark/Park", request_serializer=lambda b: b,
+                               response_deserializer=pb.SeqInfo.FromString)
+        with pytest.raises(grpc.RpcError) as e:
+            call(iter([header(nbytes=4 << 20), chunk(0, bytes(1 << 20))]), timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "ended before its commit" in e.value.details()
+        assert dict(e.value.trailing_metadata())[ERROR_KEY] == "InvalidArgument"
+    with Client(d.address) as c:
+        assert_clean(c)
+        assert c.present(["s"]) == [False]
+    assert not any("abandoned mid-stream" in r.getMessage() for r in caplog.records)
