@@ -5,6 +5,8 @@ that is off, makes every published ratio wrong, so they are checked exactly here
 from __future__ import annotations
 
 import itertools
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,3 +86,27 @@ def test_same_means_equal_tensors_pairwise() -> None:
     assert same(a, [t.clone() for t in a])
     assert not same(a, a[:1])
     assert not same(a, [torch.arange(4), torch.zeros(3)])
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server on PATH")
+def test_the_redis_peer_starts_when_redis_server_is_on_the_path() -> None:
+    """The bench's Redis rows run wherever redis-server is installed: found on PATH, it is
+    started on a free loopback port, answers, and is stopped by ``close``."""
+    r = benchkit.RedisServer()
+    try:
+        assert r.ok and r.skip_reason == "" and r.version
+        r.client.set("k", b"\x00\x01" * 1000)
+        assert r.client.get("k") == b"\x00\x01" * 1000
+        proc = r.proc
+    finally:
+        r.close()
+    assert r.proc is None and proc is not None and proc.poll() is not None
+
+
+def test_the_redis_peer_says_why_its_rows_are_skipped_without_redis_server(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on it
+    r = benchkit.RedisServer()
+    assert not r.ok and r.proc is None
+    assert "redis-server not found on PATH" in r.skip_reason
+    r.close()  # nothing to stop

@@ -70,3 +70,19 @@ def test_a_watch_frame_shows_each_tier_with_its_rates() -> None:
 def cells(line: str) -> list[str]:
     """A rendered table row's cells, padding kept."""
     return line.split("│")[1:-1]
+
+
+def test_the_listing_fits_its_id_column_to_the_ids_up_to_48_characters(capsys: pytest.CaptureFixture[str]) -> None:
+    """``stat --all``: the id column is as wide as the longest id, at least 6 and at most 48
+    characters; a longer id is cut to 48, so every row's columns stay aligned."""
+    def rows(*ids: str) -> list[str]:
+        cli._print_all([SeqInfo(seq_id=i, nbytes=MiB, tier="host", num_tensors=1) for i in ids], 0.0)
+        return capsys.readouterr().out.splitlines()
+
+    head, row = rows("ab")
+    assert head.startswith("seq_id  tier") and row.startswith("ab      host")  # at least 6
+    head, row = rows("x" * 48)
+    assert head.startswith("seq_id" + " " * 44 + "tier") and row.startswith("x" * 48 + "  host")
+    head, *cut = rows("y" * 49, "z" * 80)
+    assert head.startswith("seq_id" + " " * 44 + "tier")
+    assert [r[:54] for r in cut] == ["y" * 48 + "  host", "z" * 48 + "  host"]
