@@ -184,6 +184,7 @@ class Servicer:
     def Park(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> pb.SeqInfo:
         eng = self.tenants.view()
         lease: str | None = None
+        ended = False  # the stream ended with no commit
         t0 = time.perf_counter()
         try:
             first = next(requests, None)
@@ -206,14 +207,17 @@ class Servicer:
                 info = eng.commit(lease_id, expect_nbytes=msg.commit.nbytes)
                 self._parked("inline", info.nbytes, t0)
                 return convert.info_to_pb(info)
-            # gRPC may end the request iterator of a client that went away before it records
-            # the cancellation (two completion events race): wait for that record briefly, so
-            # the log below tells a client that went away from one that ended its stream early.
-            _await_termination(context, PARK_END_GRACE_S)
+            ended = True
             raise InvalidArgument("park stream ended before its commit message; nothing was stored")
         finally:
             if lease is not None:
                 eng.release(lease)
+                if ended:
+                    # gRPC may end the request iterator of a client that went away before it
+                    # records the cancellation (two completion events race): wait briefly for
+                    # that record, so the log tells a client that left from one that ended its
+                    # stream early (who is then answered INVALID_ARGUMENT).
+                    _await_termination(context, PARK_END_GRACE_S)
                 if not context.is_active():
                     # Not an error of ours or of the lease: a Ctrl-C, a killed worker.
                     log.info("a park was abandoned mid-stream: the client went away; nothing was stored")
