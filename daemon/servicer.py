@@ -131,9 +131,14 @@ PARK_END_GRACE_S = 0.5  # how long a park stream that ended with no commit waits
 
 def _await_termination(context: grpc.ServicerContext, timeout: float) -> None:
     """Return once the RPC has terminated (a cancelled one terminates at once), or after
-    ``timeout``: a live client that ended its stream early keeps its RPC open for our answer."""
+    ``timeout`` (less 0.1 s before the client's deadline): a live client that ended its
+    stream early keeps its RPC open for our answer."""
+    left = context.time_remaining()  # None: the client set no deadline
+    if left is not None:
+        # Never up to the client's deadline: it is owed the typed answer, not DEADLINE_EXCEEDED.
+        timeout = min(timeout, left - 0.1)
     done = threading.Event()
-    if context.add_callback(done.set):
+    if timeout > 0 and context.add_callback(done.set):
         done.wait(timeout)
 
 class Servicer:
