@@ -166,3 +166,33 @@ def test_a_restore_overwritten_on_every_try_answers_not_found(daemon: Callable[.
         (got,) = c.restore("s")
         assert torch.equal(got, _blob(100 + reads.REPLACED_RETRIES, 2 * MiB))
     d.engine.check_invariants()
+
+
+def test_a_shm_park_into_a_fragmented_arena_lands_every_block_in_place(daemon: Callable[..., Daemon]) -> None:
+    """The host arena is fragmented (free slots 1, 4 and 5 only), so a 3-slot park over
+    shared memory gets two segments, one of them two slots long. The client writes through
+    the grant's segments: a segment merged wrongly puts a block at another's offset, and
+    the restore (inline, read by the daemon at the allocation's own offsets) then differs."""
+    # No background demotion below a full arena: it would move the fillers and free slots.
+    d = daemon(**{"tiers.host.capacity": "16MiB", "policy.write": "write_back", "policy.max_dirty_s": 0,
+                  "policy.high_watermark": 1.0, "policy.low_watermark": 0.95})
+    assert d.engine is not None
+    with Client(d.address, transport="inline") as c:
+        for i in range(10):
+            c.park(f"one{i}", [_blob(200 + i, MiB)])  # slots 0..9
+        for i in (1, 4, 5):
+            c.drop(f"one{i}")
+        c.park("big", [_blob(300, 6 * MiB)])  # the one run that holds it: slots 10..15
+    data = _blob(400, 3 * MiB)
+    with Client(d.address, transport="shm") as c:
+        c.park("frag", [data])
+    with d.engine.catalog.lock:
+        seq = d.engine.catalog.get("frag")
+        slots = [o // MiB for o, _ in seq.res["host"].extents]
+    assert slots == [1, 4, 5], f"the arena was not fragmented as planned: {slots}"
+    with Client(d.address, transport="inline") as c:
+        (got,) = c.restore("frag")
+        assert torch.equal(got, data)
+        for i in (0, 2, 3, 6, 7, 8, 9):
+            assert torch.equal(c.restore(f"one{i}")[0], _blob(200 + i, MiB))
+        assert torch.equal(c.restore("big")[0], _blob(300, 6 * MiB))

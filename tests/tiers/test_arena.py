@@ -36,6 +36,39 @@ def test_full_blocks_prefer_one_contiguous_run() -> None:
     assert x is not None and len(x.segments()) == 1
 
 
+def test_segments_merge_only_adjacent_extents_and_keep_every_byte_in_place() -> None:
+    """A fragmented arena: the slots an allocation takes are not one run. ``segments()``
+    (what a client writes and reads through) merges each run of adjacent extents and
+    nothing else, in payload order, covering exactly the extents' bytes."""
+    a = SlotAllocator(16 * MiB, MiB)
+    ones = [a.alloc(MiB) for _ in range(10)]  # slots 0..9
+    big = a.alloc(6 * MiB)  # slots 10..15
+    assert big is not None and big.segments() == [(10 * MiB, 6 * MiB)]
+    for i in (1, 4, 5):
+        a.free(ones[i])  # type: ignore[arg-type]
+    x = a.alloc(3 * MiB + 5000)  # no free run of 3: slots 1, 4, 5, and a tail in a fresh slot...
+    assert x is None  # ...which there is not
+    x = a.alloc(3 * MiB)
+    assert x is not None and [o // MiB for o, _ in x.extents] == [1, 4, 5]
+    assert x.segments() == [(1 * MiB, MiB), (4 * MiB, 2 * MiB)]
+    a.free(big)
+    y = a.alloc(4 * MiB + 5000)  # the longest runs first (10..15), then in slot order, the tail after
+    assert y is not None
+    segs = y.segments()
+    assert sum(n for _, n in segs) == sum(n for _, n in y.extents) == 4 * MiB + 5000
+    # Each segment starts where an extent starts, and runs over consecutive extents.
+    ext = list(y.extents)
+    i = 0
+    for off, n in segs:
+        assert ext[i][0] == off
+        end = off
+        while i < len(ext) and ext[i][0] == end and end < off + n:
+            end += ext[i][1]
+            i += 1
+        assert end == off + n
+    assert i == len(ext)
+
+
 def test_all_or_nothing_when_full() -> None:
     a = SlotAllocator(4 * MiB, MiB)
     x = a.alloc(3 * MiB)
