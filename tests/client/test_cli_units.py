@@ -86,3 +86,13 @@ def test_the_listing_fits_its_id_column_to_the_ids_up_to_48_characters(capsys: p
     head, *cut = rows("y" * 49, "z" * 80)
     assert head.startswith("seq_id" + " " * 44 + "tier")
     assert [r[:54] for r in cut] == ["y" * 48 + "  host", "z" * 48 + "  host"]
+
+
+def test_the_summary_shows_each_tiers_use_as_a_percentage(capsys: pytest.CaptureFixture[str]) -> None:
+    st = Stat(tiers={"host": tier(4 * MiB, 3), "disk": tier(0),
+                     "device": TierStat(capacity_bytes=0, used_bytes=0, blocks=0, sequences=0, evictions=0)})
+    cli._print_summary("here:1", st, [])
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert rows["host"][-3:] == ["25.0%", "1", "3"]  # 4 of 16 MiB; held 1; 3 evictions
+    assert rows["disk"][-3] == "0.0%"
+    assert rows["device"][-3] == "0.0%"  # no capacity: no division

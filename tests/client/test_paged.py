@@ -5,7 +5,7 @@ from typing import Callable
 import pytest
 import torch
 
-from kvpark.client import Client, FailedPrecondition, LayoutMismatch
+from kvpark.client import Client, FailedPrecondition, InvalidArgument, LayoutMismatch
 from kvpark.client import paged
 from kvpark.daemon.server import Daemon
 
@@ -158,3 +158,18 @@ def test_bad_inputs(daemon: Callable[..., Daemon]) -> None:
         with pytest.raises(InvalidArgument):
             paged.park_blocks(c, "s", kv, [0, 1], num_tokens=2 * BS, tokens=[1, 2, 3])
         assert c.list() == []
+
+
+def test_a_request_with_no_tokens_yet_parks_and_restores_as_nothing(daemon: Callable[..., Daemon]) -> None:
+    """``num_tokens=0`` is allowed (a request parked before its first token): nothing is
+    stored but its layout, and its restore touches no block. Negative counts are refused."""
+    d = daemon()
+    src, dst = pool(seed=1), pool(seed=2)
+    before = [t.clone() for t in dst]
+    with Client(d.address) as c:
+        info = paged.park_blocks(c, "empty", src, [], num_tokens=0)
+        assert info.nbytes == 0 and info.attrs["num_blocks"] == "0"
+        assert paged.restore_blocks(c, "empty", dst, []) == 0
+        with pytest.raises(InvalidArgument, match="num_tokens must be >= 0"):
+            paged.park_blocks(c, "neg", src, [0], num_tokens=-1)
+    assert all(torch.equal(a, b) for a, b in zip(before, dst))

@@ -310,3 +310,20 @@ def test_drain_says_false_when_a_save_outlasts_its_timeout(hung_address: str) ->
     assert saver.submit(keys("stuck", 1), gather_blocks(kv, 0, [0]), ATTRS)
     assert not saver.drain(0.05), "a drain that timed out said every save was done"
     assert saver.drain(30) and saver.close() == 0
+
+
+def test_after_a_failed_connect_calls_fail_fast_until_the_retry_time(hung_address: str) -> None:
+    """A daemon that did not answer is not dialled again by every call: for the back-off
+    that follows, each call fails at once with ``ConnectionError`` (a miss), and the next
+    one after it tries again."""
+    conn = Conn(hung_address, "inline", connect_timeout_s=0.5)
+    with pytest.raises(Exception) as first:
+        conn.get()
+    assert "retrying later" not in str(first.value)  # this one dialled
+    for _ in range(3):
+        with pytest.raises(ConnectionError, match="was unreachable; retrying later"):
+            conn.get()
+    conn._retry_at = 0.0  # the back-off is over: the next call dials again (and fails again)
+    with pytest.raises(Exception) as again:
+        conn.get()
+    assert "retrying later" not in str(again.value)

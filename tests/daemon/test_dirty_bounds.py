@@ -200,3 +200,36 @@ def test_the_dirty_set_counts_exactly_and_its_queue_stays_compact() -> None:
     got = d.due(12.0, 1 << 30, 100, 1 << 30)
     assert got == seqs[2990:] and d.sequences == 1  # the one that came back is 7 s old
     assert d.due(16.0, 1 << 30, 100, 1 << 30) == [seqs[0]] and (d.sequences, d.bytes) == (0, 0)
+
+
+def test_a_write_back_batch_holds_at_most_its_count_and_bytes_and_skips_what_has_no_room() -> None:
+    """``due`` takes the oldest past a bound, at most ``count`` sequences and ``nbytes`` in
+    all (one larger than the budget still goes alone, first, so it is never stuck), and
+    passes over one larger than the disk ``room`` left, taking younger ones that fit."""
+    from kvpark.daemon.dirty import Dirty
+    from kvpark.daemon.model import ParkSpec, Seq
+    from kvpark.proto.layout import TensorMeta
+    from kvpark.tiers.arena import Allocation
+
+    def seq(i: int, n: int) -> Seq:
+        spec = ParkSpec(f"s{i}", (TensorMeta("uint8", (n,), n),), n)
+        return Seq(manifest=spec.manifest(i + 1, 1 << 20), res={"host": Allocation(1 << 20, (0,), None)})
+
+    d = Dirty(max_s=1.0)
+    seqs = [seq(i, 100) for i in range(6)]
+    for s in seqs:
+        d.track(s, 0.0)
+    assert d.due(5.0, 1 << 30, 100, 250) == seqs[:2]  # 200 bytes; a third would make 300
+    assert d.due(5.0, 1 << 30, 100, 300) == seqs[2:5]  # exactly the budget
+    assert d.due(5.0, 1 << 30, 100, 50) == seqs[5:]  # larger than the budget, alone
+    d = Dirty(max_s=1.0)
+    seqs = [seq(0, 500), seq(1, 100), seq(2, 100), seq(3, 100)]
+    for s in seqs:
+        d.track(s, 0.0)
+    assert d.due(5.0, 1 << 30, 2, 1 << 30) == seqs[:2]  # the count
+    d = Dirty(max_s=1.0)
+    for s in seqs:
+        s.dirty_since = 0.0
+        d.track(s, 0.0)
+    assert d.due(5.0, 250, 100, 1 << 30) == seqs[1:3]  # 500 has no room; 100 + 100 fit 250
+    assert d.sequences == 2 and d.due(5.0, 1 << 30, 100, 1 << 30) == [seqs[0], seqs[3]]
