@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 from typing import Callable
 
+import pytest
 import torch
 
 from kvpark.client import Client, KVParkError, NotFound
@@ -196,3 +197,26 @@ def test_a_shm_park_into_a_fragmented_arena_lands_every_block_in_place(daemon: C
         for i in (0, 2, 3, 6, 7, 8, 9):
             assert torch.equal(c.restore(f"one{i}")[0], _blob(200 + i, MiB))
         assert torch.equal(c.restore("big")[0], _blob(300, 6 * MiB))
+
+
+def test_the_disk_invariants_catch_an_index_entry_lmdb_does_not_back() -> None:
+    """``check_disk`` (what ``check_invariants`` asks of the disk, after every attack test)
+    fails for each way the index can claim a disk copy LMDB does not hold: no manifest, a
+    manifest of another generation, a missing block record."""
+    from kvpark.daemon.commit import check_disk
+    from kvpark.daemon.model import ParkSpec, Seq
+    from kvpark.proto.layout import TensorMeta
+    from kvpark.tiers.disk import Scan
+
+    spec = ParkSpec("x", (TensorMeta("uint8", (3 * MiB,), 3 * MiB),), 3 * MiB)
+    m1, m2 = spec.manifest(1, MiB), spec.manifest(2, MiB)
+    assert len(m1.block_lengths) == 3
+    s = Seq(manifest=m2, on_disk=True)
+    blocks = {("x", m2.key_gen): {0, 1, 2}}
+    check_disk([s], Scan({"x": m2}, blocks, set()), set(), True)  # agreed: no error
+    with pytest.raises(AssertionError, match="indexed on disk, no manifest in LMDB"):
+        check_disk([s], Scan({}, {}, set()), set(), True)
+    with pytest.raises(AssertionError, match="indexed generation 2, LMDB's manifest 1"):
+        check_disk([s], Scan({"x": m1}, {("x", m1.key_gen): {0, 1, 2}}, set()), set(), True)
+    with pytest.raises(AssertionError, match="LMDB holds blocks"):
+        check_disk([s], Scan({"x": m2}, {("x", m2.key_gen): {0, 2}}, set()), set(), True)
