@@ -100,6 +100,20 @@ def test_prefix_hit_after_reset_and_identical_tokens(model: str, baseline: dict,
     assert tokens["hit"] >= 96 + 128 and tokens["miss"] > 0, tokens
 
 
+def test_a_prompt_of_whole_blocks_leaves_its_last_block_to_the_engine(model: str, proc: Callable[..., Proc]) -> None:
+    """A prompt exactly 4 blocks long (32 tokens a block, as PROMPT's 96 cached tokens are
+    3): the engine must compute at least its last token, so kvpark offers 3 blocks, never
+    all 4, and the output is the one without kvpark."""
+    exact = [(i * 13 + 1) % 500 + 5 for i in range(4 * 32)]
+    alone = engine(model, prompts=[exact], rounds=1)["rounds"][0]
+    d = proc()
+    out = engine(model, prompts=[exact], address=d.address, rounds=2)
+    first, second = out["rounds"]
+    assert first["tokens"] == second["tokens"] == alone["tokens"]
+    assert first["cached"] == [0] and second["cached"] == [3 * 32]
+    assert out["stats"]["loaded_blocks"] == 3
+
+
 def test_a_request_sent_with_kvpark_off_is_neither_looked_up_nor_saved(model: str, baseline: dict,
                                                                         proc: Callable[..., Proc]) -> None:
     d = proc()
