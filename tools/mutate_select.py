@@ -89,9 +89,9 @@ SUBSET = [
     # A retried park's compare (client/same.py): its TTL match survived the files above
     # (none retries a park with a TTL) though this file's tests kill it (2026-12-03).
     "tests/client/test_park_retry_attacks.py",
-    # The write-back batch's bounds (daemon/dirty.py): a survivor of the 2026-12-03 sample
-    # that this file's unit test kills.
-    "tests/daemon/test_dirty_bounds.py",
+    # The write-back batch's bounds (daemon/dirty.py) and the per-id count of queued deletes
+    # (daemon/deletes.py): survivors of the 2026-12-03 sample these files kill.
+    "tests/daemon/test_dirty_bounds.py", "tests/daemon/test_queued_delete_counts.py",
 ]
 def _spawning() -> list[str]:
     """The subset's test files that start child processes (daemons, clients) and may kill
