@@ -343,3 +343,27 @@ def test_a_live_client_never_touches_the_device_pool_of_a_restarted_daemon(daemo
             assert same([t.cpu() for t in fresh.restore("new", device="cuda:0")], data(2))
     finally:
         c.close()
+
+
+def _arenas_mapped() -> set[str]:
+    """The daemon arena files this process has mapped now (Linux: /proc/self/maps)."""
+    with open("/proc/self/maps") as fh:
+        return {line.split(None, 5)[5].strip().removesuffix(" (deleted)") for line in fh
+                if ".arena" in line and len(line.split(None, 5)) == 6}
+
+
+def test_a_remap_lets_go_of_the_old_daemons_arena(daemons: Any) -> None:
+    """Once a live client has moved to the restarted daemon, it no longer maps the old
+    daemon's arena: a worker that lives across many restarts would otherwise keep every
+    old arena (a file the size of the host tier, deleted but held) mapped."""
+    d = daemons(PATHS["shm"][1])
+    with Client(d.address, transport="shm", timeout=20.0) as c:
+        c.park("s", data(1))
+        assert same(c.restore("s"), data(1))
+        old = _arenas_mapped()
+        assert old, "the shm client maps no arena"
+        d.restart(kill=False)
+        assert wait_until(reachable(c), timeout=30.0)
+        assert same(c.restore("s"), data(1))  # meets the stale mapping, remaps, reads the new arena
+        now = _arenas_mapped()
+        assert now and not (now & old), f"still mapped after the remap: {sorted(now & old)}"
