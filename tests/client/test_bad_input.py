@@ -65,3 +65,17 @@ def test_prefetch_defaults_to_the_fastest_tier_the_daemon_has(daemon: Callable[.
     with Client(d.address) as c:
         c.park("p", [torch.zeros(4)])
         assert c.prefetch("p", wait=True) == "host"
+
+
+def test_tokens_per_block_takes_every_uint32_and_nothing_else(daemon: Callable[..., Daemon]) -> None:
+    """A lookup's ``tokens_per_block`` is a protobuf uint32: every value in [0, 2**32)
+    goes through, and anything else is refused typed before a call is made."""
+    d = daemon()
+    with Client(d.address) as c:
+        c.park("b0", [torch.ones(8)])
+        for n in (0, 1, 33, 4096, 2**32 - 1):
+            assert c.lookup(["b0", "b1"], tokens_per_block=n) == 1
+            assert c.lookup_acquire(["b0"], tokens_per_block=n)[0] == 1
+        for bad in (-1, 2**32, True, 16.0):
+            with pytest.raises(InvalidArgument, match=r"tokens_per_block must be an int in \[0, 2\*\*32\)"):
+                c.lookup(["b0"], tokens_per_block=bad)  # type: ignore[arg-type]

@@ -116,6 +116,11 @@ def test_unsupported_inputs(daemon: Callable[..., Daemon]) -> None:
         generate(model, PROMPT, 2, cache)
         with pytest.raises(InvalidArgument, match="sliding"):
             hf.park_cache(c, "x", cache, tokens=PROMPT + [1])
+        llama = DynamicCache(config=tiny_llama(torch.float32).config)
+        out, _ = generate(tiny_llama(torch.float32), PROMPT, 1, llama)
+        for bs in (0, -8):
+            with pytest.raises(InvalidArgument, match="block_size must be > 0"):
+                hf.park_cache(c, "x", llama, tokens=PROMPT + out, block_size=bs)
         c.park("plain", [torch.ones(2)])
         with pytest.raises(LayoutMismatch):
             hf.restore_cache(c, "plain")
