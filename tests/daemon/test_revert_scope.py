@@ -1,0 +1,133 @@
+"""A delete of one id takes with it the refused manifests of that id only. A refused
+write whose undo failed (``Deletes._reverts``) may still own its id's current manifest,
+so a delete of another version of the same id unpublishes it before the caller answers
+(``Deletes.delete``). A refused write of ANOTHER id is none of its business: its manifest
+stands in LMDB until its queued undo (``retry``) puts back the version it replaced. Were
+that manifest unpublished by a drop of an unrelated id, the undo would find no manifest
+of the refused generation current and put nothing back: the version standing before the
+refused write (acknowledged under write_through) would have no manifest in LMDB, and a
+restart would lose it. Found by mutation testing (``sid == seq.seq_id`` made
+``sid <= seq.seq_id`` in ``Deletes.delete``: a drop of "z" unpublished the refused
+manifest of "m"). Ids sorting on both sides of "m" are dropped, so any ordering
+comparison in place of ``==`` fails too.
+
+A real engine with real LMDB in a temp dir. Its maintenance thread is not started: the
+test runs the retry itself, so no maintenance pass runs the queued undo before the drops
+(which would leave nothing in ``_reverts`` and hide the planted bug by chance). Faults
+come from a ``DiskStore`` subclass: one fsync fails (the refusal), and one write
+transaction deleting block records of "m" (the refusal's undo) fails and rolls back.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import lmdb
+import pytest
+import torch
+
+from kvpark.client import Client
+from kvpark.client.client import _header
+from kvpark.daemon.engine import Engine
+from kvpark.daemon.server import Daemon
+from kvpark.daemon.servicer import _spec
+from kvpark.proto.errors import KVParkError
+from kvpark.tiers.disk import DiskStore, Manifest
+
+from ..conftest import make_config
+from .disk_seams import crash_image
+
+N = 4096
+WT = {"policy.write": "write_through"}
+
+
+class Faults(DiskStore):
+    """``fail_sync``: the next fsync fails (EIO). ``fail_undo``: the next write transaction
+    deleting block records of "m" fails (EIO) and is rolled back. Each fires once."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.fail_sync = False
+        self.fail_undo = False
+
+    def sync(self) -> None:
+        if self.fail_sync:
+            self.fail_sync = False
+            raise lmdb.Error("mdb_env_sync: Input/output error")
+        super().sync()
+
+    def _delete_blocks(self, txn: lmdb.Transaction, m: Manifest) -> None:
+        if self.fail_undo and m.seq_id == "m":
+            self.fail_undo = False
+            raise lmdb.Error("mdb_put: Input/output error")
+        super()._delete_blocks(txn, m)
+
+    def current(self, seq_id: str) -> int | None:
+        """The generation of ``seq_id``'s manifest in LMDB now, if any."""
+        m = self.scan().manifests.get(seq_id)
+        return None if m is None else m.gen
+
+
+def _park(eng: Engine, seq_id: str, v: int, overwrite: bool = False) -> None:
+    data = torch.full((N,), v, dtype=torch.uint8)
+    h = _header(seq_id, [data])
+    h.overwrite = overwrite
+    r = eng.reserve(_spec(h), inline=True)
+    eng.write_chunk(r.lease_id, 0, memoryview(data.numpy()))
+    eng.commit(r.lease_id, expect_nbytes=N)
+
+
+def test_a_drop_of_another_id_leaves_a_refused_manifest_to_its_own_queued_undo(
+        tmp_path: Path, daemon: Callable[..., Daemon]) -> None:
+    """write_through. "m" v1 is acknowledged (on disk). An overwrite of "m" (v2) commits
+    its transaction, its fsync fails (refused) and its undo fails too: queued, v2's
+    manifest still current in LMDB. "a" and "z" (sorting before and after "m") are parked
+    and dropped. Neither drop may touch "m"'s refused manifest: the retry of "m"'s undo
+    then finds it current and puts v1's back, and after a crash "m" restores v1 and "a"
+    and "z" are gone. (Were it unpublished, the undo would put nothing back: "m" indexed
+    on disk with no manifest in LMDB, and gone at the next start.)"""
+    eng = Engine(make_config(tmp_path, **WT), disk_factory=Faults)
+    disk = eng.disk
+    assert isinstance(disk, Faults)
+    try:
+        _park(eng, "m", 1)
+        v1 = eng.catalog.find("m")
+        assert v1 is not None and v1.on_disk and disk.current("m") == v1.gen
+
+        disk.fail_sync = disk.fail_undo = True
+        with pytest.raises(KVParkError):
+            _park(eng, "m", 2, overwrite=True)  # refused; its undo failed and is queued
+        assert not disk.fail_sync and not disk.fail_undo, "the refusal or its undo never ran"
+        assert eng.deletes.pending == 1
+        refused = disk.current("m")
+        assert refused is not None and refused != v1.gen, "the refused write's manifest is not the current one"
+
+        after_drop: dict[str, int | None] = {}
+        for other, v in (("a", 3), ("z", 4)):
+            _park(eng, other, v)
+            s = eng.catalog.find(other)
+            assert s is not None and s.on_disk
+            assert eng.drop(other)  # acknowledged
+            after_drop[other] = disk.current("m")  # still the refused manifest: "m"'s undo owns it
+
+        assert eng.deletes.retry() == 1 and eng.deletes.pending == 0  # "m"'s undo, the disk healthy
+        after_undo = disk.current("m")
+        try:
+            eng.check_invariants()
+            broken = ""
+        except AssertionError as e:
+            broken = str(e)
+        image = crash_image(disk, str(tmp_path / "crash"))  # a SIGKILL now
+    finally:
+        eng.close(flush=False)
+
+    d = daemon(**{"tiers.disk.path": image, **WT})
+    with Client(d.address) as c:
+        present = c.present(["a", "m", "z"])
+        got = [int(t[0]) for t in c.restore("m")] if present[1] else None
+    seen = (after_drop, after_undo, broken, present, got)
+    assert seen == ({"a": refused, "z": refused}, v1.gen, "", [False, True, False], [1]), (
+        f"'m' v1 (generation {v1.gen}, acknowledged under write_through) lost: the manifest of 'm' in LMDB "
+        f"after each drop is {after_drop} (the refused one is {refused}); after the undo {after_undo}; "
+        f"invariants: {broken!r}; after a crash present(a, m, z) = {present}, 'm' restores {got}")
