@@ -90,8 +90,9 @@ SUBSET = [
     # (none retries a park with a TTL) though this file's tests kill it (2026-12-03).
     "tests/client/test_park_retry_attacks.py",
     # The write-back batch's bounds (daemon/dirty.py) and the per-id count of queued deletes
-    # (daemon/deletes.py): survivors of the 2026-12-03 sample these files kill.
-    "tests/daemon/test_dirty_bounds.py", "tests/daemon/test_queued_delete_counts.py",
+    # and the scope of a delete's refused undos (daemon/deletes.py): survivors of the
+    # 2026-12-03 sample these files kill.
+    "tests/daemon/test_dirty_bounds.py", "tests/daemon/test_queued_delete_counts.py", "tests/daemon/test_revert_scope.py",
 ]
 def _spawning() -> list[str]:
     """The subset's test files that start child processes (daemons, clients) and may kill
