@@ -19,6 +19,12 @@ def test_runs_coalesce_contiguous_pieces() -> None:
     # Different partitions of the same payload.
     assert runs([(0, 6)], [(10, 2), (20, 4)]) == [(0, 10, 2), (2, 20, 4)]
     assert runs([], []) == []
+    # A source that steps back (an allocation's tail packed in a lower slot than its full
+    # slots) is a new run even where the destination goes on: only a piece that starts
+    # exactly where the last one ended, on both sides, extends it.
+    assert runs([(8, 4), (0, 4)], [(0, 4), (4, 4)]) == [(8, 0, 4), (0, 4, 4)]
+    assert runs([(0, 4), (4, 4)], [(8, 4), (0, 4)]) == [(0, 8, 4), (4, 0, 4)]
+    assert runs([(4, 4), (2, 2)], [(0, 4), (4, 2)]) == [(4, 0, 4), (2, 4, 2)]
 
 
 def test_copies_complete_and_report() -> None:
