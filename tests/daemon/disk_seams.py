@@ -14,6 +14,8 @@ Primitives:
   just after its transaction committed; ``HeldBeforeAndAfter``: both holds on one store.
 - ``crash_image(disk, dst)``: a consistent copy of LMDB now (what a SIGKILL would leave).
 - ``waiting_in(function, module)``: a thread is blocked in a wait inside that function.
+- ``park_filled(engine, seq_id, v, nbytes, overwrite=False)``: park ``nbytes`` bytes of
+  value ``v`` through an engine whose maintenance is not started (the test runs it).
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ import sys
 import threading
 from typing import Sequence
 
+import torch
+
+from kvpark.client.client import _header
+from kvpark.daemon.engine import Engine
+from kvpark.daemon.servicer import _spec
 from kvpark.tiers.disk import DiskStore, Manifest, Write
 
 
@@ -113,3 +120,13 @@ def waiting_in(function: str, module: str) -> bool:
         if names and names[0][0] == "wait" and any(n == function and fn.endswith(module) for n, fn in names):
             return True
     return False
+
+
+def park_filled(engine: Engine, seq_id: str, v: int, nbytes: int, overwrite: bool = False) -> None:
+    """Park ``nbytes`` bytes of value ``v`` as ``seq_id`` (reserve, one chunk, commit)."""
+    data = torch.full((nbytes,), v, dtype=torch.uint8)
+    h = _header(seq_id, [data])
+    h.overwrite = overwrite
+    r = engine.reserve(_spec(h), inline=True)
+    engine.write_chunk(r.lease_id, 0, memoryview(data.numpy()))
+    engine.commit(r.lease_id, expect_nbytes=nbytes)

@@ -21,17 +21,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import lmdb
-import torch
 
-from kvpark.client.client import _header
 from kvpark.daemon.disk_evict import disk_drop
 from kvpark.daemon.engine import Engine
-from kvpark.daemon.servicer import _spec
 from kvpark.proto.errors import Unavailable
 from kvpark.tiers.disk import DiskStore, Manifest
 
 from ..conftest import make_config
-from .disk_seams import crash_image
+from .disk_seams import crash_image, park_filled
 
 MiB = 1 << 20
 OVER = {"policy.write": "write_back", "policy.flush_on_shutdown": "false"}
@@ -61,15 +58,6 @@ class Faults(DiskStore):
         super().unpublish(m, sync=sync)
 
 
-def _park(eng: Engine, seq_id: str, v: int, overwrite: bool = False) -> None:
-    data = torch.full((MiB,), v, dtype=torch.uint8)
-    h = _header(seq_id, [data])
-    h.overwrite = overwrite
-    r = eng.reserve(_spec(h), inline=True)
-    eng.write_chunk(r.lease_id, 0, memoryview(data.numpy()))
-    eng.commit(r.lease_id, expect_nbytes=MiB)
-
-
 def test_a_takeover_of_one_queued_delete_leaves_the_ids_other_queued_delete_to_the_drops_settle(
         tmp_path: Path) -> None:
     """write_back. v1 of x is flushed; an overwrite by v2 retires it and v1's delete fails
@@ -83,13 +71,13 @@ def test_a_takeover_of_one_queued_delete_leaves_the_ids_other_queued_delete_to_t
     disk = eng.disk
     assert isinstance(disk, Faults)
     try:
-        _park(eng, "x", 1)
+        park_filled(eng, "x", 1, MiB)
         assert eng.flush() == 1
         v1 = eng.catalog.find("x")
         assert v1 is not None and v1.on_disk
 
         disk.fail_deletes = {v1.gen}  # v1's delete fails from now on (the retry's too)
-        _park(eng, "x", 2, overwrite=True)  # v2 in memory; v1 retired, its delete queued
+        park_filled(eng, "x", 2, MiB, overwrite=True)  # v2 in memory; v1 retired, its delete queued
         v2 = eng.catalog.find("x")
         assert v2 is not None and v2 is not v1 and v2.gen != v1.gen
         assert eng.deletes.pending == 1

@@ -25,18 +25,15 @@ from typing import Callable
 
 import lmdb
 import pytest
-import torch
 
 from kvpark.client import Client
-from kvpark.client.client import _header
 from kvpark.daemon.engine import Engine
 from kvpark.daemon.server import Daemon
-from kvpark.daemon.servicer import _spec
 from kvpark.proto.errors import KVParkError
 from kvpark.tiers.disk import DiskStore, Manifest
 
 from ..conftest import make_config
-from .disk_seams import crash_image
+from .disk_seams import crash_image, park_filled
 
 N = 4096
 WT = {"policy.write": "write_through"}
@@ -69,15 +66,6 @@ class Faults(DiskStore):
         return None if m is None else m.gen
 
 
-def _park(eng: Engine, seq_id: str, v: int, overwrite: bool = False) -> None:
-    data = torch.full((N,), v, dtype=torch.uint8)
-    h = _header(seq_id, [data])
-    h.overwrite = overwrite
-    r = eng.reserve(_spec(h), inline=True)
-    eng.write_chunk(r.lease_id, 0, memoryview(data.numpy()))
-    eng.commit(r.lease_id, expect_nbytes=N)
-
-
 def test_a_drop_of_another_id_leaves_a_refused_manifest_to_its_own_queued_undo(
         tmp_path: Path, daemon: Callable[..., Daemon]) -> None:
     """write_through. "m" v1 is acknowledged (on disk). An overwrite of "m" (v2) commits
@@ -91,13 +79,13 @@ def test_a_drop_of_another_id_leaves_a_refused_manifest_to_its_own_queued_undo(
     disk = eng.disk
     assert isinstance(disk, Faults)
     try:
-        _park(eng, "m", 1)
+        park_filled(eng, "m", 1, N)
         v1 = eng.catalog.find("m")
         assert v1 is not None and v1.on_disk and disk.current("m") == v1.gen
 
         disk.fail_sync = disk.fail_undo = True
         with pytest.raises(KVParkError):
-            _park(eng, "m", 2, overwrite=True)  # refused; its undo failed and is queued
+            park_filled(eng, "m", 2, N, overwrite=True)  # refused; its undo failed and is queued
         assert not disk.fail_sync and not disk.fail_undo, "the refusal or its undo never ran"
         assert eng.deletes.pending == 1
         refused = disk.current("m")
@@ -105,7 +93,7 @@ def test_a_drop_of_another_id_leaves_a_refused_manifest_to_its_own_queued_undo(
 
         after_drop: dict[str, int | None] = {}
         for other, v in (("a", 3), ("z", 4)):
-            _park(eng, other, v)
+            park_filled(eng, other, v, N)
             s = eng.catalog.find(other)
             assert s is not None and s.on_disk
             assert eng.drop(other)  # acknowledged
