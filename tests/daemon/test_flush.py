@@ -3,6 +3,7 @@ fits still goes when the disk cannot take a whole batch."""
 
 from typing import Callable, Sequence
 
+import pytest
 import torch
 
 from kvpark.client import Client
@@ -54,3 +55,17 @@ def test_what_fits_is_still_flushed_when_a_batch_does_not(daemon: Callable[..., 
     assert eng is not None
     eng.check_invariants()
     assert eng.disk.used == 40 * 1024
+
+
+def test_a_flush_batch_holds_at_most_batch_bytes(daemon: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flush's write transaction carries at most ``BATCH_BYTES`` (3 KiB here, three 1 KiB
+    sequences), so one transaction never grows with what is memory-only."""
+    from kvpark.daemon import flush
+
+    monkeypatch.setattr(flush, "BATCH_BYTES", 3 * 1024)
+    TxnCounter.batches = []
+    d = daemon(disk_factory=TxnCounter, **{"tiers.host.slot_size": "64KiB"})
+    with Client(d.address) as c:
+        c.park_batch({f"b{i}": block(i) for i in range(10)})
+        assert c.flush() == 10
+        assert TxnCounter.batches == [3, 3, 3, 1]
