@@ -287,18 +287,37 @@ def test_block_dim_of_names_the_block_dimension_of_each_known_layout() -> None:
     assert vllm_io.block_dim_of([cpu[0], torch.zeros(NUM_BLOCKS + 1, HEADS, BS, 2 * DIM)], BS) is None  # mixed
 
 
+class ChunkCounter(Client):
+    """A real client that notes how many ids each batched park and restore carries."""
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.parks: list[int] = []
+        self.restores: list[int] = []
+
+    def park_batch(self, seqs, **kw):  # type: ignore[no-untyped-def,override]
+        self.parks.append(len(seqs))
+        return super().park_batch(seqs, **kw)
+
+    def restore_many(self, seq_ids, **kw):  # type: ignore[no-untyped-def,override]
+        self.restores.append(len(seq_ids))
+        return super().restore_many(seq_ids, **kw)
+
+
 def test_save_and_load_in_several_chunks_keep_each_key_on_its_own_block(daemon: Callable[..., Daemon]) -> None:
     """A staging area of three blocks and seven blocks to move: three chunks, the last short."""
     d = daemon()
     kv = layers(9)
     ids, ks = [6, 0, 3, 7, 1, 5, 2], keys("chunks", 7)
     stage = 3 * vllm_io.block_bytes(kv, 0)
-    with Client(d.address) as c:
+    with ChunkCounter(d.address) as c:
         assert vllm_io.save_blocks(c, kv, 0, ids, ks, ATTRS, stage) == 7 * vllm_io.block_bytes(kv, 0)
+        assert c.parks == [3, 3, 1]  # never more than the staging area holds
         for i, k in zip(ids, ks):
             assert torch.equal(c.restore(k)[0], gather_blocks(kv, 0, [i])[0])
         out = [torch.zeros_like(t) for t in kv]
         assert vllm_io.load_blocks(c, out, 0, ids, ks, stage) == 7
+        assert c.restores == [3, 3, 1]
         for t, src in zip(out, kv):
             assert torch.equal(t[ids], src[ids]) and not t[4].any()  # block 4 was never asked for
 
