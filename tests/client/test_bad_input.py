@@ -79,3 +79,17 @@ def test_tokens_per_block_takes_every_uint32_and_nothing_else(daemon: Callable[.
         for bad in (-1, 2**32, True, 16.0):
             with pytest.raises(InvalidArgument, match=r"tokens_per_block must be an int in \[0, 2\*\*32\)"):
                 c.lookup(["b0"], tokens_per_block=bad)  # type: ignore[arg-type]
+
+
+def test_attrs_are_bounded_by_their_entries_and_each_entrys_bytes(daemon: Callable[..., Daemon]) -> None:
+    """At most 64 attrs, each key and value together at most 4096 bytes: exactly at the
+    bounds is stored, one past either is refused typed and nothing is stored."""
+    d = daemon()
+    x = [torch.ones(4)]
+    with Client(d.address) as c:
+        c.park("edge", x, attrs={"k" * 100: "v" * 3996, **{f"a{i}": "" for i in range(63)}})
+        assert len(c.info("edge").attrs["k" * 100]) == 3996
+        for attrs in ({"k" * 100: "v" * 3997}, {"k" * 96: "v" * 4001}, {f"a{i}": "" for i in range(65)}):
+            with pytest.raises(InvalidArgument, match="attrs: at most 64 entries of at most 4096 bytes each"):
+                c.park("x", x, attrs=attrs)
+            assert c.present(["x"]) == [False]
