@@ -244,3 +244,29 @@ def test_the_index_invariants_catch_expiry_candidates_out_of_step(tmp_path: Path
         eng.check_invariants()
     finally:
         eng.close(flush=False)
+
+
+def test_a_small_restore_from_disk_is_answered_inline_without_a_promotion(daemon: Callable[..., Daemon]) -> None:
+    """An Acquire asking for a memory tier, of a payload of at most its ``inline_max``
+    (here exactly that), is answered inline: with ``promote_on_restore`` off, the sequence
+    stays where it was (disk) and is not staged on host for the answer. One byte more
+    needs the tier, and is staged there."""
+    import grpc
+
+    from kvpark.proto.v1 import kvpark_pb2 as pb
+
+    d = daemon(**{"tiers.host.capacity": "8MiB", "policy.promote_on_restore": False})
+    with Client(d.address, transport="inline") as c, grpc.insecure_channel(d.address) as ch:
+        acquire = ch.unary_unary("/kvpark.v1.KVPark/Acquire", request_serializer=pb.AcquireRequest.SerializeToString,
+                                 response_deserializer=pb.AcquireResponse.FromString)
+        for sid, n in (("at", 64 << 10), ("past", (64 << 10) + 1)):
+            c.park(sid, [_blob(8, n)])
+            _to_disk(c, sid)
+            r = acquire(pb.AcquireRequest(seq_ids=[sid], tier="host", inline_max=64 << 10), timeout=30)
+            if r.lease_id:
+                c.rpc.call(c.rpc.release, pb.ReleaseRequest(lease_id=r.lease_id))
+            if sid == "at":
+                assert r.inlined and bytes(r.data) == _blob(8, n).numpy().tobytes()
+                assert c.info(sid).tier == "disk"
+            else:
+                assert not r.inlined and c.info(sid).tier == "host"
