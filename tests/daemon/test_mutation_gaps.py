@@ -270,3 +270,23 @@ def test_a_small_restore_from_disk_is_answered_inline_without_a_promotion(daemon
                 assert c.info(sid).tier == "disk"
             else:
                 assert not r.inlined and c.info(sid).tier == "host"
+
+
+def test_the_invariants_hold_write_through_to_every_sequence_on_disk(tmp_path: Path) -> None:
+    """Under write_through, with no disk eviction yet, ``check_invariants`` fails for an
+    acknowledged sequence the index does not hold on disk."""
+    eng = Engine(make_config(tmp_path, **{"policy.write": "write_through"}))
+    try:
+        data = _blob(6, 4096)
+        r = eng.reserve(_spec(_header("wt", [data])), inline=True)
+        eng.write_chunk(r.lease_id, 0, memoryview(data.numpy()))
+        eng.commit(r.lease_id, expect_nbytes=4096)
+        eng.check_invariants()
+        with eng.catalog.lock:  # the disk copy lost behind the index's back, and the index told
+            seq = eng.catalog.get("wt")
+            eng.disk.delete(seq.manifest, sync=True)
+            seq.on_disk = False
+        with pytest.raises(AssertionError, match="wt: acknowledged under write_through, not on disk"):
+            eng.check_invariants()
+    finally:
+        eng.close(flush=False)
