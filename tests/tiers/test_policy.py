@@ -103,3 +103,12 @@ def test_arc_with_even_ghost_hits_splits_evenly() -> None:
 
     assert policy.demotion_order("arc", cands(3, 2))[0].startswith("r")
     assert policy.demotion_order("arc", cands(2, 3))[0].startswith("f")
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_policy_orders_a_tier_of_thousands_whole(name: str) -> None:
+    """A real tier holds thousands of sequences: every policy orders each candidate exactly
+    once, however many there are (ARC's two lists each longer than 256 included)."""
+    cands = population(11, 1500)
+    order = policy.demotion_order(name, cands)
+    assert sorted(order) == sorted(m.seq_id for m in cands)
