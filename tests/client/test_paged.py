@@ -173,3 +173,16 @@ def test_a_request_with_no_tokens_yet_parks_and_restores_as_nothing(daemon: Call
         with pytest.raises(InvalidArgument, match="num_tokens must be >= 0"):
             paged.park_blocks(c, "neg", src, [0], num_tokens=-1)
     assert all(torch.equal(a, b) for a, b in zip(before, dst))
+
+
+def test_a_prefix_of_one_block_is_a_hit(daemon: Callable[..., Daemon]) -> None:
+    """The smallest hit, one block, restores (bit-exact) like any other; no match is 0."""
+    d = daemon()
+    kv, fresh = pool(seed=3), pool(seed=4)
+    tokens = list(range(500, 500 + BS + 5))  # one full block and 5 tokens
+    with Client(d.address) as c:
+        paged.park_blocks(c, "one", kv, [7, 8], num_tokens=len(tokens), tokens=tokens)
+        assert paged.lookup(c, kv, tokens) == BS
+        assert paged.restore_prefix(c, fresh, tokens, [20, 21]) == BS
+        assert all(torch.equal(f[:, 20], k[:, 7]) for f, k in zip(fresh, kv))
+        assert paged.restore_prefix(c, fresh, [1] * (2 * BS), [30, 31]) == 0
