@@ -93,7 +93,7 @@ SUBSET = [
     # and the scope of a delete's refused undos (daemon/deletes.py): survivors of the
     # 2026-12-03 sample these files kill.
     "tests/daemon/test_dirty_bounds.py", "tests/daemon/test_queued_delete_counts.py", "tests/daemon/test_revert_scope.py",
-    "tests/daemon/test_queued_delete_key_counts.py",
+    "tests/daemon/test_queued_delete_key_counts.py", "tests/daemon/test_pending_counts.py",
 ]
 def _spawning() -> list[str]:
     """The subset's test files that start child processes (daemons, clients) and may kill
