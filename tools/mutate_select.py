@@ -94,6 +94,7 @@ SUBSET = [
     # 2026-12-03 sample these files kill.
     "tests/daemon/test_dirty_bounds.py", "tests/daemon/test_queued_delete_counts.py", "tests/daemon/test_revert_scope.py",
     "tests/daemon/test_queued_delete_key_counts.py", "tests/daemon/test_pending_counts.py",
+    "tests/daemon/test_busy_delete_counts.py",
 ]
 def _spawning() -> list[str]:
     """The subset's test files that start child processes (daemons, clients) and may kill
