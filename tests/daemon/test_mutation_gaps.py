@@ -290,3 +290,24 @@ def test_the_invariants_hold_write_through_to_every_sequence_on_disk(tmp_path: P
             eng.check_invariants()
     finally:
         eng.close(flush=False)
+
+
+def test_a_windowed_park_with_no_room_for_its_windows_leaves_nothing_staged(
+        daemon: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A park larger than the host tier goes through windows staged on disk. When the host
+    tier has no room even for the windows (every slot held by pinned sequences), the park
+    is refused typed, and what it began staging on disk is aborted: nothing stays charged."""
+    from kvpark.client import ResourceExhausted
+    from kvpark.daemon import window
+
+    monkeypatch.setattr(window, "ROOM_WAIT_S", 0.5)
+    d = daemon(**{"tiers.host.capacity": "8MiB", "tiers.disk.capacity": "64MiB"})
+    assert d.engine is not None
+    with Client(d.address, transport="inline") as c:
+        for i in range(8):
+            c.park(f"pin{i}", [_blob(i, MiB)], pinned=True)
+        with pytest.raises(ResourceExhausted, match="window"):
+            c.park("big", [_blob(9, 20 * MiB)])
+        assert d.engine.disk.staged == 0
+        assert c.present(["big"]) == [False]
+    d.engine.check_invariants()
