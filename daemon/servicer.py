@@ -123,9 +123,6 @@ def _segments(segs: Sequence[tuple[int, int]]) -> list[pb.Segment]:
 FEATURES = ("packed",)
 _TRANSPORT = {"host": "shm", "device": "cuda_ipc"}  # the tier of a reservation or lease -> its data path
 _MAX_PENDING = 100_000  # reservations timed at once; beyond it the oldest (expired, surely) are forgotten
-
-
-
 PARK_END_GRACE_S = 0.5  # how long a park stream that ended with no commit waits to learn whether its client left
 
 
@@ -140,6 +137,7 @@ def _await_termination(context: grpc.ServicerContext, timeout: float) -> None:
     done = threading.Event()
     if timeout > 0 and context.add_callback(done.set):
         done.wait(timeout)
+
 
 class Servicer:
     def __init__(self, engine: Engine, config: ServerConfig, hostname: str, boot_id: str,
