@@ -49,8 +49,10 @@ def tmpfs(tmp_path: Path) -> Iterator[Callable[[int], Path]]:
 def serve(tmp_path: Path, *sets: str, timeout: float = 60.0) -> subprocess.CompletedProcess:
     """Run ``kvpark serve`` expecting it to refuse to start (it would otherwise block)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK")}
+    # No metrics endpoint: its default port is fixed, and another daemon on this machine may
+    # hold it, which would refuse the start before the check under test.
     args = [sys.executable, "-m", "kvpark.daemon.cli", "serve", "--listen", "127.0.0.1:0",
-            "--data-dir", str(tmp_path / "disk")]
+            "--data-dir", str(tmp_path / "disk"), "--set", "metrics.listen="]
     for s in sets:
         args += ["--set", s]
     return subprocess.run(args, capture_output=True, text=True, env=env, timeout=timeout)
