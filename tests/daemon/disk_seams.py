@@ -14,6 +14,10 @@ Primitives:
   just after its transaction committed; ``HeldBeforeAndAfter``: both holds on one store.
 - ``crash_image(disk, dst)``: a consistent copy of LMDB now (what a SIGKILL would leave).
 - ``waiting_in(function, module)``: a thread is blocked in a wait inside that function.
+- ``FailingDeletes``: deletes and unpublishes of one id ("x") that fail on demand:
+  ``fail_deletes`` (generations whose block deletes abort their transaction),
+  ``fail_unpublish`` (generations whose unpublish fails), ``unpublish_budget`` (after that
+  many unpublishes, every further one fails); ``unpublished`` lists the generations tried.
 - ``park_filled(engine, seq_id, v, nbytes, overwrite=False)``: park ``nbytes`` bytes of
   value ``v`` through an engine whose maintenance is not started (the test runs it).
 """
@@ -25,6 +29,7 @@ import sys
 import threading
 from typing import Sequence
 
+import lmdb
 import torch
 
 from kvpark.client.client import _header
@@ -130,3 +135,30 @@ def park_filled(engine: Engine, seq_id: str, v: int, nbytes: int, overwrite: boo
     r = engine.reserve(_spec(h), inline=True)
     engine.write_chunk(r.lease_id, 0, memoryview(data.numpy()))
     engine.commit(r.lease_id, expect_nbytes=nbytes)
+
+
+class FailingDeletes(DiskStore):
+    """Deletes and unpublishes of ``target`` ("x") that fail as a disk error would, on
+    demand (see the module docstring); everything else runs as shipped."""
+
+    target = "x"
+
+    def __init__(self, *args: object, **kw: object) -> None:
+        super().__init__(*args, **kw)  # type: ignore[arg-type]
+        self.fail_deletes: set[int] = set()
+        self.fail_unpublish: set[int] = set()
+        self.unpublish_budget: int | None = None
+        self.unpublished: list[int] = []
+
+    def _delete_blocks(self, txn: lmdb.Transaction, m: Manifest) -> None:
+        if m.seq_id == self.target and m.gen in self.fail_deletes:
+            raise lmdb.Error("injected: EIO")
+        super()._delete_blocks(txn, m)
+
+    def unpublish(self, m: Manifest, sync: bool = False) -> None:
+        if m.seq_id == self.target:
+            self.unpublished.append(m.gen)
+            over = self.unpublish_budget is not None and len(self.unpublished) > self.unpublish_budget
+            if m.gen in self.fail_unpublish or over:
+                raise self._write_error(lmdb.Error("injected: EIO"))
+        super().unpublish(m, sync=sync)

@@ -11,7 +11,7 @@ one, and "x" no longer counted at all).
 A real engine with real LMDB in a temp dir. Its maintenance thread is not started: the
 test runs the passes itself (flushes, the retry), so no retry re-queues everything
 between the takeover and the drop (a retry counts the queue afresh, and would hide the
-planted bug by chance). Faults come from a ``DiskStore`` subclass: deletes of chosen
+planted bug by chance). Faults come from ``disk_seams.FailingDeletes``: deletes of chosen
 generations of "x" fail as a disk error would (inside the transaction), and so do
 unpublishes of a chosen generation of "x".
 """
@@ -20,42 +20,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import lmdb
-
 from kvpark.daemon.disk_evict import disk_drop
 from kvpark.daemon.engine import Engine
 from kvpark.proto.errors import Unavailable
-from kvpark.tiers.disk import DiskStore, Manifest
 
 from ..conftest import make_config
-from .disk_seams import crash_image, park_filled
+from .disk_seams import FailingDeletes, crash_image, park_filled
 
 MiB = 1 << 20
 OVER = {"policy.write": "write_back", "policy.flush_on_shutdown": "false"}
-
-
-class Faults(DiskStore):
-    """``fail_deletes``: generations of "x" whose block deletes fail (the whole delete
-    transaction aborts: nothing of it lands). ``fail_unpublish``: generations of "x"
-    whose manifest unpublish fails. Per store, set by the test."""
-
-    def __init__(self, *args: object, **kw: object) -> None:
-        super().__init__(*args, **kw)  # type: ignore[arg-type]
-        self.fail_deletes: set[int] = set()
-        self.fail_unpublish: set[int] = set()
-        self.unpublished: list[int] = []  # generations of "x" an unpublish was tried for
-
-    def _delete_blocks(self, txn: lmdb.Transaction, m: Manifest) -> None:
-        if m.seq_id == "x" and m.gen in self.fail_deletes:
-            raise lmdb.Error("injected: EIO")
-        super()._delete_blocks(txn, m)
-
-    def unpublish(self, m: Manifest, sync: bool = False) -> None:
-        if m.seq_id == "x":
-            self.unpublished.append(m.gen)
-            if m.gen in self.fail_unpublish:
-                raise self._write_error(lmdb.Error("injected: EIO"))
-        super().unpublish(m, sync=sync)
 
 
 def test_a_takeover_of_one_queued_delete_leaves_the_ids_other_queued_delete_to_the_drops_settle(
@@ -67,9 +40,9 @@ def test_a_takeover_of_one_queued_delete_leaves_the_ids_other_queued_delete_to_t
     delete v1's manifest before it answers, and, that unpublish failing, answer
     UNAVAILABLE, not that x is gone. Once the disk works the drop is answered, and x
     stays gone, after a crash too."""
-    eng = Engine(make_config(tmp_path, **OVER), disk_factory=Faults)
+    eng = Engine(make_config(tmp_path, **OVER), disk_factory=FailingDeletes)
     disk = eng.disk
-    assert isinstance(disk, Faults)
+    assert isinstance(disk, FailingDeletes)
     try:
         park_filled(eng, "x", 1, MiB)
         assert eng.flush() == 1

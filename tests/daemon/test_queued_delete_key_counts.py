@@ -16,41 +16,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-import lmdb
-
 from kvpark.daemon import reads
 from kvpark.daemon.disk_evict import disk_to_remote
 from kvpark.daemon.engine import Engine
 from kvpark.proto.errors import Unavailable
-from kvpark.tiers.disk import DiskStore, Manifest
 
 from ..conftest import make_config
-from .disk_seams import park_filled
+from .disk_seams import FailingDeletes, park_filled
 
 MiB = 1 << 20
-
-
-class Faults(DiskStore):
-    """Deletes of generations of "x" in ``fail_deletes`` fail (the transaction aborts);
-    after ``unpublish_budget`` unpublishes of "x", further ones fail."""
-
-    def __init__(self, *args: object, **kw: object) -> None:
-        super().__init__(*args, **kw)  # type: ignore[arg-type]
-        self.fail_deletes: set[int] = set()
-        self.unpublish_budget: int | None = None
-        self.unpublished: list[int] = []
-
-    def _delete_blocks(self, txn: lmdb.Transaction, m: Manifest) -> None:
-        if m.seq_id == "x" and m.gen in self.fail_deletes:
-            raise lmdb.Error("injected: EIO")
-        super()._delete_blocks(txn, m)
-
-    def unpublish(self, m: Manifest, sync: bool = False) -> None:
-        if m.seq_id == "x":
-            self.unpublished.append(m.gen)
-            if self.unpublish_budget is not None and len(self.unpublished) > self.unpublish_budget:
-                raise self._write_error(lmdb.Error("injected: EIO"))
-        super().unpublish(m, sync=sync)
 
 
 def _until(cond: Any, timeout: float = 30.0) -> None:
@@ -66,9 +40,9 @@ def test_a_takeover_by_the_twin_leaves_the_retired_versions_queued_delete_counte
         "policy.write": "write_through", "policy.promote_on_restore": "false",
         "tiers.remote.url": redis_server.url, "tiers.remote.namespace": "keycount",
         "tiers.remote.write": "write_through", "tiers.remote.timeout_s": 1.0})
-    eng = Engine(cfg, disk_factory=Faults)
+    eng = Engine(cfg, disk_factory=FailingDeletes)
     disk = eng.disk
-    assert isinstance(disk, Faults) and eng.remote is not None
+    assert isinstance(disk, FailingDeletes) and eng.remote is not None
     try:
         eng.remote.probe()
         park_filled(eng, "x", 1, MiB)
