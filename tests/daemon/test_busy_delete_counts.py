@@ -12,9 +12,7 @@ dropped the key). An unstarted engine: the test runs the passes itself."""
 from __future__ import annotations
 
 import threading
-import time
 from pathlib import Path
-from typing import Any
 
 import lmdb
 import pytest
@@ -24,7 +22,7 @@ from kvpark.daemon.engine import Engine
 from kvpark.proto.errors import Unavailable
 from kvpark.tiers.disk import DiskStore, Manifest
 
-from ..conftest import make_config
+from ..conftest import make_config, wait_until
 from .disk_seams import park_filled, waiting_in
 
 MiB = 1 << 20
@@ -74,12 +72,6 @@ class Gates(DiskStore):
             db = self.env.open_db(b"manifests", txn=txn, create=False)
             return {bytes(k).decode(): Manifest.decode(v).gen for k, v in txn.cursor(db=db)}
 
-
-def _until(cond: Any, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.02)
 
 
 def test_absence_waits_for_a_retry_under_way_after_a_failed_settle_of_the_same_generation(
@@ -148,7 +140,7 @@ def test_absence_waits_for_a_retry_under_way_after_a_failed_settle_of_the_same_g
         out_b: list[object] = []
         threads.append(threading.Thread(target=lambda: out_b.append(eng.present(["x"])), daemon=True))
         threads[-1].start()
-        _until(lambda: waiting_in("settle", "deletes.py") or bool(out_b))
+        assert wait_until(lambda: waiting_in("settle", "deletes.py") or bool(out_b), timeout=30)
         disk.delete_gate.set()
         threads[1].join(30)
         threads[2].join(30)

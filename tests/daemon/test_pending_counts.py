@@ -11,7 +11,6 @@ left at 1) let the later create go ahead: both creates were acknowledged as new.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Callable
 
 import pytest
@@ -21,6 +20,7 @@ from kvpark.client import AlreadyExists, Client
 from kvpark.daemon.server import Daemon
 from kvpark.tiers.disk import DiskStore, Manifest
 
+from ..conftest import wait_until
 from .disk_seams import waiting_in
 
 SMALL = {"tiers.host.capacity": "4MiB"}
@@ -86,9 +86,7 @@ def test_create_after_drop_waits_for_a_windowed_create_an_overwrite_also_held(
         assert eng.drop("x")
         tc = threading.Thread(target=park, args=("C", 4096, 3))
         tc.start()
-        deadline = time.monotonic() + 30
-        while "C" not in out and not waiting_in("wait", "commit.py") and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: "C" in out or waiting_in("wait", "commit.py"), timeout=30)  # either is the finding
         c_early = out.get("C", "waiting")
         held.gate.set()
         tw.join(60)

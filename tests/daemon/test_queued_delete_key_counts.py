@@ -12,7 +12,6 @@ counts the queue afresh and would hide the bug by chance)."""
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,17 +20,11 @@ from kvpark.daemon.disk_evict import disk_to_remote
 from kvpark.daemon.engine import Engine
 from kvpark.proto.errors import Unavailable
 
-from ..conftest import make_config
+from ..conftest import make_config, wait_until
 from .disk_seams import FailingDeletes, park_filled
 
 MiB = 1 << 20
 
-
-def _until(cond: Any, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.02)
 
 
 def test_a_takeover_by_the_twin_leaves_the_retired_versions_queued_delete_counted(
@@ -48,7 +41,7 @@ def test_a_takeover_by_the_twin_leaves_the_retired_versions_queued_delete_counte
         park_filled(eng, "x", 1, MiB)
         s1 = eng.catalog.find("x")
         assert s1 is not None and s1.on_disk
-        _until(lambda: eng.remote.stat(0).pending_writes == 0 and s1.on_remote)
+        assert wait_until(lambda: eng.remote.stat(0).pending_writes == 0 and s1.on_remote, timeout=30)
         g = s1.gen
 
         # x dropped here only (Redis keeps it); its disk delete fails: queued (x, g).
