@@ -40,6 +40,8 @@ from kvpark.tiers.policy import POLICIES
 from kvpark.tiers.remote import RemoteOptions
 from kvpark.tiers.shm import free_bytes
 
+from .sockets import unix_path
+
 log = logging.getLogger("kvpark.config")
 
 _UNITS = {
@@ -512,6 +514,7 @@ def _resolve(cfg: Config) -> Config:
     if not (4 << 10) <= cfg.server.chunk_size <= (16 << 20):
         raise ConfigError(f"server.chunk_size: must be between 4KiB and 16MiB, got {cfg.server.chunk_size}")
     srv = cfg.server
+    _check_unix_listens(srv)
     if bool(srv.tls_cert) != bool(srv.tls_key):
         raise ConfigError("server.tls_cert and server.tls_key: set both (TLS) or neither")
     if srv.tls_client_ca and not srv.tls_cert:
@@ -519,6 +522,21 @@ def _resolve(cfg: Config) -> Config:
     _check_remote(cfg.tiers.remote)
     return dataclasses.replace(cfg, tiers=TiersConfig(device=dev, host=host, private=private, disk=disk,
                                                       remote=cfg.tiers.remote))
+
+
+def _check_unix_listens(srv: ServerConfig) -> None:
+    """A unix address must name the file gRPC binds (the daemon claims that file first),
+    and the data channel may not share gRPC's."""
+    paths = {}
+    for key, listen in (("server.listen", srv.listen), ("server.data_channel_listen", srv.data_channel_listen)):
+        if listen.startswith("unix:"):
+            try:
+                paths[key] = os.path.abspath(unix_path(listen))
+            except ValueError as e:
+                raise ConfigError(f"{key}: {e}") from None
+    if len(paths) == 2 and len(set(paths.values())) == 1:
+        raise ConfigError("server.data_channel_listen: the same unix path as server.listen; leave it \"\" "
+                          "(<path>.data) or name another")
 
 
 def _private(cfg: Config, host: HostTierConfig) -> PrivateTierConfig:

@@ -53,8 +53,9 @@ Primitives:
   expired). What a commit requires is kept on the lease (``LeaseTable.require_all``),
   never here: this table forgets expired tokens, and frames keep a lease alive past its
   token.
-- ``DataChannelServer(engine, listen, ssl_context=None)``: ``start()`` binds (port 0
-  picks one; ``address`` is then what ``Hello`` advertises), ``stop()``,
+- ``DataChannelServer(engine, listen, ssl_context=None, claim=None)``: ``start()`` binds
+  (port 0 picks one; a unix path is claimed first unless ``claim`` holds it already;
+  ``address`` is then what ``Hello`` advertises), ``stop()``,
   ``connections`` (open ones), ``transfers`` (completed ones).
 - ``listen_address(grpc_listen, configured) -> str``: where the channel binds by default;
   ``server_ssl_context(ServerConfig) -> SSLContext | None``.
@@ -79,6 +80,7 @@ from kvpark.proto.errors import InvalidArgument, KVParkError, LeaseExpired, Unau
 from .config import ServerConfig
 from .engine import Engine
 from .model import ReadHandle
+from .sockets import UnixClaim, claim_unix_path
 
 log = logging.getLogger("kvpark.datachannel")
 
@@ -168,8 +170,12 @@ def listen_address(grpc_listen: str, configured: str) -> str:
 
 
 class DataChannelServer:
-    def __init__(self, engine: Engine, listen: str, ssl_context: ssl.SSLContext | None = None) -> None:
+    def __init__(self, engine: Engine, listen: str, ssl_context: ssl.SSLContext | None = None,
+                 claim: UnixClaim | None = None) -> None:
         self.engine = engine
+        # A unix path is claimed for the server's life: by the caller (the daemon claims
+        # every path before it binds any), else by start().
+        self._claim = claim
         self.listen = listen
         self.ssl_context = ssl_context
         self.tickets = Tickets(engine.config.leases.ttl_s)
@@ -197,12 +203,14 @@ class DataChannelServer:
     def start(self) -> "DataChannelServer":
         family, addr = parse_address(self.listen)
         sock = socket.socket(family, socket.SOCK_STREAM)
+        own: UnixClaim | None = None
         try:
             if family == socket.AF_UNIX:
                 assert isinstance(addr, str)
                 addr = os.path.abspath(addr)  # Hello advertises it: clients run elsewhere
-                if os.path.exists(addr):
-                    os.unlink(addr)  # a stale socket of a daemon that died; the gRPC bind already owns the name
+                if self._claim is None:
+                    self._claim = claim_unix_path(addr)  # never another's live socket, nor a file not ours
+                    own = self._claim
                 old = os.umask(0o177)  # the socket file is the daemon user's only, like the arena
                 try:
                     sock.bind(addr)
@@ -219,7 +227,10 @@ class DataChannelServer:
             sock.settimeout(HANDSHAKE_S / 5)
         except OSError as e:
             sock.close()
-            raise OSError(f"data channel cannot listen on {self.listen}: {e}") from None
+            if own is not None:
+                own.release()
+                self._claim = None
+            raise OSError(f"data channel cannot listen on {self.listen}: {e.strerror or e}") from None
         self._sock = sock
         self._acceptor = threading.Thread(target=self._accept_loop, name="kvpark-dc-accept", daemon=True)
         self._acceptor.start()
@@ -249,6 +260,8 @@ class DataChannelServer:
                 os.unlink(self._unix_path)
             except OSError:
                 pass
+        if self._claim is not None:
+            self._claim.release()  # after the unlink: the next owner's socket is never ours to remove
 
     def _accept_loop(self) -> None:
         assert self._sock is not None

@@ -47,6 +47,7 @@ from .engine import DiskFactory, Engine
 from .metrics import Metrics, MetricsServer
 from .model import MAX_PARTS
 from .servicer import SERVICE, handlers
+from .sockets import UnixClaim, claim_unix_path, unix_path
 from .tenants import Tenants
 
 log = logging.getLogger("kvpark")
@@ -94,10 +95,29 @@ def _probe(listen: str) -> None:
                 raise StartupError(_cannot_listen(listen, e.strerror or str(e))) from None
 
 
+def _claim(key: str, listen: str) -> UnixClaim:
+    try:
+        return claim_unix_path(unix_path(listen))
+    except (OSError, ValueError) as e:
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+        raise StartupError(f"{key} = {listen}: cannot listen there ({why})") from None
+
+
+def _release(server: grpc.Server) -> None:
+    """Close a server's listeners after a failed start. ``stop`` alone does nothing to a
+    server that never started: its ports would stay bound (and accepting) for the life of
+    the process, holding the address against the next start."""
+    try:
+        server.start()
+    except Exception:  # nothing bound, or already started: stop is enough
+        pass
+    server.stop(None).wait(HANDLER_WAIT_S)
+
+
 def _restrict_socket(listen: str, group: str) -> None:
     """Exactly 0600 (owner only), or 0660 with ``group``, before the server starts serving.
     A unix socket's mode is what guards connect()."""
-    path = listen[len("unix://"):] if listen.startswith("unix://") else listen[len("unix:"):]
+    path = unix_path(listen)
     if not os.path.exists(path):
         return  # an abstract socket (unix-abstract:) has no file; nothing to guard
     if group:
@@ -120,12 +140,15 @@ class Daemon:
         self._metrics_server: MetricsServer | None = None
         self.metrics_address = ""
         self.datachannel: DataChannelServer | None = None
+        self._claims: list[UnixClaim] = []
 
     def start(self) -> "Daemon":
         self.metrics = Metrics()
         metrics_server = MetricsServer(self.metrics, self.config.metrics.listen, self.config.metrics.token_sha256)
         engine: Engine | None = None
         datachannel: DataChannelServer | None = None
+        claims: list[UnixClaim] = []
+        dc_claim: UnixClaim | None = None
         check_exposure(self.config.server, self.config.tenants, self.config.metrics)
         creds = server_credentials(self.config.server)
         auth = [AuthInterceptor(self.config.tenants, self.metrics)] if self.config.tenants else None
@@ -140,11 +163,20 @@ class Daemon:
             # The ports first: a busy one is reported at once, before the arena (GBs)
             # is reserved and mapped. Handlers may be added until the server starts.
             listen = self.config.server.listen
+            # gRPC would unlink a live daemon's socket to bind its path: each unix path
+            # (gRPC's, the data channel's) is claimed first, and held until stop().
+            dc_listen = listen_address(listen, self.config.server.data_channel_listen) \
+                if self.config.server.data_channel else ""
+            if listen.startswith("unix:"):
+                claims.append(_claim("server.listen", listen))
+            else:
+                _probe(listen)
+            if dc_listen.startswith("unix:"):
+                dc_claim = _claim("server.data_channel_listen", dc_listen)
+                claims.append(dc_claim)
             # A unix socket is created owner-only (umask 177): no moment exists in which
             # another user could connect. (The umask is the process's; it only narrows.)
             old_umask = os.umask(0o177) if listen.startswith("unix:") else None
-            if not listen.startswith("unix:"):
-                _probe(listen)
             try:
                 port = server.add_insecure_port(listen) if creds is None else server.add_secure_port(listen, creds)
             except RuntimeError:
@@ -175,8 +207,7 @@ class Daemon:
                 # TLS exactly when gRPC has it (the same certificate, and client
                 # certificates required when gRPC requires them).
                 datachannel = DataChannelServer(
-                    engine, listen_address(listen, self.config.server.data_channel_listen),
-                    ssl_context=server_ssl_context(self.config.server)).start()
+                    engine, dc_listen, ssl_context=server_ssl_context(self.config.server), claim=dc_claim).start()
                 if datachannel.address.startswith("unix:"):
                     _restrict_socket(datachannel.address, self.config.server.socket_group)  # as the gRPC socket
             rpc = handlers(engine, self.config.server, socket.gethostname(), boot_id(), self.metrics,
@@ -191,13 +222,16 @@ class Daemon:
             server.start()
             self._log_effective(time.perf_counter() - t0)
         except BaseException:
-            server.stop(None)
+            _release(server)
             if datachannel is not None:
                 datachannel.stop()
             metrics_server.stop()
             if engine is not None:
                 engine.close(flush=False)
+            for claim in claims:
+                claim.release()
             raise
+        self._claims = claims
         self.engine, self._server, self.datachannel = engine, server, datachannel
         self._metrics_server, self.metrics_address = metrics_server, metrics_server.address
         self._health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -238,6 +272,9 @@ class Daemon:
             self.datachannel.stop()  # after gRPC: no token is issued any more
             self.datachannel = None
         self.engine.close()
+        for claim in self._claims:  # the sockets are closed: the paths may go to another daemon
+            claim.release()
+        self._claims = []
         if self._metrics_server is not None:
             self._metrics_server.stop()
             self._metrics_server = None
