@@ -119,3 +119,91 @@ def test_a_drop_of_another_id_leaves_a_refused_manifest_to_its_own_queued_undo(
         f"'m' v1 (generation {v1.gen}, acknowledged under write_through) lost: the manifest of 'm' in LMDB "
         f"after each drop is {after_drop} (the refused one is {refused}); after the undo {after_undo}; "
         f"invariants: {broken!r}; after a crash present(a, m, z) = {present}, 'm' restores {got}")
+
+
+def test_a_drop_of_the_same_id_takes_its_refused_manifest_with_it(
+        tmp_path: Path, daemon: Callable[..., Daemon]) -> None:
+    """The other half of the scope: write_through, "m" v1 acknowledged; an overwrite (v2)
+    refused with its undo queued, v2's manifest current in LMDB. A drop of "m" (v1, the
+    version the index holds) is acknowledged: v2's refused manifest goes with it before
+    the answer. Left there, the queued undo would find it current and put v1's back, and
+    the dropped "m" would be restored after a crash (or v2's refused bytes, had the crash
+    come first). Written for the mutant ``g != seq.gen`` -> ``g == seq.gen`` in
+    ``Deletes.delete``; it does not kill it: the drop's ``settle`` unpublishes the
+    refused manifest too (docs/testing.md)."""
+    eng = Engine(make_config(tmp_path, **WT), disk_factory=Faults)
+    disk = eng.disk
+    assert isinstance(disk, Faults)
+    try:
+        park_filled(eng, "m", 1, N)
+        v1 = eng.catalog.find("m")
+        assert v1 is not None and v1.on_disk and disk.current("m") == v1.gen
+        disk.fail_sync = disk.fail_undo = True
+        with pytest.raises(KVParkError):
+            park_filled(eng, "m", 2, N, overwrite=True)
+        assert not disk.fail_sync and not disk.fail_undo, "the refusal or its undo never ran"
+        assert eng.deletes.pending == 1
+        refused = disk.current("m")
+        assert refused is not None and refused != v1.gen
+
+        assert eng.drop("m")  # acknowledged
+        after_drop = disk.current("m")
+        eng.deletes.retry()  # the queued undo, the disk healthy
+        after_undo = disk.current("m")
+        image = crash_image(disk, str(tmp_path / "crash"))  # a SIGKILL now
+    finally:
+        eng.close(flush=False)
+
+    d = daemon(**{"tiers.disk.path": image, **WT})
+    with Client(d.address) as c:
+        present = c.present(["m"])
+    assert (after_drop, after_undo, present) == (None, None, [False]), (
+        f"'m' dropped (acknowledged) came back: its manifest in LMDB after the drop is generation {after_drop} "
+        f"(the refused one is {refused}, v1 {v1.gen}); after the undo {after_undo}; after a crash present = {present}")
+
+
+def test_a_disk_eviction_of_the_same_id_takes_its_refused_manifest_with_it(
+        tmp_path: Path, daemon: Callable[..., Daemon]) -> None:
+    """Where the scope of the same id is needed: write_through, no remote tier, "m" v1
+    acknowledged; an overwrite (v2) refused with its undo queued, v2's manifest current
+    in LMDB. The disk then evicts "m" (``disk_full = "evict"``): v1's records are
+    deleted, and v2's refused manifest must go with them: left there until the undo runs,
+    a crash in between shows "m" as v2, the write its client was told had failed. Both
+    crash points are checked. Killed: ``g != seq.gen`` made ``g == seq.gen`` in
+    ``Deletes.delete`` (found by mutation testing)."""
+    from kvpark.daemon.disk_evict import disk_drop
+
+    eng = Engine(make_config(tmp_path, **WT, **{"policy.disk_full": "evict"}), disk_factory=Faults)
+    disk = eng.disk
+    assert isinstance(disk, Faults)
+    try:
+        park_filled(eng, "m", 1, N)
+        v1 = eng.catalog.find("m")
+        assert v1 is not None and v1.on_disk and disk.current("m") == v1.gen
+        disk.fail_sync = disk.fail_undo = True
+        with pytest.raises(KVParkError):
+            park_filled(eng, "m", 2, N, overwrite=True)
+        assert not disk.fail_sync and not disk.fail_undo, "the refusal or its undo never ran"
+        assert eng.deletes.pending == 1
+        refused = disk.current("m")
+        assert refused is not None and refused != v1.gen
+
+        assert disk_drop(eng.mover, "m"), "the eviction did not take the disk copy"
+        after_evict = disk.current("m")
+        early = crash_image(disk, str(tmp_path / "crash-early"))  # a SIGKILL before the undo
+        eng.deletes.retry()  # the queued undo, the disk healthy
+        after_undo = disk.current("m")
+        image = crash_image(disk, str(tmp_path / "crash"))  # a SIGKILL now
+    finally:
+        eng.close(flush=False)
+
+    present = []
+    for path in (early, image):
+        d = daemon(**{"tiers.disk.path": path, **WT})
+        with Client(d.address) as c:
+            present += c.present(["m"])
+        d.stop()
+    assert (after_evict, after_undo, present) == (None, None, [False, False]), (
+        f"'m' evicted from disk: its manifest in LMDB after the eviction is generation {after_evict} (the refused "
+        f"one is {refused}, v1 {v1.gen}); after the undo {after_undo}; after a crash before and after the undo, "
+        f"present = {present}")
