@@ -534,9 +534,14 @@ def _check_unix_listens(srv: ServerConfig) -> None:
                 paths[key] = os.path.abspath(unix_path(listen))
             except ValueError as e:
                 raise ConfigError(f"{key}: {e}") from None
-    if len(paths) == 2 and len(set(paths.values())) == 1:
-        raise ConfigError("server.data_channel_listen: the same unix path as server.listen; leave it \"\" "
-                          "(<path>.data) or name another")
+    if len(paths) == 2:
+        grpc_path, dc_path = paths["server.listen"], paths["server.data_channel_listen"]
+        if grpc_path == dc_path:
+            raise ConfigError("server.data_channel_listen: the same unix path as server.listen; leave it \"\" "
+                              "(<path>.data) or name another")
+        if f"{grpc_path}.lock" == dc_path or f"{dc_path}.lock" == grpc_path:
+            raise ConfigError("server.data_channel_listen: one unix path is the other's lock file (<path>.lock); "
+                              "name another")
 
 
 def _private(cfg: Config, host: HostTierConfig) -> PrivateTierConfig:

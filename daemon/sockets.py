@@ -9,8 +9,8 @@ check (the claim is an ``flock`` on ``<path>.lock``; the file stays, as lock fil
 Primitives:
 - ``unix_path(listen)``: the file a ``unix:`` address names, read as gRPC reads it
   (``unix:rel``, ``unix:/abs``, ``unix:///abs``); ``ValueError`` for the forms gRPC reads
-  differently from a plain path (``unix://name`` names a host; ``%`` escapes), for ``//``
-  at the start, and for an empty path.
+  differently from a plain path (``unix://name`` names a host; ``%``, ``?``, ``#`` and
+  ``,`` mean something else in its URIs), for ``//`` at the start, and for an empty path.
 - ``claim_unix_path(path) -> UnixClaim``: returns once ``path`` is this process's to
   bind: its lock taken, and nothing there or a socket nobody answers on (a daemon that
   died; removed). Raises ``OSError`` with the reason in words: the path is longer than
@@ -47,8 +47,12 @@ def unix_path(listen: str) -> str:
         raise ValueError(f"{listen!r}: no path")
     if path.startswith("//"):
         raise ValueError(f"{listen!r}: a path that starts with // is read as a host name; use one /")
-    if "%" in path:
-        raise ValueError(f"{listen!r}: gRPC reads % as an escape; choose a path without it")
+    # gRPC's client reads the address as a URI: % escapes, ? and # end the path, and a
+    # comma separates addresses. The daemon would bind one file and its clients dial another.
+    odd = [c for c in "%?#," if c in path]
+    if odd:
+        raise ValueError(f"{listen!r}: gRPC clients read {odd[0]!r} in an address as something other than part "
+                         "of the path; choose a path without %, ?, # or ,")
     return path
 
 
@@ -71,12 +75,20 @@ def claim_unix_path(path: str) -> UnixClaim:
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise OSError(errno.ENOENT, f"directory {parent} does not exist")
-    fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    lock = f"{path}.lock"
     try:
+        # Never through a link (root would create its target, anywhere), and a plain file
+        # only; read access is all flock needs.
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, 0o600)
+    except OSError as e:
+        raise OSError(e.errno, f"cannot open its lock file {lock}: {e.strerror or e}") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EEXIST, f"its lock file {lock} is there and is not a plain file")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise OSError(errno.EADDRINUSE, f"another kvpark daemon holds {path} (its lock {path}.lock)") from None
+            raise OSError(errno.EADDRINUSE, f"another kvpark daemon holds {path} (its lock {lock})") from None
         _clear(path)
     except BaseException:
         os.close(fd)

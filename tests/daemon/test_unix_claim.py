@@ -108,7 +108,10 @@ def test_a_path_another_program_listens_on_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("listen, why", [
     ("unix://kv.sock", "names a host"),  # gRPC would bind /kv.sock, not ./kv.sock
-    ("unix:{d}/a%20b.sock", "escape"),  # gRPC would bind "a b.sock"
+    ("unix:{d}/a%20b.sock", "'%'"),  # gRPC would bind "a b.sock"
+    ("unix:{d}/q?x.sock", "'\\?'"),  # its clients would dial .../q
+    ("unix:{d}/h#x.sock", "'#'"),
+    ("unix:{d}/c,x.sock", "','"),  # two addresses to a gRPC client
     ("unix:", "no path"),
     ("unix:////{d}/kv.sock", "starts with //"),
 ])
@@ -120,12 +123,39 @@ def test_an_address_grpc_reads_as_another_file_is_refused(tmp_path: Path, listen
             make_config(tmp_path, **{key: listen.format(d=str(tmp_path).lstrip("/"))})
 
 
-def test_the_data_channel_may_not_share_grpcs_path(tmp_path: Path) -> None:
+def test_the_data_channel_may_not_share_grpcs_path_or_its_lock(tmp_path: Path) -> None:
     from kvpark.daemon.config import ConfigError
 
     with pytest.raises(ConfigError, match="server.data_channel_listen: the same unix path"):
         make_config(tmp_path, **{"server.listen": f"unix://{tmp_path}/kv.sock",
                                  "server.data_channel_listen": f"unix:{tmp_path}/kv.sock"})
+    for grpc_path, dc_path in (("x.lock", "x"), ("y", "y.lock")):
+        with pytest.raises(ConfigError, match="the other's lock file"):
+            make_config(tmp_path, **{"server.listen": f"unix:{tmp_path}/{grpc_path}",
+                                     "server.data_channel_listen": f"unix:{tmp_path}/{dc_path}"})
+
+
+@pytest.mark.parametrize("kind", ["dangling link", "link to a file", "directory", "fifo"])
+def test_a_lock_file_that_is_not_a_plain_file_is_refused_and_named(tmp_path: Path, kind: str) -> None:
+    # Never followed through a link: a root daemon would create (or lock) the target,
+    # wherever it points.
+    sock, lock, target = tmp_path / "kv.sock", tmp_path / "kv.sock.lock", tmp_path / "elsewhere"
+    if kind == "dangling link":
+        lock.symlink_to(target)
+    elif kind == "link to a file":
+        target.write_text("not ours")
+        lock.symlink_to(target)
+    elif kind == "directory":
+        lock.mkdir()
+    else:
+        os.mkfifo(lock)
+    with pytest.raises(StartupError, match=f"lock file {lock}"):
+        Daemon(make_config(tmp_path, **{"server.listen": f"unix://{sock}"})).start()
+    assert not sock.exists()
+    if kind == "dangling link":
+        assert not target.exists(), "the link's target was created"
+    if kind == "link to a file":
+        assert target.read_text() == "not ours"
 
 
 @pytest.mark.parametrize("unix", [True, False])
