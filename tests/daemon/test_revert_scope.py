@@ -66,6 +66,26 @@ class Faults(DiskStore):
         return None if m is None else m.gen
 
 
+def _refused_overwrite(eng: Engine) -> tuple[Faults, int, int]:
+    """"m" v1 acknowledged (on disk); an overwrite (v2) committed, its fsync failed
+    (refused) and its undo failed too: queued, v2's manifest current in LMDB. Returns
+    the disk, v1's generation and the refused one."""
+    disk = eng.disk
+    assert isinstance(disk, Faults)
+    park_filled(eng, "m", 1, N)
+    seq = eng.catalog.find("m")
+    assert seq is not None and seq.on_disk and disk.current("m") == seq.gen
+    v1 = seq.gen
+    disk.fail_sync = disk.fail_undo = True
+    with pytest.raises(KVParkError):
+        park_filled(eng, "m", 2, N, overwrite=True)  # refused; its undo failed and is queued
+    assert not disk.fail_sync and not disk.fail_undo, "the refusal or its undo never ran"
+    assert eng.deletes.pending == 1
+    refused = disk.current("m")
+    assert refused is not None and refused != v1, "the refused write's manifest is not the current one"
+    return disk, v1, refused
+
+
 def test_a_drop_of_another_id_leaves_a_refused_manifest_to_its_own_queued_undo(
         tmp_path: Path, daemon: Callable[..., Daemon]) -> None:
     """write_through. "m" v1 is acknowledged (on disk). An overwrite of "m" (v2) commits
@@ -76,20 +96,8 @@ def test_a_drop_of_another_id_leaves_a_refused_manifest_to_its_own_queued_undo(
     and "z" are gone. (Were it unpublished, the undo would put nothing back: "m" indexed
     on disk with no manifest in LMDB, and gone at the next start.)"""
     eng = Engine(make_config(tmp_path, **WT), disk_factory=Faults)
-    disk = eng.disk
-    assert isinstance(disk, Faults)
     try:
-        park_filled(eng, "m", 1, N)
-        v1 = eng.catalog.find("m")
-        assert v1 is not None and v1.on_disk and disk.current("m") == v1.gen
-
-        disk.fail_sync = disk.fail_undo = True
-        with pytest.raises(KVParkError):
-            park_filled(eng, "m", 2, N, overwrite=True)  # refused; its undo failed and is queued
-        assert not disk.fail_sync and not disk.fail_undo, "the refusal or its undo never ran"
-        assert eng.deletes.pending == 1
-        refused = disk.current("m")
-        assert refused is not None and refused != v1.gen, "the refused write's manifest is not the current one"
+        disk, v1, refused = _refused_overwrite(eng)
 
         after_drop: dict[str, int | None] = {}
         for other, v in (("a", 3), ("z", 4)):
@@ -115,8 +123,8 @@ def test_a_drop_of_another_id_leaves_a_refused_manifest_to_its_own_queued_undo(
         present = c.present(["a", "m", "z"])
         got = [int(t[0]) for t in c.restore("m")] if present[1] else None
     seen = (after_drop, after_undo, broken, present, got)
-    assert seen == ({"a": refused, "z": refused}, v1.gen, "", [False, True, False], [1]), (
-        f"'m' v1 (generation {v1.gen}, acknowledged under write_through) lost: the manifest of 'm' in LMDB "
+    assert seen == ({"a": refused, "z": refused}, v1, "", [False, True, False], [1]), (
+        f"'m' v1 (generation {v1}, acknowledged under write_through) lost: the manifest of 'm' in LMDB "
         f"after each drop is {after_drop} (the refused one is {refused}); after the undo {after_undo}; "
         f"invariants: {broken!r}; after a crash present(a, m, z) = {present}, 'm' restores {got}")
 
@@ -132,19 +140,8 @@ def test_a_drop_of_the_same_id_takes_its_refused_manifest_with_it(
     ``Deletes.delete``; it does not kill it: the drop's ``settle`` unpublishes the
     refused manifest too (docs/testing.md)."""
     eng = Engine(make_config(tmp_path, **WT), disk_factory=Faults)
-    disk = eng.disk
-    assert isinstance(disk, Faults)
     try:
-        park_filled(eng, "m", 1, N)
-        v1 = eng.catalog.find("m")
-        assert v1 is not None and v1.on_disk and disk.current("m") == v1.gen
-        disk.fail_sync = disk.fail_undo = True
-        with pytest.raises(KVParkError):
-            park_filled(eng, "m", 2, N, overwrite=True)
-        assert not disk.fail_sync and not disk.fail_undo, "the refusal or its undo never ran"
-        assert eng.deletes.pending == 1
-        refused = disk.current("m")
-        assert refused is not None and refused != v1.gen
+        disk, v1, refused = _refused_overwrite(eng)
 
         assert eng.drop("m")  # acknowledged
         after_drop = disk.current("m")
@@ -159,7 +156,7 @@ def test_a_drop_of_the_same_id_takes_its_refused_manifest_with_it(
         present = c.present(["m"])
     assert (after_drop, after_undo, present) == (None, None, [False]), (
         f"'m' dropped (acknowledged) came back: its manifest in LMDB after the drop is generation {after_drop} "
-        f"(the refused one is {refused}, v1 {v1.gen}); after the undo {after_undo}; after a crash present = {present}")
+        f"(the refused one is {refused}, v1 {v1}); after the undo {after_undo}; after a crash present = {present}")
 
 
 def test_a_disk_eviction_of_the_same_id_takes_its_refused_manifest_with_it(
@@ -174,19 +171,8 @@ def test_a_disk_eviction_of_the_same_id_takes_its_refused_manifest_with_it(
     from kvpark.daemon.disk_evict import disk_drop
 
     eng = Engine(make_config(tmp_path, **WT, **{"policy.disk_full": "evict"}), disk_factory=Faults)
-    disk = eng.disk
-    assert isinstance(disk, Faults)
     try:
-        park_filled(eng, "m", 1, N)
-        v1 = eng.catalog.find("m")
-        assert v1 is not None and v1.on_disk and disk.current("m") == v1.gen
-        disk.fail_sync = disk.fail_undo = True
-        with pytest.raises(KVParkError):
-            park_filled(eng, "m", 2, N, overwrite=True)
-        assert not disk.fail_sync and not disk.fail_undo, "the refusal or its undo never ran"
-        assert eng.deletes.pending == 1
-        refused = disk.current("m")
-        assert refused is not None and refused != v1.gen
+        disk, v1, refused = _refused_overwrite(eng)
 
         assert disk_drop(eng.mover, "m"), "the eviction did not take the disk copy"
         after_evict = disk.current("m")
@@ -205,5 +191,5 @@ def test_a_disk_eviction_of_the_same_id_takes_its_refused_manifest_with_it(
         d.stop()
     assert (after_evict, after_undo, present) == (None, None, [False, False]), (
         f"'m' evicted from disk: its manifest in LMDB after the eviction is generation {after_evict} (the refused "
-        f"one is {refused}, v1 {v1.gen}); after the undo {after_undo}; after a crash before and after the undo, "
+        f"one is {refused}, v1 {v1}); after the undo {after_undo}; after a crash before and after the undo, "
         f"present = {present}")
