@@ -8,7 +8,9 @@ Moves bytes between memory tiers (device pool <-> host arena) asynchronously:
   direction that has budget (at most ``max_inflight_bytes`` in flight per direction),
   so a restore waiting for H2D budget never holds up a demotion on an idle D2H link:
   the two run at once (duplex). Jobs go out in chunks of at most ``CHUNK_BYTES``, so a
-  small restore waits behind at most one chunk of a multi-GiB transfer, not all of it.
+  small restore waits behind at most one chunk of a multi-GiB transfer, not all of it;
+  small jobs queued in one direction go out together, up to one chunk's worth under one
+  event (a demotion of many 2 MiB blocks pays the dispatch once, not per block).
   With a CUDA ``device`` (the device pool's) each direction has its own stream *on that
   device*; every chunk completes through a pooled event that the direction's completion
   thread synchronises in FIFO order. Without one (no device tier, or a CPU stand-in)
@@ -22,7 +24,8 @@ Moves bytes between memory tiers (device pool <-> host arena) asynchronously:
   ``CopyJob.wait(timeout)``. ``on_done`` runs on the completion path (the direction's
   thread) before waiters wake; the daemon's mover attaches the new copy to its
   sequence there.
-- ``completed``: how many jobs have finished (tests count the jobs one restore takes).
+- ``completed``: how many jobs have finished (tests count the jobs one restore takes);
+  ``issued``: how many batches went out.
 - ``close()``: no new jobs; waits (bounded) for what is queued and in flight to finish,
   so the memory they copy is not unmapped under them.
 - ``runs(src_extents, dst_extents)``: coalesce two partitions of one payload into the
@@ -193,6 +196,7 @@ class CopyEngine:
         self._workers: dict[str, threading.Thread] = {}
         self._closed = False
         self.completed = 0  # jobs finished (copied or failed): how many copies a step took
+        self.issued = 0  # batches issued (each one event and one completion wake-up)
         if self.cuda:
             self._streams = {d: torch.cuda.Stream(device=device) for d in DIRECTIONS}
             self._events: list[torch.cuda.Event] = []
@@ -248,15 +252,17 @@ class CopyEngine:
     def _idle(self) -> bool:
         return not any(self._queues.values()) and not any(self._inflight.values())
 
-    def _next(self) -> tuple[CopyJob, list[Pair], int] | None:
-        """The next chunk to issue: of the best job at the head of any direction's queue
-        whose direction has budget for it."""
+    def _next(self) -> list[tuple[CopyJob, list[Pair], int]] | None:
+        """The next chunks to issue together: the next chunk of the best job at the head of
+        any direction's queue whose direction has budget for it, then, while they fit in
+        one chunk's worth of bytes and the budget, the next chunks of that direction's
+        queue in order. Small jobs (a demotion of a 2 MiB block) so go out many to one
+        event and one wake-up of the completion thread, not one each."""
         with self._cv:
             while True:
                 best: tuple[tuple[int, int], str] | None = None
                 for d, q in self._queues.items():
-                    while q and not q[0][2]._chunks:  # a failed job's chunks were dropped
-                        heapq.heappop(q)
+                    self._skip_failed(q)
                     if not q:
                         continue
                     prio, order, job = q[0]
@@ -266,16 +272,38 @@ class CopyEngine:
                 if best is not None:
                     d = best[1]
                     q = self._queues[d]
-                    job = q[0][2]
-                    chunk, n = job._chunks.popleft()
-                    if not job._chunks:
-                        heapq.heappop(q)
-                    self._inflight[d] += n
-                    job._outstanding += 1
-                    return job, chunk, n
+                    batch = [self._take(q, d)]
+                    total = batch[0][2]
+                    while True:
+                        self._skip_failed(q)
+                        if not q:
+                            break
+                        n = q[0][2]._chunks[0][1]
+                        if total + n > self.chunk_bytes or self._inflight[d] + n > self.max_inflight:
+                            break
+                        batch.append(self._take(q, d))
+                        total += n
+                    return batch
                 if self._closed and not any(self._queues.values()):
                     return None
                 self._cv.wait(0.1)
+
+    @staticmethod
+    def _skip_failed(q: list[tuple[int, int, CopyJob]]) -> None:
+        # REQUIRES: self._cv.
+        while q and not q[0][2]._chunks:  # a failed job's chunks were dropped
+            heapq.heappop(q)
+
+    def _take(self, q: list[tuple[int, int, CopyJob]], d: str) -> tuple[CopyJob, list[Pair], int]:
+        """The next chunk of the job at the head of ``q``, counted as issued."""
+        # REQUIRES: self._cv; q non-empty, its head with chunks left.
+        job = q[0][2]
+        chunk, n = job._chunks.popleft()
+        if not job._chunks:
+            heapq.heappop(q)
+        self._inflight[d] += n
+        job._outstanding += 1
+        return job, chunk, n
 
     def _chunk_done(self, job: CopyJob, n: int, err: BaseException | None) -> None:
         with self._cv:
@@ -298,33 +326,41 @@ class CopyEngine:
     def _dispatch(self) -> None:
         self._bind_thread()
         while True:
-            got = self._next()
-            if got is None:
+            batch = self._next()
+            if batch is None:
                 return
-            job, chunk, n = got
-            d = job.direction
+            d = batch[0][0].direction
+            self.issued += 1
             if not self.cuda:
                 with self._cv:
-                    self._pending[d].append((None, job, chunk, n))
+                    self._pending[d].append((None, batch))
                     self._cv.notify_all()
                 continue
+            stream = self._streams[d]
             try:
-                stream = self._streams[d]
                 with torch.cuda.stream(stream):
-                    after, job.after = job.after, []  # the first chunk waits; later ones follow it on the stream
-                    for ev in after:
-                        stream.wait_event(ev)
-                    for dst, src in chunk:
-                        dst.copy_(src, non_blocking=True)
+                    for job, chunk, _n in batch:
+                        after, job.after = job.after, []  # the first chunk waits; later ones follow it on the stream
+                        for ev in after:
+                            stream.wait_event(ev)
+                        for dst, src in chunk:
+                            dst.copy_(src, non_blocking=True)
                     # Blocking events: the completion thread sleeps in synchronize()
                     # instead of spinning a core for the length of the copy.
                     ev = self._events.pop() if self._events else torch.cuda.Event(blocking=True)
                     ev.record(stream)
                 with self._cv:
-                    self._pending[d].append((ev, job, chunk, n))
+                    self._pending[d].append((ev, batch))
                     self._cv.notify_all()
             except BaseException as e:
-                self._chunk_done(job, n, e)
+                # Some copies of the batch may be queued already: they land before the
+                # jobs fail (a failed job's slots are freed, and must not be written after).
+                try:
+                    stream.synchronize()
+                except BaseException:  # noqa: BLE001 - a broken context runs no more copies
+                    pass
+                for job, _chunk, n in batch:
+                    self._chunk_done(job, n, e)
 
     def _complete(self, d: str) -> None:
         # Chunks of one direction complete in issue order (one stream, or this thread's
@@ -339,19 +375,28 @@ class CopyEngine:
                     if self._closed and not self._queues[d] and self._inflight[d] == 0:
                         return
                     self._cv.wait(0.1)
-                ev, job, chunk, n = q[0]
-            err = None
-            try:
-                if ev is None:
-                    if job.error is None:  # a chunk of a job that failed meanwhile is not copied
-                        for dst, src in chunk:
-                            dst.copy_(src)
-                else:
+                ev, batch = q[0]
+            errors: list[BaseException | None] = []
+            if ev is None:
+                for job, chunk, _n in batch:
+                    err = None
+                    try:
+                        if job.error is None:  # a chunk of a job that failed meanwhile is not copied
+                            for dst, src in chunk:
+                                dst.copy_(src)
+                    except BaseException as e:  # reported to the waiter, never fatal here
+                        err = e
+                    errors.append(err)
+            else:
+                err = None
+                try:
                     ev.synchronize()  # issued already: a GPU chunk cannot be taken back
-            except BaseException as e:  # reported to the waiter, never fatal here
-                err = e
+                except BaseException as e:  # reported to every job of the batch
+                    err = e
+                errors = [err] * len(batch)
             with self._cv:
                 q.popleft()
                 if ev is not None:
                     self._events.append(ev)
-            self._chunk_done(job, n, err)
+            for (job, _chunk, n), err in zip(batch, errors):
+                self._chunk_done(job, n, err)

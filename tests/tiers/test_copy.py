@@ -111,6 +111,51 @@ def test_a_small_restore_waits_for_one_chunk_of_a_large_demotion_not_all_of_it()
         eng.close()
 
 
+def test_small_jobs_queued_in_one_direction_go_out_together_in_order() -> None:
+    """Ten small demotions queued behind a held copy leave as one batch (one event, one
+    completion wake-up) once it lands, each completing in order with its own bytes; a
+    batch never goes past one chunk's worth or the direction's budget."""
+    eng = CopyEngine(max_inflight_bytes=80, chunk_bytes=1024)
+    order: list[int] = []
+    src = torch.arange(80, dtype=torch.int64).to(torch.uint8)
+    dsts = [torch.zeros(8, dtype=torch.uint8) for _ in range(12)]
+    try:
+        first = eng.submit([(held(80), src)], restore=False, direction=D2H)
+        assert wait_until(lambda: in_flight(eng, D2H))
+        jobs = [eng.submit([(dsts[i], src[8 * (i % 10) : 8 * (i % 10) + 8])], restore=False, direction=D2H,
+                           on_done=lambda j, i=i: order.append(i)) for i in range(12)]
+        assert eng.issued == 1
+        Held.gate.set()
+        assert first.wait(10) and all(j.wait(10) for j in jobs)
+        assert order == list(range(12))
+        assert eng.issued == 3, "ten jobs fill the 80-byte budget: one batch of ten, then one of two"
+        assert all(torch.equal(dsts[i], src[8 * (i % 10) : 8 * (i % 10) + 8]) for i in range(12))
+    finally:
+        Held.gate.set()
+        eng.close()
+
+
+def test_a_failed_job_in_a_batch_fails_alone() -> None:
+    eng = CopyEngine(max_inflight_bytes=64, chunk_bytes=1024)
+    src = torch.arange(64, dtype=torch.int64).to(torch.uint8)
+    good = [torch.zeros(8, dtype=torch.uint8) for _ in range(2)]
+    try:
+        first = eng.submit([(held(64), src)], restore=False, direction=D2H)
+        assert wait_until(lambda: in_flight(eng, D2H))
+        a = eng.submit([(good[0], src[:8])], restore=False, direction=D2H)
+        bad = eng.submit([(torch.zeros(8, dtype=torch.uint8), torch.zeros(4, dtype=torch.uint8))], restore=False,
+                         direction=D2H)  # sizes differ: copy_ raises
+        b = eng.submit([(good[1], src[8:16])], restore=False, direction=D2H)
+        Held.gate.set()
+        assert first.wait(10) and a.wait(10) and b.wait(10)
+        with pytest.raises(RuntimeError):
+            bad.wait(10)
+        assert torch.equal(good[0], src[:8]) and torch.equal(good[1], src[8:16])
+    finally:
+        Held.gate.set()
+        eng.close()
+
+
 def test_chunks_cut_flat_pieces_into_views_and_keep_the_bytes() -> None:
     a, b = torch.arange(10_000, dtype=torch.int32), torch.zeros(10_000, dtype=torch.int32)
     c, d = torch.ones(3, 5), torch.zeros(3, 5)  # not flat: goes whole
