@@ -117,7 +117,8 @@ def _seq_json(s: SeqInfo, now: float) -> dict[str, Any]:
 
 def _summary(st: Stat, seqs: list[SeqInfo]) -> dict[str, int]:
     shared = sum(1 for s in seqs if s.shared)
-    return {"sequences": len(seqs) - shared, "shared_blocks": shared, "leases": st.leases, "damaged": st.damaged}
+    return {"sequences": len(seqs) - shared, "shared_blocks": shared, "leases": st.leases, "damaged": st.damaged,
+            "pinned_bytes": sum(st.pinned.values())}
 
 
 def _print_summary(address: str, st: Stat, seqs: list[SeqInfo]) -> None:
@@ -127,6 +128,8 @@ def _print_summary(address: str, st: Stat, seqs: list[SeqInfo]) -> None:
     if st.damaged:
         print(f"DAMAGED: {st.damaged} sequence(s) failed verification on disk; reading them is DATA_LOSS "
               "(drop or re-park them)")
+    if st.pinned:
+        print("page-locked: " + ", ".join(f"{human(n)} {kind}" for kind, n in sorted(st.pinned.items())))
     print()
     print(f"{'tier':<8}{'state':<10}{'used':>11}{'capacity':>11}{'use%':>7}{'held':>8}{'evictions':>11}")
     for name, t in st.tiers.items():

@@ -110,7 +110,13 @@ class DeviceTierConfig:
     enabled: str = _f("auto", '"auto" (on when CUDA is available), "true" or "false"',
                       choices=("auto", "true", "false"), tristate=True)
     device: str = _f("cuda:0", 'torch device of the pool; "cpu" is a stand-in that runs the same logic in tests')
-    capacity: int = _f(8 << 30, "device pool size", size=True)
+    capacity: int | str = _f("auto", "device pool size; auto = auto_fraction of what the GPU has free at start, "
+                             "between auto_min and auto_max (off, with the reason logged, when even auto_min "
+                             "would take more than half of the free memory)", size=True, auto=True)
+    auto_fraction: float = _f(0.05, "share of the GPU's free memory an auto-sized pool takes (small: an engine "
+                              "started next, such as vLLM, wants gpu_memory_utilization of the whole GPU)")
+    auto_min: int = _f(256 << 20, "smallest auto-sized pool", size=True)
+    auto_max: int = _f(8 << 30, "largest auto-sized pool", size=True)
     high_watermark: float = _f(0.0, "usage fraction that starts demotion to host; 0 = policy.high_watermark")
     low_watermark: float = _f(0.0, "usage fraction demotion brings it down to; 0 = policy.low_watermark")
 
@@ -490,6 +496,11 @@ def _resolve(cfg: Config) -> Config:
         if not 0.0 < lo < hi <= 1.0:
             raise ConfigError(f"{name}.low_watermark/high_watermark: need 0 < low < high <= 1, got low={lo} high={hi}")
     dev = cfg.tiers.device
+    if not 0.0 < dev.auto_fraction <= 1.0:
+        raise ConfigError(f"tiers.device.auto_fraction: must be in (0, 1], got {dev.auto_fraction}")
+    if not 0 < dev.auto_min <= dev.auto_max:
+        raise ConfigError(f"tiers.device.auto_min/auto_max: need 0 < auto_min <= auto_max, got "
+                          f"{dev.auto_min} and {dev.auto_max}")
     if pol.restore_to == "device" and dev.enabled == "false":
         raise ConfigError('policy.restore_to: "device" needs tiers.device.enabled = "auto" or "true"')
     # The usual forms are checked without torch (``kvpark config`` runs without it); any

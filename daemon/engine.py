@@ -552,7 +552,8 @@ class Engine:
         with self.catalog.lock:
             on_remote = self.catalog.on_remote()
             st = Stat(tiers=self.catalog.tier_stats(self.disk.capacity, used, self.mover.evictions, self.slot_size),
-                      sequences=len(self.catalog), leases=self.leases.count, damaged=self.disk.damaged)
+                      sequences=len(self.catalog), leases=self.leases.count, damaged=self.disk.damaged,
+                      pinned={k: v for k, v in cuda.pinned_bytes().items() if v})
         if self.remote is None:
             return st
         return dataclasses.replace(st, remote=self.remote.stat(on_remote))

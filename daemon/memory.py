@@ -7,6 +7,8 @@ Primitives:
   page-locked once when the device pool is on a GPU) and, when
   ``tiers.private.capacity`` resolved above 0 (a tenant is not trusted_local), the
   private tier: daemon-private memory (``kvpark.tiers.private``) that no client maps.
+- ``auto_device_capacity(free, total, fraction, floor, ceiling) -> (bytes, why)``: the
+  size of a ``tiers.device.capacity = "auto"`` pool (pure; the start-up log gives ``why``).
 - ``tiers``: name -> ``MemTier``, fastest first; ``arena``; ``ipc_handle`` (empty
   without a CUDA pool); ``arena_pinned``; ``close()``.
 
@@ -32,6 +34,24 @@ from .placement import PRIVATE
 log = logging.getLogger("kvpark.engine")
 
 
+def auto_device_capacity(free: int | None, total: int | None, fraction: float, floor: int,
+                         ceiling: int) -> tuple[int, str]:
+    """The size of an auto-sized device pool, and why, in words for the start-up log.
+
+    ``fraction`` of the GPU's free memory, between ``floor`` and ``ceiling``: small, so
+    an engine started next (vLLM asks for ``gpu_memory_utilization`` of the whole GPU)
+    still fits. 0, with the reason, when even ``floor`` would take more than half of
+    what is free. ``free`` None: not a GPU (the CPU stand-in) or unknown: ``floor``."""
+    if free is None:
+        return floor, f"auto: {floor >> 20} MiB, auto_min (free memory unknown on this device)"
+    want = min(max(int(free * fraction), floor), ceiling)
+    if want > free // 2:
+        return 0, (f"off: auto sizing found {free >> 20} MiB free of {(total or 0) >> 20} MiB, too little for "
+                   f"auto_min = {floor >> 20} MiB; set tiers.device.capacity to size it by hand")
+    bound = "auto_max" if want == ceiling else "auto_min" if want == floor else f"{fraction:g} of it"
+    return want, (f"auto: {free >> 20} MiB free of {(total or 0) >> 20} MiB at start, {bound}")
+
+
 class MemoryTiers:
     def __init__(self, tiers: dict[str, MemTier], arena: SharedArena, ipc_handle: bytes, arena_pinned: bool,
                  private: PrivateMemory | None = None) -> None:
@@ -47,19 +67,35 @@ class MemoryTiers:
         tiers: dict[str, MemTier] = {}
         ipc_handle = b""
         device = torch.device(dev.device)
-        if dev.enabled == "true" or (dev.enabled == "auto" and device.type == "cuda" and cuda.cuda_available()):
+        cap, why = 0, ""
+        wanted = dev.enabled == "true" or (dev.enabled == "auto" and device.type == "cuda" and cuda.cuda_available())
+        if wanted:
             if device.type == "cuda" and not cuda.cuda_available():
                 raise StartupError(f"tiers.device.enabled = true and tiers.device.device = {dev.device}, but CUDA "
                                    'is not available here; set tiers.device.enabled = "auto" or "false"')
-            cap = (dev.capacity // host.slot_size) * host.slot_size
+            if dev.capacity == "auto":
+                free, total = cuda.memory_info(device)
+                cap, why = auto_device_capacity(free, total, dev.auto_fraction, dev.auto_min, dev.auto_max)
+            else:
+                cap, why = int(dev.capacity), "tiers.device.capacity"
+            cap = (cap // host.slot_size) * host.slot_size
+        if wanted and cap:
             pool = torch.empty(cap, dtype=torch.uint8, device=device)
             tiers["device"] = MemTier("device", pool, host.slot_size, dev.high_watermark or pol.high_watermark,
                                       dev.low_watermark or pol.low_watermark)
-            log.info("device tier: %d MiB on %s", cap >> 20, device)
+            log.info("device tier: %d MiB on %s (%s)", cap >> 20, device, why)
             if device.type == "cuda":
                 # Exported once, not per Hello: each export takes an IPC reference on the
-                # pool's storage that is never given back.
-                ipc_handle = cuda.ipc_handle(pool)
+                # pool's storage that is never given back. A pool torch cannot share (an
+                # allocator with expandable segments may refuse) still serves every other
+                # path: only cuda_ipc is off, and the log says why.
+                try:
+                    ipc_handle = cuda.ipc_handle(pool)
+                except RuntimeError as e:
+                    log.warning("device tier: cuda_ipc off, the pool cannot be shared with other processes (%s); "
+                                "clients use shm or inline", e)
+        elif wanted:
+            log.warning("device tier: %s", why if why.startswith("off") else f"off ({why} holds no slot)")
         elif dev.enabled == "false":
             log.info("device tier: off (tiers.device.enabled = false)")
         elif device.type != "cuda":
@@ -80,7 +116,7 @@ class MemoryTiers:
         # Page-locking only pays off for copies to and from a GPU pool; without one it
         # would create a CUDA context for nothing.
         gpu = tiers.get("device")
-        took = cuda.pin_host(arena.tensor) if gpu is not None and gpu.device.type == "cuda" else None
+        took = cuda.pin_host(arena.tensor, gpu.device) if gpu is not None and gpu.device.type == "cuda" else None
         if took is not None:
             log.info("host arena page-locked in %.2fs", took)
         tiers["host"] = MemTier("host", arena.tensor, host.slot_size, host.high_watermark or pol.high_watermark,
@@ -92,7 +128,7 @@ class MemoryTiers:
                 private = PrivateMemory.create(priv.capacity, prefault=host.prefault)
             except BaseException:
                 if took is not None:
-                    cuda.unpin_host(arena.tensor)
+                    cuda.unpin_host(arena.tensor, gpu.device if gpu is not None else None)
                 arena.close(unlink=True)
                 raise
             tiers[PRIVATE] = MemTier(PRIVATE, private.tensor, host.slot_size,
@@ -104,7 +140,8 @@ class MemoryTiers:
 
     def close(self) -> None:
         if self.arena_pinned:
-            cuda.unpin_host(self.arena.tensor)
+            gpu = self.tiers.get("device")
+            cuda.unpin_host(self.arena.tensor, gpu.device if gpu is not None else None)
         self.tiers.clear()
         self.arena.close(unlink=True)
         if self.private is not None:

@@ -102,6 +102,12 @@ class _TierCollector(Collector):
         yield blocks
         yield GaugeMetricFamily("kvpark_sequences", "Parked sequences and shared blocks", value=st.sequences)
         yield GaugeMetricFamily("kvpark_leases", "Open write reservations and read leases", value=st.leases)
+        pinned = GaugeMetricFamily("kvpark_pinned_bytes", "Page-locked host memory the daemon holds: the host "
+                                   "arena when registered for a device pool, and the bounded staging buffers",
+                                   labels=["kind"])
+        for kind in ("registered", "staging"):
+            pinned.add_metric([kind], st.pinned.get(kind, 0))
+        yield pinned
         if st.tenants:
             t_used = GaugeMetricFamily("kvpark_tenant_used_bytes", "Bytes a tenant holds per tier (disk: every "
                                        "byte it has parked)", labels=["tenant", "tier"])

@@ -88,6 +88,7 @@ def stat_to_pb(s: Stat) -> pb.StatResponse:
         ),
         tenants=[pb.TenantStat(name=t.name, sequences=t.sequences, used_bytes=t.used, quota_bytes=t.quota)
                  for t in s.tenants],
+        pinned_bytes=s.pinned,
     )
 
 
@@ -102,4 +103,5 @@ def stat_from_pb(p: pb.StatResponse) -> Stat:
                           r.pending_writes, r.sequences) if p.HasField("remote") else None,
         damaged=p.damaged,
         tenants=tuple(TenantStat(t.name, t.sequences, dict(t.used_bytes), dict(t.quota_bytes)) for t in p.tenants),
+        pinned=dict(p.pinned_bytes),
     )

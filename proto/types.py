@@ -81,3 +81,4 @@ class Stat:
     remote: RemoteStat | None = None  # None: no remote tier configured
     damaged: int = 0  # held sequences whose disk record failed verification (reads are DATA_LOSS)
     tenants: tuple[TenantStat, ...] = ()  # the caller's own row (all rows for /metrics); () without tenants
+    pinned: dict[str, int] = field(default_factory=dict)  # page-locked bytes: "registered", "staging"

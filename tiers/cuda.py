@@ -3,17 +3,33 @@ module that touches ``torch.cuda``; every function is a no-op or a plain error w
 
 Primitives:
 - ``cuda_available()``; ``is_cuda(tensor)``; ``indexed(device)``; ``synchronize(device)``.
-- ``pin_host(tensor) -> float | None``: page-lock an existing host buffer once
-  (``cudaHostRegister``); returns seconds taken, None when it stays pageable (no CUDA,
-  or the runtime refused: a warning, and the pending CUDA error is cleared). ``unpin_host``.
+- ``on_device(device)``: a context that makes ``device`` current for the calling thread
+  (a no-op for CPU devices or ``None``). Every CUDA call a thread makes that is not tied
+  to a tensor (``cudaHostRegister``, pinned allocations, events) runs under it: a thread
+  that never set its device would otherwise open a context on GPU 0.
+- ``pin_host(tensor, device=None) -> float | None``: page-lock an existing host buffer
+  once (``cudaHostRegister``, portable), under ``device``; returns seconds taken, None
+  when it stays pageable (no CUDA, or the runtime refused: a warning, and the pending
+  CUDA error is cleared through torch's own runtime). ``unpin_host(tensor, device=None)``.
 - ``ipc_handle(tensor)`` (export once) / ``open_ipc(handle, nbytes, device)``: CUDA IPC
-  for the device pool, opened on the client's own index of that GPU.
-- ``to_host(parts)`` / ``to_device(dst, src)``: batched D2H through one page-locked
-  buffer; H2D through page-locked staging (device-tier reads and writes).
+  for the device pool, opened on the client's own index of that GPU. A handle exported
+  by this very process (an in-process daemon) opens as the pool itself: CUDA refuses to
+  open its own export.
+- ``Staging(device, chunk)``: two reusable page-locked bounce buffers per direction,
+  guarded by events (``download(parts)``: D2H into fresh pageable tensors; ``upload(dst,
+  src)``: pageable bytes to device memory), so no copy pins or allocates per call.
+  ``staging(device)``: the process's one ``Staging`` per device. ``pinned_bytes()``: the
+  page-locked memory this process holds for staging and registered mappings.
+- ``to_host(parts)`` / ``to_device(dst, src)``: device-tier reads and writes through
+  ``staging``.
+- ``memory_info(device) -> (free, total)``: the GPU's memory now ((None, None) off CUDA).
+- ``as_index(ids, device)``: an index tensor uploaded without a stream sync;
+  ``record_event(device)``: a blocking event on the current stream (None off CUDA).
 - ``Fence(*devices)``: events on those devices' current streams; ``wait()`` returns once
   the work queued there so far is done (no device-wide synchronize).
 - ``device_uuid(device)`` / ``local_device_for(uuid)``: tell whether two processes share a GPU.
-- ``LayerCopier``: the client's copies with per-tensor readiness marks.
+- ``side_stream(device, role)``: the process's one stream per role and device.
+- ``LayerCopier``: the client's copies with per-tensor readiness marks, on a side stream.
 """
 
 from __future__ import annotations
@@ -23,8 +39,11 @@ import ctypes
 import json
 import logging
 import os
+import threading
 import time
-from typing import Sequence
+import weakref
+from contextlib import nullcontext
+from typing import ContextManager, Sequence
 
 import torch
 
@@ -46,86 +65,293 @@ def indexed(device: torch.device) -> torch.device:
     return device
 
 
-def pin_host(t: torch.Tensor) -> float | None:
+def on_device(device: torch.device | None) -> ContextManager[object]:
+    """Make ``device`` current for the calling thread inside the block (CPU or None: no-op)."""
+    if device is None or device.type != "cuda" or not cuda_available():
+        return nullcontext()
+    return torch.cuda.device(indexed(device))
+
+
+_pinned_lock = threading.Lock()
+_pinned: dict[int, int] = {}  # data_ptr -> bytes registered by pin_host, for pinned_bytes()
+
+
+def pin_host(t: torch.Tensor, device: torch.device | None = None) -> float | None:
     """Page-lock ``t``'s memory once so H2D/D2H copies are real DMA.
 
     Returns the seconds it took, or None when ``t`` stays pageable: no CUDA, or
     ``cudaHostRegister`` refused (some container runtimes do). A refusal is a warning,
     not a failure: copies still work, only slower. Registered *portable*, so the pages
-    count as pinned for every GPU's context, not only the current device's.
+    count as pinned for every GPU's context; the call runs under ``device`` so that a
+    thread that never chose one does not open a context on GPU 0.
     """
     if not cuda_available() or t.numel() == 0:
         return None
-    t0 = time.perf_counter()
-    rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), _HOST_REGISTER_PORTABLE))
-    if rc != 0:
-        # The runtime also keeps the failure as this thread's "last error"; left there,
-        # the next kernel launch check on this thread would raise it.
-        _clear_last_cuda_error()
-        log.warning("cannot page-lock %d MiB of host memory (cudaHostRegister error %d); running unpinned, "
-                    "host<->device copies will be slower", (t.numel() * t.element_size()) >> 20, rc)
-        return None
+    nbytes = t.numel() * t.element_size()
+    with on_device(device):
+        t0 = time.perf_counter()
+        rc = int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE))
+        if rc != 0:
+            # The runtime also keeps the failure as this thread's "last error"; left there,
+            # the next kernel launch check on this thread would raise it.
+            _clear_last_cuda_error()
+            log.warning("cannot page-lock %d MiB of host memory (cudaHostRegister error %d); running unpinned, "
+                        "host<->device copies will be slower", nbytes >> 20, rc)
+            return None
+    with _pinned_lock:
+        _pinned[t.data_ptr()] = nbytes
     return time.perf_counter() - t0
 
 
-def unpin_host(t: torch.Tensor) -> None:
+def unpin_host(t: torch.Tensor, device: torch.device | None = None) -> None:
     """Undo a successful ``pin_host``."""
     if cuda_available() and t.numel():
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        with on_device(device):
+            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+        with _pinned_lock:
+            _pinned.pop(t.data_ptr(), None)
+
+
+def pinned_bytes() -> dict[str, int]:
+    """Page-locked host memory this process holds: ``registered`` (mappings pinned with
+    ``pin_host``) and ``staging`` (every ``Staging``'s bounce buffers)."""
+    with _pinned_lock:
+        registered = sum(_pinned.values())
+    with _staging_lock:
+        staged = sum(s.pinned_bytes for s in _stagings.values())
+    return {"registered": registered, "staging": staged}
 
 
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
 def _clear_last_cuda_error() -> None:
-    """Reset the calling thread's pending CUDA runtime error (``cudaGetLastError``).
+    """Reset the calling thread's pending CUDA runtime error.
 
-    torch does not bind ``cudaGetLastError``; the CUDA runtime torch loaded is found in
-    this process's mappings and called through ctypes (the same library instance, so
-    the same per-thread error state).
+    torch does not bind ``cudaGetLastError``, and a process may have two ``libcudart``
+    mapped (torch's and another library's), each with its own error state. So the error
+    is cleared through torch's own runtime: a tiny kernel launch, whose launch check
+    calls ``cudaGetLastError`` (which resets it) and raises what was pending.
     """
     try:
-        with open("/proc/self/maps") as fh:
-            fields = [line.split(maxsplit=5) for line in fh]
-        paths = {f[5].strip() for f in fields if len(f) == 6 and os.path.basename(f[5].strip()).startswith("libcudart.so")}
-        for path in sorted(paths):
-            ctypes.CDLL(path).cudaGetLastError()
-            return
-        log.debug("no libcudart mapped; a pending CUDA error could not be cleared")
-    except (OSError, AttributeError) as e:
-        log.debug("cannot clear the pending CUDA error: %s", e)
+        torch.empty(1, dtype=torch.uint8, device="cuda").zero_()
+    except RuntimeError as e:  # the pending error, now cleared
+        log.debug("cleared a pending CUDA error: %s", e)
+STAGE_CHUNK = 8 << 20  # bytes per bounce buffer: 2 per direction, so 32 MiB pinned per device
+
+
+def plan_chunks(lengths: Sequence[int], chunk: int) -> list[list[tuple[int, int, int, int]]]:
+    """Pieces of the byte streams ``lengths`` grouped into buffer-sized rounds.
+
+    Each round is a list of ``(part, part_offset, buffer_offset, n)``; a round fills at
+    most ``chunk`` bytes of one bounce buffer, small parts share a round, a large part
+    spans several. Pure: the CPU tests check it."""
+    rounds: list[list[tuple[int, int, int, int]]] = []
+    cur: list[tuple[int, int, int, int]] = []
+    used = 0
+    for i, n in enumerate(lengths):
+        off = 0
+        while off < n:
+            take = min(n - off, chunk - used)
+            cur.append((i, off, used, take))
+            off += take
+            used += take
+            if used == chunk:
+                rounds.append(cur)
+                cur, used = [], 0
+    if cur:
+        rounds.append(cur)
+    return rounds
+
+
+class Staging:
+    """Two reusable bounce buffers per direction for one device, page-locked on CUDA.
+
+    Copies between device memory and pageable host memory go through them a round at a
+    time, double-buffered: the DMA of one round runs while the CPU fills (or drains) the
+    other buffer, and an event per buffer says when it may be touched again. So no copy
+    allocates or pins memory per call (torch's pinned allocator rounds every size up to
+    a power of two and caches it for ever; a new size takes a global lock mid-copy), and
+    the page-locked memory is bounded: ``4 * chunk`` per device, reported by
+    ``pinned_bytes``. One caller per direction at a time (a lock each); on a CPU device
+    the same rounds run with plain buffers and synchronous copies, which is how the CPU
+    tests exercise the plan.
+    """
+
+    def __init__(self, device: torch.device, chunk: int = STAGE_CHUNK) -> None:
+        self.device = indexed(device)
+        self.chunk = int(chunk)
+        self.cuda = self.device.type == "cuda" and cuda_available()
+        self._locks = {"d2h": threading.Lock(), "h2d": threading.Lock()}
+        self._bufs: dict[str, list[torch.Tensor]] = {}
+        self._stream: object = None
+        self.rounds = 0  # rounds run, both directions (tests: the double-buffering ran)
+
+    @property
+    def pinned_bytes(self) -> int:
+        return sum(b.numel() for bufs in self._bufs.values() for b in bufs) if self.cuda else 0
+
+    def _buffers(self, direction: str) -> list[torch.Tensor]:
+        bufs = self._bufs.get(direction)
+        if bufs is None:
+            with on_device(self.device):
+                bufs = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
+                if self.cuda and self._stream is None:
+                    self._stream = side_stream(self.device, "staging")
+            self._bufs[direction] = bufs
+        return bufs
+
+    def _record(self) -> object:
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event(blocking=True)
+        ev.record(self._stream)  # type: ignore[arg-type]
+        return ev
+
+    @staticmethod
+    def _wait(ev: object) -> None:
+        if ev is not None:
+            ev.synchronize()  # type: ignore[attr-defined]
+
+    def _side(self) -> ContextManager[object]:
+        if not self.cuda:
+            return nullcontext()
+        # Whatever the caller queued on its current stream (the bytes being read, or a
+        # reader of the destination) is ordered before the staged copies.
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # type: ignore[union-attr]
+        return torch.cuda.stream(self._stream)  # type: ignore[arg-type]
+
+    def download(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Pageable CPU copies of the flat ``uint8`` device tensors ``parts``."""
+        out = [torch.empty(p.numel(), dtype=torch.uint8) for p in parts]
+        flat = [p.reshape(-1).view(torch.uint8) for p in parts]
+        with self._locks["d2h"], on_device(self.device):
+            bufs = self._buffers("d2h")
+            pending: list[tuple[object, list[tuple[int, int, int, int]]] | None] = [None, None]
+
+            def drain(slot: int) -> None:
+                job = pending[slot]
+                if job is not None:
+                    self._wait(job[0])
+                    for i, off, boff, n in job[1]:
+                        out[i][off : off + n].copy_(bufs[slot][boff : boff + n])
+                    pending[slot] = None
+
+            try:
+                with self._side():
+                    for k, rnd in enumerate(plan_chunks([p.numel() for p in flat], self.chunk)):
+                        slot = k % 2
+                        drain(slot)  # the round before last used this buffer: empty it first
+                        for i, off, boff, n in rnd:
+                            bufs[slot][boff : boff + n].copy_(flat[i][off : off + n], non_blocking=True)
+                        pending[slot] = (self._record(), rnd)
+                        self.rounds += 1
+                for slot in (0, 1):
+                    drain(slot)
+            except BaseException:
+                self._settle(pending)
+                raise
+        return out
+
+    def upload(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy the CPU bytes ``src`` into device memory ``dst`` (flat, same size); returns
+        once they have landed."""
+        d = dst.reshape(-1).view(torch.uint8)
+        s = src.reshape(-1).view(torch.uint8)
+        if d.numel() != s.numel():
+            raise ValueError(f"upload of {s.numel()} bytes into {d.numel()}")
+        with self._locks["h2d"], on_device(self.device):
+            bufs = self._buffers("h2d")
+            events: list[object] = [None, None]
+            try:
+                with self._side():
+                    for k, rnd in enumerate(plan_chunks([s.numel()], self.chunk)):
+                        slot = k % 2
+                        self._wait(events[slot])  # its last DMA has read the buffer
+                        for _i, off, boff, n in rnd:
+                            bufs[slot][boff : boff + n].copy_(s[off : off + n])
+                            d[off : off + n].copy_(bufs[slot][boff : boff + n], non_blocking=True)
+                        events[slot] = self._record()
+                        self.rounds += 1
+            finally:
+                # Landed before the caller (or the next upload) goes on.
+                for ev in events:
+                    self._wait(ev)
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_stream(self._stream)  # type: ignore[arg-type]
+
+    def _settle(self, pending: list) -> None:
+        """After a failure: no DMA may still be writing a buffer the next caller reuses."""
+        for job in pending:
+            if job is not None:
+                try:
+                    self._wait(job[0])
+                except Exception:  # noqa: BLE001 - a broken context runs no more copies
+                    pass
+
+
+_staging_lock = threading.Lock()
+_stagings: dict[str, Staging] = {}
+
+
+def staging(device: torch.device) -> Staging:
+    """This process's one ``Staging`` for ``device``."""
+    key = str(indexed(device))
+    with _staging_lock:
+        st = _stagings.get(key)
+        if st is None:
+            st = _stagings[key] = Staging(torch.device(key))
+        return st
 
 
 def to_host(parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """CPU copies of ``parts`` (device slices): one page-locked buffer, asynchronous DMA
-    per part on the current stream, one blocking event for all of them. CPU parts are
-    returned as they are."""
-    devs = [p.device for p in parts if is_cuda(p)]
+    """CPU copies of ``parts`` (flat uint8 device slices), through the device's staging
+    buffers. CPU parts are returned as they are."""
+    devs = {p.device for p in parts if is_cuda(p)}
     if not devs:
         return list(parts)
-    total = sum(p.numel() for p in parts)
-    buf = torch.empty(total, dtype=torch.uint8, pin_memory=True)  # torch caches pinned blocks
-    out, pos = [], 0
-    for p in parts:
-        n = p.numel()
-        dst = buf[pos : pos + n]
-        dst.copy_(p.reshape(-1).view(torch.uint8), non_blocking=True)
-        out.append(dst)
-        pos += n
-    Fence(*devs).wait()
-    return out
+    if len(devs) > 1 or not all(is_cuda(p) for p in parts):
+        return [p.cpu() if is_cuda(p) else p for p in parts]  # mixed devices: not a path kvpark takes
+    return staging(next(iter(devs))).download(parts)
 
 
 def to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy CPU bytes ``src`` into device memory ``dst`` through a page-locked staging
-    buffer (DMA, not the driver's pageable path) and wait on an event for it."""
+    """Copy CPU bytes ``src`` into device memory ``dst`` through the device's staging
+    buffers; returns once they have landed."""
     if not is_cuda(dst):
         dst.copy_(src)
         return
-    staging = torch.empty(src.numel(), dtype=src.dtype, pin_memory=True)
-    staging.copy_(src)
-    dst.copy_(staging, non_blocking=True)
-    Fence(dst.device).wait()  # the staging buffer goes back to torch's cache after this
+    staging(dst.device).upload(dst, src)
+
+
+def memory_info(device: torch.device) -> tuple[int | None, int | None]:
+    """``(free, total)`` bytes of ``device`` now; ``(None, None)`` for a CPU stand-in."""
+    if device.type != "cuda" or not cuda_available():
+        return None, None
+    free, total = torch.cuda.mem_get_info(indexed(device))
+    return int(free), int(total)
+
+
+def as_index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
+    """``ids`` as a ``long`` tensor on ``device``. On a GPU it goes up from page-locked
+    memory without blocking: ``torch.as_tensor(ids, device=cuda)`` copies from pageable
+    memory, which waits for everything queued on the stream first (a sync per call)."""
+    idx = torch.as_tensor(ids, dtype=torch.long)
+    if device.type == "cpu":
+        return idx
+    if device.type != "cuda" or not cuda_available():
+        return idx.to(device)
+    # torch's pinned allocator keeps the source until the queued copy has read it.
+    return idx.pin_memory().to(device, non_blocking=True)
+
+
+def record_event(device: torch.device) -> "torch.cuda.Event | None":
+    """A blocking event recorded now on ``device``'s current stream (None off CUDA)."""
+    if device.type != "cuda" or not cuda_available():
+        return None
+    ev = torch.cuda.Event(blocking=True)
+    ev.record(torch.cuda.current_stream(device))
+    return ev
 
 
 def synchronize(device: torch.device | str) -> None:
@@ -146,20 +372,54 @@ def ipc_handle(pool: torch.Tensor) -> bytes:
         raise RuntimeError("CUDA IPC needs a CUDA tensor")
     fields = pool.untyped_storage()._share_cuda_()
     enc = [{"b64": base64.b64encode(f).decode()} if isinstance(f, bytes) else f for f in fields]
-    return json.dumps(enc).encode()
+    # The share tuple is torch's private layout: it is tagged with the torch release that
+    # made it, and another release refuses it in words instead of misreading it.
+    handle = json.dumps({"torch": _torch_release(), "fields": enc}).encode()
+    with _exported_lock:
+        _exported[handle] = weakref.ref(pool)
+    return handle
+
+
+# Handles this process exported, to the pool behind each: CUDA refuses to open an IPC
+# handle in the process that made it, so a client of an in-process daemon (``kvpark
+# bench``, tests, an embedded daemon) gets the pool itself. Weak: a closed daemon's pool
+# is not kept alive by its handle.
+_exported_lock = threading.Lock()
+_exported: "dict[bytes, weakref.ref[torch.Tensor]]" = {}
 
 
 def open_ipc(handle: bytes, nbytes: int, device: torch.device) -> torch.Tensor:
     """Map the pool behind ``handle`` on ``device``: *this* process's index of the GPU
     (found by UUID), which differs from the daemon's under another CUDA_VISIBLE_DEVICES."""
-    fields = [base64.b64decode(f["b64"]) if isinstance(f, dict) else f for f in json.loads(handle)]
+    try:
+        doc = json.loads(handle)
+        made_by, raw = doc["torch"], doc["fields"]
+        fields = [base64.b64decode(f["b64"]) if isinstance(f, dict) else f for f in raw]
+    except (ValueError, KeyError, TypeError) as e:
+        raise RuntimeError(f"malformed CUDA IPC handle ({type(e).__name__})") from None
+    if made_by != _torch_release():
+        raise RuntimeError(f"the daemon's torch {made_by} shares its pool in a form this process's torch "
+                           f"{_torch_release()} may misread; run both on one torch release")
     if not fields or not all(isinstance(f, (int, bool, bytes)) for f in fields):
         raise RuntimeError("malformed CUDA IPC handle")
     if device.type != "cuda" or device.index is None:
         raise RuntimeError(f"CUDA IPC needs an indexed CUDA device, got {device}")
+    with _exported_lock:
+        ref = _exported.get(handle)
+    own = ref() if ref is not None else None
+    if own is not None:
+        if own.device != device or own.numel() < nbytes:
+            raise RuntimeError(f"this process exported that pool on {own.device} ({own.numel()} bytes), "
+                               f"not {nbytes} bytes on {device}")
+        return own[:nbytes]
     fields[0] = device.index  # the share tuple starts with the exporter's device ordinal
     storage = torch.UntypedStorage._new_shared_cuda(*fields)
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (nbytes,), (1,))
+
+
+def _torch_release() -> str:
+    """torch's major.minor: the share tuple's layout changes between releases, not patches."""
+    return ".".join(torch.__version__.split("+")[0].split(".")[:2])
 
 
 def device_uuid(device: torch.device) -> str:
@@ -207,6 +467,28 @@ class Fence:
             ev.synchronize()
 
 
+_streams_lock = threading.Lock()
+_streams: dict[tuple[str, str], object] = {}
+
+
+def side_stream(device: torch.device, role: str) -> "torch.cuda.Stream":
+    """This process's one side stream for ``role`` on ``device``, made once.
+
+    ``torch.cuda.Stream()`` hands out streams from a small pool, round robin, shared with
+    every other user in the process (an engine's own side streams too): a new one per
+    call soon lands copies on a stream that runs model work. One long-lived stream per
+    role and device (``"d2h"``, ``"h2d"``, ``"d2d"``, ``"staging"``) keeps kvpark's copies
+    on streams of their own, one per direction so the two run at once."""
+    dev = indexed(device)
+    key = (str(dev), role)
+    with _streams_lock:
+        st = _streams.get(key)
+        if st is None:
+            with on_device(dev):
+                st = _streams[key] = torch.cuda.Stream(device=dev)
+        return st  # type: ignore[return-value]
+
+
 class LayerCopier:
     """Client-side copies with per-tensor readiness marks.
 
@@ -219,7 +501,8 @@ class LayerCopier:
     def __init__(self, src: torch.device, dst: torch.device) -> None:
         dev = src if src.type == "cuda" else dst
         self._cuda = dev.type == "cuda"
-        self._stream = torch.cuda.Stream(device=dev) if self._cuda else None
+        role = "d2d" if src.type == dst.type == "cuda" else "d2h" if src.type == "cuda" else "h2d"
+        self._stream = side_stream(dev, role) if self._cuda else None
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(dev))
 

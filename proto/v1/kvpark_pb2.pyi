@@ -523,17 +523,26 @@ class TenantStat(_message.Message):
     def __init__(self, name: _Optional[str] = ..., sequences: _Optional[int] = ..., used_bytes: _Optional[_Mapping[str, int]] = ..., quota_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class StatResponse(_message.Message):
-    __slots__ = ("tiers", "sequences", "leases", "remote", "tenants", "damaged")
+    __slots__ = ("tiers", "sequences", "leases", "remote", "tenants", "damaged", "pinned_bytes")
+    class PinnedBytesEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     TIERS_FIELD_NUMBER: _ClassVar[int]
     SEQUENCES_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
     REMOTE_FIELD_NUMBER: _ClassVar[int]
     TENANTS_FIELD_NUMBER: _ClassVar[int]
     DAMAGED_FIELD_NUMBER: _ClassVar[int]
+    PINNED_BYTES_FIELD_NUMBER: _ClassVar[int]
     tiers: _containers.RepeatedCompositeFieldContainer[TierStat]
     sequences: int
     leases: int
     remote: RemoteStat
     tenants: _containers.RepeatedCompositeFieldContainer[TenantStat]
     damaged: int
-    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., sequences: _Optional[int] = ..., leases: _Optional[int] = ..., remote: _Optional[_Union[RemoteStat, _Mapping]] = ..., tenants: _Optional[_Iterable[_Union[TenantStat, _Mapping]]] = ..., damaged: _Optional[int] = ...) -> None: ...
+    pinned_bytes: _containers.ScalarMap[str, int]
+    def __init__(self, tiers: _Optional[_Iterable[_Union[TierStat, _Mapping]]] = ..., sequences: _Optional[int] = ..., leases: _Optional[int] = ..., remote: _Optional[_Union[RemoteStat, _Mapping]] = ..., tenants: _Optional[_Iterable[_Union[TenantStat, _Mapping]]] = ..., damaged: _Optional[int] = ..., pinned_bytes: _Optional[_Mapping[str, int]] = ...) -> None: ...
