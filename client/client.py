@@ -180,11 +180,26 @@ class Client(ControlCalls):
             self._ipc_tried = True
             try:
                 self._ipc = CudaIpc.open(self.rpc, self.server)
+                # A device tier with no room for a restore: through the shm mapping.
+                self._ipc.fallback = self._transport if isinstance(self._transport, Shm) else None
             except TransportUnavailable:
                 self._ipc = None
         if not isinstance(self._ipc, CudaIpc):
             return self._transport
         return self._ipc if self._ipc.pool.device == cuda.indexed(dev) else self._transport
+
+    def pin_arena(self, device: torch.device | str) -> bool:
+        """Page-lock this process's mapping of the daemon's arena now, for copies to and
+        from ``device`` (a GPU), instead of on the first call that moves GPU tensors.
+        Once per process: the mapping is shared by its clients. Returns whether the
+        mapping is page-locked (False without shm, CUDA, or where the runtime refuses)."""
+        dev = torch.device(device)
+        t = self._transport
+        if dev.type != "cuda" or not isinstance(t, Shm):
+            return False
+        with self._uses.held():
+            t.prepare({cuda.indexed(dev)})
+            return t.pinned
 
     def close(self) -> None:
         """End this client; calls begun after it raise ``Unavailable``. Calls running on

@@ -14,6 +14,10 @@ Primitives:
   ``.finish_one(i)`` hands tensor ``i`` over once its bytes have landed.
 - ``pieces(src_lengths, dst_lengths)``: ``kvpark.proto.layout.overlaps``, the walk over
   two partitions of one byte range.
+- ``runs(flats, segments) -> [(source view, pool offset, n)]``: the copies that put the
+  byte views ``flats`` into the pool ``segments`` (``(offset, length)``), neighbours
+  merged where both sides continue in memory (one copy per contiguous run, not per
+  tensor: a vLLM save's blocks are views of one snapshot, its slots mostly adjacent).
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 from kvpark.proto.errors import InvalidArgument
 from kvpark.proto.layout import TensorMeta, overlaps as pieces, torch_dtype
 
-__all__ = ["Outputs", "as_tensors", "byte_view", "check_into", "pieces"]
+__all__ = ["Outputs", "as_tensors", "byte_view", "check_into", "pieces", "runs"]
 
 
 def _is_list(items: Any) -> bool:
@@ -70,6 +74,38 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         t = t.contiguous()
     return t.reshape(-1).view(torch.uint8)
+
+
+def _address(t: torch.Tensor, offset: int) -> tuple[torch.device, int, int]:
+    """Where byte ``offset`` of the flat view ``t`` lives: (device, storage base, byte)."""
+    st = t.untyped_storage()
+    return t.device, st.data_ptr(), t.storage_offset() * t.element_size() + offset
+
+
+def runs(flats: Sequence[torch.Tensor], segments: Sequence[tuple[int, int]]) -> list[tuple[torch.Tensor, int, int]]:
+    out: list[tuple[torch.Tensor, int, int]] = []
+    # The run being grown: its storage, where it starts there, where the pool copy starts.
+    cur: tuple[torch.Tensor, int, int, int] | None = None  # (a flat of the storage, byte, pool offset, n)
+    for si, so, di, do, n in pieces([f.numel() for f in flats], [length for _, length in segments]):
+        dst = segments[di][0] + do
+        dev, base, byte = _address(flats[si], so)
+        if cur is not None:
+            c_flat, c_byte, c_dst, c_n = cur
+            c_dev, c_base, _ = _address(c_flat, 0)
+            if c_dev == dev and c_base == base and c_byte + c_n == byte and c_dst + c_n == dst:
+                cur = (c_flat, c_byte, c_dst, c_n + n)
+                continue
+            out.append(_span(*cur))
+        cur = (flats[si], byte, dst, n)
+    if cur is not None:
+        out.append(_span(*cur))
+    return out
+
+
+def _span(flat: torch.Tensor, byte: int, dst: int, n: int) -> tuple[torch.Tensor, int, int]:
+    """``n`` bytes of ``flat``'s storage from byte ``byte`` on, as one flat uint8 view."""
+    view = torch.empty(0, dtype=torch.uint8, device=flat.device).set_(flat.untyped_storage(), byte, (n,), (1,))
+    return view, dst, n
 
 
 class Outputs:

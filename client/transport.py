@@ -61,8 +61,9 @@ from kvpark.proto.wire import decode_chunk, encode_chunk, regroup
 from kvpark.tiers import cuda
 from kvpark.tiers.shm import SharedArena, boot_id
 
+from . import mappings
 from .datachannel import DataChannel, DataChannelRefused, client_ssl_context
-from .payload import Outputs, pieces
+from .payload import Outputs, pieces, runs
 from .rpc import Rpc, translate
 from .uses import Uses
 
@@ -125,12 +126,16 @@ class Restoring:
         return self
 
     def close(self) -> None:
+        # The cleanup first: it waits for the copies still queued into the outputs. Closing
+        # the generator drops its frame, and with it the last reference to outputs the
+        # caller never took; freed before the wait, the caching allocator could hand that
+        # memory to another thread while a side-stream copy still writes it.
         cleanup, self._cleanup = self._cleanup, None
         try:
-            self._tensors.close()  # type: ignore[attr-defined]
-        finally:
             if cleanup is not None:
                 cleanup()
+        finally:
+            self._tensors.close()  # type: ignore[attr-defined]
 
     def __del__(self) -> None:
         if self._cleanup is not None:  # abandoned half-way by a layer-wise consumer
@@ -519,6 +524,32 @@ class Inline(Transport):
         return self._restore_stream(ids, target, int(got.info.nbytes))
 
 
+def _park_copier(devices: set[torch.device]) -> cuda.LayerCopier | None:
+    """A park's copies on a side stream when one GPU is involved (into a page-locked
+    mapping they are real asynchronous DMA, queued behind nothing the model runs); None:
+    plain copies on the current streams (CPU only, or tensors on several GPUs)."""
+    gpus = {cuda.indexed(d) for d in devices if d.type == "cuda"}
+    if len(gpus) != 1:
+        return None
+    (gpu,) = gpus
+    return cuda.LayerCopier(gpu, gpu)
+
+
+def _copy(copies: cuda.LayerCopier | None, dst: torch.Tensor, src: torch.Tensor) -> None:
+    if copies is None:
+        dst.copy_(src)
+    else:
+        copies.copy(dst, src)
+
+
+def _landed(copies: cuda.LayerCopier | None, devices: set[torch.device]) -> None:
+    """Every copy queued so far has landed."""
+    if copies is None:
+        cuda.Fence(*devices).wait()
+    else:
+        copies.synchronize()
+
+
 class _Pool(Transport):
     """A daemon memory pool this process maps: reserve/commit and acquire/release around plain copies."""
 
@@ -527,6 +558,10 @@ class _Pool(Transport):
     def __init__(self, rpc: Rpc, hello: pb.HelloResponse, pool: torch.Tensor) -> None:
         super().__init__(rpc, hello)
         self.pool = pool
+        # Where a restore goes when this pool's tier has no room to stage it (all leased
+        # or pinned): the client's shm mapping when it has one (a copy from page-locked
+        # host memory), else the gRPC stream (about 1 GB/s).
+        self.fallback: Transport | None = None
 
     small_limit = SMALL_POOL_BYTES
 
@@ -538,38 +573,39 @@ class _Pool(Transport):
         r = rpc.call(rpc.reserve, pb.ReserveRequest(header=header, tier=self.tier))
         self.check(r, "reserve", r.lease_id)  # before a byte goes into the mapping
         devices = {pool.device, *(f.device for f in flats)}
+        copies = _park_copier(devices)
         try:
             if r.window_size:
-                self._park_windows(r, flats, devices)
+                self._park_windows(r, flats, devices, copies)
                 return self._commit(r.lease_id)
             segs = [(s.offset, s.length) for s in r.segments]
-            for si, so, di, do, n in pieces([f.numel() for f in flats], [n for _, n in segs]):
-                base = segs[di][0] + do
-                pool[base : base + n].copy_(flats[si][so : so + n])
+            for src, base, n in runs(flats, segs):
+                _copy(copies, pool[base : base + n], src)
             # The daemon reads the slots right after Commit: every copy into them has
-            # landed by then. Events on the streams that ran them, not a device-wide
+            # landed by then. An event on the stream that ran them, not a device-wide
             # synchronize that would also wait for unrelated queued work.
-            cuda.Fence(*devices).wait()
+            _landed(copies, devices)
         except BaseException:
             # Copies already queued may still be writing the slots: they land before the
             # lease (and with it the slots) goes back to the daemon for reuse.
             try:
-                cuda.Fence(*devices).wait()
+                _landed(copies, devices)
             except Exception:  # noqa: BLE001 - a broken context runs no more copies
                 pass
             rpc.release_quietly(r.lease_id)
             raise
         return self._commit(r.lease_id, self.packed)
 
-    def _park_windows(self, r: pb.ReserveResponse, flats: list[torch.Tensor], devices: set[torch.device]) -> None:
+    def _park_windows(self, r: pb.ReserveResponse, flats: list[torch.Tensor], devices: set[torch.device],
+                      copies: cuda.LayerCopier | None) -> None:
         """Fill each window; asking for the next one hands the daemon the one just written."""
         pool, size = self.pool, int(r.window_size)
         lengths = [f.numel() for f in flats]
         total, segs, k = sum(lengths), _segs(r), 0
         while True:
             for ti, to, base, n in _window_plan(lengths, k * size, segs):
-                pool[base : base + n].copy_(flats[ti][to : to + n])
-            cuda.Fence(*devices).wait()  # landed before the daemon reads the window
+                _copy(copies, pool[base : base + n], flats[ti][to : to + n])
+            _landed(copies, devices)  # landed before the daemon reads the window
             k += 1
             if k * size >= total:
                 return
@@ -586,7 +622,9 @@ class _Pool(Transport):
         try:
             r = self.rpc.call(self.rpc.acquire, req)
         except ResourceExhausted:
-            # No room to stage it in that tier (all leased or pinned): stream it instead.
+            # No room to stage it in that tier (all leased or pinned): the fallback path.
+            if self.fallback is not None:
+                return self.fallback.restore(ids, target)
             return self._restore_stream(ids, target)
         if r.inlined:
             return self._from_bytes(r.info, r.data, target)
@@ -707,15 +745,16 @@ class Shm(_Pool):
         super().__init__(rpc, hello, arena.tensor)
         self.arena = arena
         self.pinned = False
-        self._pin_tried = False
 
     def prepare(self, devices: set[torch.device]) -> None:
-        if not self._pin_tried and any(d.type == "cuda" for d in devices):
-            # Page-lock the mapping once, on the first call that moves GPU tensors
-            # through it, so D2H/H2D go straight in and out (a CPU-only user of this
-            # client never creates a CUDA context for it).
-            self._pin_tried = True
-            self.pinned = cuda.pin_host(self.arena.tensor) is not None
+        if not self.pinned:
+            gpu = next((d for d in devices if d.type == "cuda"), None)
+            if gpu is not None:
+                # Page-lock the mapping, once per process (the mapping is shared by its
+                # clients), on the first call that moves GPU tensors through it or at a
+                # connector's start, so D2H/H2D go straight in and out; a CPU-only user
+                # never creates a CUDA context for it.
+                self.pinned = mappings.pin_arena(self.arena, cuda.indexed(gpu))
 
     @classmethod
     def open(cls, rpc: Rpc, hello: pb.HelloResponse) -> "Transport":
@@ -725,16 +764,14 @@ class Shm(_Pool):
         if a.hostname != socket.gethostname() or (a.boot_id and a.boot_id != boot_id()):
             raise TransportUnavailable(f"the daemon runs on another host ({a.hostname})")
         try:
-            arena = SharedArena.open(a.path, a.size)
+            arena = mappings.open_arena(a.path, a.size)
         except OSError as e:
             raise TransportUnavailable(f"cannot map arena {a.path}: {e}") from None
         return cls(rpc, hello, arena)
 
     def _unmap(self) -> None:
-        if self.pinned:
-            cuda.unpin_host(self.arena.tensor)
-            self.pinned = False
-        self.arena.close()
+        self.pinned = False
+        mappings.close_arena(self.arena)  # the process's last user unpins and unmaps it
 
 
 class CudaIpc(_Pool):
