@@ -48,7 +48,8 @@ bypasses kvpark: it is neither looked up nor saved.
 Extra config keys: ``address`` (default ``$KVPARK_ADDRESS`` or 127.0.0.1:50551),
 ``lookup_timeout_s`` (0.5), ``load_timeout_s`` (10), ``save_timeout_s`` (10),
 ``stage_bytes`` (256 MiB), ``save_queue_bytes`` (2 x ``stage_bytes``: snapshots waiting
-for the saver), ``transport`` ("auto"; the workers' data path, the scheduler always uses
+for the saver), ``save_submit_wait_s`` (0.005: how long a step waits for room in that
+queue before it drops the snapshot, counted), ``transport`` ("auto"; the workers' data path, the scheduler always uses
 "inline"), ``cpu_amx_init`` (true); parsed and checked by ``kvpark.client.vllm_options``
 (a bad value or an unknown key stops the engine's start with ``InvalidArgument``).
 
@@ -100,6 +101,7 @@ from .vllm_io import (
     block_bytes,
     count,
     gather_blocks,
+    gathered,
     load_blocks,
     miss,
     save_blocks,
@@ -124,6 +126,17 @@ def _on_cpu_platform() -> bool:
         return False
 
 
+def _platform_name() -> str:
+    """vLLM's device type for this platform ("cuda", "rocm", ...), read without
+    initialising CUDA (vLLM decides it through NVML)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return "cuda" if current_platform.is_cuda() else str(current_platform.device_type)
+    except Exception:  # noqa: BLE001 - an unknown platform gets its own, never-matching name
+        return "unknown"
+
+
 def _opted_out(request: Any) -> bool:
     """A request sent with ``kv_transfer_params={"kvpark": "off"}`` bypasses kvpark."""
     params = getattr(request, "kv_transfer_params", None)
@@ -137,10 +150,12 @@ def layout_fingerprint(vllm_config: Any, kv_cache_config: Any) -> str:
     if len(groups) != 1:
         raise ValueError(f"kvpark supports one KV cache group; this model has {len(groups)}")
     spec = groups[0].kv_cache_spec
-    if cuda.cuda_available():
-        platform = "cuda"
-    else:
+    # vLLM's platform, not torch.cuda.is_available(): this also runs in the scheduler's
+    # process, where initialising CUDA would break every later fork of it.
+    if _on_cpu_platform():
         platform = f"cpu-{torch.backends.cpu.get_cpu_capability()}"
+    else:
+        platform = _platform_name()
     parts = [
         "vllm-v1",
         str(vllm_config.model_config.model),
@@ -184,6 +199,8 @@ class KVParkConnector(KVConnectorBase_V1):
         self._stage_bytes = opts.stage_bytes
         # Snapshots not yet parked may hold this much before a step waits for the saver.
         self._save_queue_bytes = opts.save_queue_bytes
+        # ... and a step waits at most this long for room, then drops the snapshot.
+        self._save_submit_wait = opts.save_submit_wait_s
         self._saver: BackgroundSaver | None = None
         self.block_size = int(vllm_config.cache_config.block_size)
         try:
@@ -369,6 +386,21 @@ class KVParkConnector(KVConnectorBase_V1):
         self._layers = layers
         log.info("kvpark connector: %d layers of %s (%s layout), address %s", len(layers), tuple(first.shape),
                  "flash-attn" if self._block_dim else "cpu", self._conn.address)
+        if first.device.type == "cuda":
+            self._pin_arena(first.device)
+
+    def _pin_arena(self, device: torch.device) -> None:
+        """Page-lock this process's arena mapping now, at the connector's start, not inside
+        the first ``start_load_kv``. The saver's client shares the mapping. A daemon that
+        is down now is not a failure: the first GPU call pins it instead."""
+        try:
+            with self._conn.bounded(self._load_timeout) as client:
+                pinned = client.pin_arena(device)
+        except Exception as e:  # noqa: BLE001 - pinned on first use instead
+            log.info("kvpark connector: arena not page-locked at start (%s: %s); it will be on first use",
+                     type(e).__name__, e)
+            return
+        count("arena_pinned" if pinned else "arena_unpinned", 1)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         """Restore this step's loads and scatter them into their blocks now, before the
@@ -435,7 +467,9 @@ class KVParkConnector(KVConnectorBase_V1):
         try:
             for lo in range(0, len(ids), step):
                 packed = gather_blocks(self._layers, self._block_dim, ids[lo : lo + step])
-                saver.submit(keys[lo : lo + step], packed, {"layout": self.fingerprint})
+                # The saver reads the snapshot on its own thread and stream: it waits for
+                # this event, recorded after the gather on the stream that ran it.
+                saver.submit(keys[lo : lo + step], packed, {"layout": self.fingerprint}, gathered(packed.device))
         except Exception as e:  # noqa: BLE001 - a failed save only costs a future miss
             miss("save", e)
         count("save_step_us", int((time.perf_counter() - t0) * 1e6))
@@ -444,7 +478,8 @@ class KVParkConnector(KVConnectorBase_V1):
         if self._saver is None:
             # Its own connection: a save never queues behind (or resets) this step's loads.
             conn = Conn(self._conn.address, self._conn.transport, connect_timeout_s=min(5.0, self._save_timeout))
-            self._saver = BackgroundSaver(conn, self._save_timeout, self._save_queue_bytes)
+            self._saver = BackgroundSaver(conn, self._save_timeout, self._save_queue_bytes,
+                                          max_wait_s=self._save_submit_wait)
         return self._saver
 
     def get_block_ids_with_load_errors(self) -> set[int]:

@@ -17,8 +17,13 @@ Primitives:
 - ``Conn(address, transport, connect_timeout_s=5)``: a lazily (re)connected ``Client``
   that fails fast (for a two-second back-off) while the daemon is down. ``get(timeout)``;
   ``bounded(seconds)``: a block whose calls, the connect included, end within ``seconds``.
-- ``BackgroundSaver(conn, timeout_s, max_pending_bytes)``: ``submit(keys, packed, attrs)``
-  queues a snapshot and returns at once; one thread parks the snapshots in order. Each
+- ``block_index(ids, device)``: an index tensor on ``device`` without a stream sync.
+- ``gathered(device) -> event | None``: an event recorded now on ``device``'s current
+  stream (None off CUDA), handed to ``submit`` so the saver reads after the gather.
+- ``BackgroundSaver(conn, timeout_s, max_pending_bytes, max_wait_s=0.005)``:
+  ``submit(keys, packed, attrs, ready=None)`` queues a snapshot and returns at once (or
+  within ``max_wait_s`` when the queue is full, dropping it); one thread parks the
+  snapshots in order. Each
   save has a deadline of ``timeout_s`` from its submission: it is committed by then, or
   it is a counted, logged failure. ``drain(timeout)``; ``close(timeout)``.
 - ``wait_for_saves(timeout=None) -> bool``: drain every live saver of this process.
@@ -38,11 +43,12 @@ import weakref
 from collections import Counter, deque
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from kvpark.proto.errors import DeadlineExceeded, Unavailable
+from kvpark.tiers import cuda
 
 from .client import Client
 
@@ -98,10 +104,15 @@ def _block_shape(layers: list[torch.Tensor], block_dim: int) -> tuple[int, ...]:
     return tuple(s)
 
 
+def block_index(ids: list[int], device: torch.device) -> torch.Tensor:
+    """``ids`` as an index tensor on ``device``, without a stream sync on a GPU."""
+    return cuda.as_index(ids, device)
+
+
 def gather_blocks(layers: list[torch.Tensor], block_dim: int, ids: list[int]) -> torch.Tensor:
     """Blocks ``ids`` of every layer, copied into one new ``[n, L, *block]`` tensor."""
     dev = layers[0].device
-    idx = torch.as_tensor(ids, dtype=torch.long, device=dev)
+    idx = block_index(ids, dev)
     packed = torch.empty((len(ids), len(layers), *_block_shape(layers, block_dim)), dtype=layers[0].dtype,
                          device=dev)
     for layer, kv in enumerate(layers):
@@ -114,7 +125,7 @@ def gather_blocks(layers: list[torch.Tensor], block_dim: int, ids: list[int]) ->
 
 def scatter_blocks(layers: list[torch.Tensor], block_dim: int, ids: list[int], packed: torch.Tensor) -> None:
     """Write ``packed`` (``[n, L, *block]``) into blocks ``ids`` of every layer."""
-    idx = torch.as_tensor(ids, dtype=torch.long, device=layers[0].device)
+    idx = block_index(ids, layers[0].device)
     for layer, kv in enumerate(layers):
         src = packed[:, layer]
         if block_dim == 1:
@@ -155,6 +166,12 @@ def save_blocks(client: Client, layers: list[torch.Tensor], block_dim: int, ids:
         packed = gather_blocks(layers, block_dim, ids[lo : lo + step])
         new += client.park_batch({key: [packed[j]] for j, key in enumerate(keys[lo : lo + step])}, attrs=attrs)
     return new
+
+
+def gathered(device: torch.device) -> Any:
+    """An event on ``device``'s current stream, recorded now: it completes once the
+    gather queued there has (None off CUDA, where the gather has already run)."""
+    return cuda.record_event(device)
 
 
 class Conn:
@@ -224,6 +241,7 @@ class _Save:
     packed: torch.Tensor  # [n, L, *block]: the snapshot, owned by the saver
     attrs: Mapping[str, str]
     deadline: float  # time.monotonic(): committed by then or failed
+    ready: Any = None  # a CUDA event recorded after the gather, on the stream that ran it
 
     @property
     def nbytes(self) -> int:
@@ -238,16 +256,24 @@ class BackgroundSaver:
 
     ``submit`` never waits on the daemon. It waits only while the snapshots not yet
     parked hold more than ``max_pending_bytes`` (one snapshot is always accepted), and
-    not past that snapshot's own deadline: then the snapshot is dropped and counted as a
-    failed save. A save that fails (daemon down, timeout, an error) is logged and counted
+    then at most ``max_wait_s`` (a few ms: it runs inside the engine's step) and never
+    past that snapshot's own deadline: then the snapshot is dropped and counted
+    (``saves_dropped``, ``errors.save``).
+
+    A snapshot on a GPU carries ``ready``, an event recorded after the gather on the
+    stream that ran it: the saver waits on it before reading a byte, whatever stream
+    either side runs on, so a half-gathered snapshot is never saved. The saver's CUDA
+    calls run under the snapshot's device (a thread that never chose one would open a
+    context on GPU 0). A save that fails (daemon down, timeout, an error) is logged and counted
     (``errors.save``); it never reaches the engine and never leaves a partial block
     behind (a park commits all of its blocks or none).
     """
 
-    def __init__(self, conn: Conn, timeout_s: float, max_pending_bytes: int) -> None:
+    def __init__(self, conn: Conn, timeout_s: float, max_pending_bytes: int, max_wait_s: float = 0.005) -> None:
         self.conn = conn
         self.timeout_s = float(timeout_s)
         self.max_pending_bytes = int(max_pending_bytes)
+        self.max_wait_s = float(max_wait_s)
         self._queue: deque[_Save] = deque()
         self._pending_bytes = 0  # queued + the one being parked
         self._busy = False
@@ -257,13 +283,16 @@ class BackgroundSaver:
         self._thread.start()
         _SAVERS.add(self)
 
-    def submit(self, keys: list[str], packed: torch.Tensor, attrs: Mapping[str, str]) -> bool:
-        """Queue a snapshot (``packed[j]`` is ``keys[j]``); returns whether it was accepted."""
-        save = _Save(keys, packed, dict(attrs), time.monotonic() + self.timeout_s)
+    def submit(self, keys: list[str], packed: torch.Tensor, attrs: Mapping[str, str], ready: Any = None) -> bool:
+        """Queue a snapshot (``packed[j]`` is ``keys[j]``; ``ready``: the event after its
+        gather, for one on a GPU); returns whether it was accepted."""
+        now = time.monotonic()
+        save = _Save(keys, packed, dict(attrs), now + self.timeout_s, ready)
+        give_up = min(save.deadline, now + self.max_wait_s)
         with self._cv:
             while (not self._closed and self._pending_bytes
                    and self._pending_bytes + save.nbytes > self.max_pending_bytes):
-                left = save.deadline - time.monotonic()
+                left = give_up - time.monotonic()
                 if left <= 0:
                     break
                 self._cv.wait(left)
@@ -343,8 +372,11 @@ class BackgroundSaver:
         try:
             if left <= 0:
                 raise DeadlineExceeded(f"{len(save.keys)} blocks waited {self.timeout_s:.1f}s to be saved")
-            with self.conn.bounded(left) as client:  # the connect counts against the save's deadline too
-                client.park_batch({key: [save.packed[j]] for j, key in enumerate(save.keys)}, attrs=save.attrs)
+            with cuda.on_device(save.packed.device):
+                if save.ready is not None:
+                    save.ready.synchronize()  # the gather has landed (a blocking event: no spin)
+                with self.conn.bounded(left) as client:  # the connect counts against the save's deadline too
+                    client.park_batch({key: [save.packed[j]] for j, key in enumerate(save.keys)}, attrs=save.attrs)
         except Exception as e:  # noqa: BLE001 - a failed save only costs a future miss
             self.conn.failed("save", e)
             return

@@ -22,7 +22,7 @@ from kvpark.proto.errors import InvalidArgument
 from .address import normalize
 
 KEYS = ("address", "transport", "lookup_timeout_s", "load_timeout_s", "save_timeout_s", "stage_bytes",
-        "save_queue_bytes", "cpu_amx_init")
+        "save_queue_bytes", "save_submit_wait_s", "cpu_amx_init")
 TRANSPORTS = ("auto", "cuda_ipc", "shm", "inline")
 
 
@@ -35,6 +35,7 @@ class ConnectorOptions:
     save_timeout_s: float
     stage_bytes: int
     save_queue_bytes: int
+    save_submit_wait_s: float
     cpu_amx_init: bool
 
 
@@ -75,5 +76,6 @@ def parse(extra: Mapping[str, Any] | None, env: Mapping[str, str] | None = None)
         save_timeout_s=_number(extra, "save_timeout_s", 10.0, float),
         stage_bytes=stage,
         save_queue_bytes=_number(extra, "save_queue_bytes", 2 * stage, int),
+        save_submit_wait_s=_number(extra, "save_submit_wait_s", 0.005, float),
         cpu_amx_init=flag(extra.get("cpu_amx_init", True)),
     )

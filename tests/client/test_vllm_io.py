@@ -172,6 +172,47 @@ def test_a_full_queue_drops_the_save_after_its_deadline(hung_address: str) -> No
     assert saver.drain(30) and saver.close() == 0
 
 
+def test_a_full_queue_drops_the_save_after_a_few_ms_not_its_deadline(hung_address: str) -> None:
+    """The wait for room is inside the engine's step: bounded by ``max_wait_s``, not by
+    the save's deadline. The first save hangs on a connect that gives up after 3 s and
+    frees the queue; a submit that waited up to its 30 s deadline would then be accepted."""
+    kv = layers(6)
+    one = gather_blocks(kv, 0, [0])
+    saver = BackgroundSaver(Conn(hung_address, "inline", connect_timeout_s=3), timeout_s=30,
+                            max_pending_bytes=one.numel() * 2, max_wait_s=0.005)
+    assert saver.submit(keys("w0", 1), one, ATTRS)
+    assert not saver.submit(keys("w1", 1), gather_blocks(kv, 0, [1]), ATTRS)
+    assert STATS["saves_dropped"] == 1 and STATS["saves_queued"] == 1
+    assert saver.drain(30) and saver.close() == 0
+
+
+def test_the_saver_reads_a_snapshot_only_once_its_gather_event_is_done(daemon: Callable[..., Daemon]) -> None:
+    """``ready`` is waited on before the first byte is read: an event that is not done
+    holds the save back (on CPU a stand-in event object; on a GPU the gather's CUDA event,
+    tests/daemon/test_cuda_paths.py)."""
+    d = daemon()
+    kv = layers(7)
+    saver = BackgroundSaver(Conn(d.address, "auto"), timeout_s=10, max_pending_bytes=1 << 30)
+
+    class Gate:  # what the saver needs of an event: synchronize()
+        def __init__(self) -> None:
+            self.open = threading.Event()
+
+        def synchronize(self) -> None:
+            assert self.open.wait(10)
+
+    gate = Gate()
+    packed = gather_blocks(kv, 0, [2, 3])
+    assert saver.submit(keys("ev", 2), packed, ATTRS, gate)
+    assert not saver.drain(0.3), "the save ran before its gather's event was done"
+    gate.open.set()
+    assert saver.drain(30) and STATS["saves"] == 1
+    with Client(d.address) as c:
+        (got,) = c.restore(keys("ev", 2)[1])
+        assert torch.equal(got, packed[1])
+    saver.close()
+
+
 def test_wait_for_saves_drains_every_saver(daemon: Callable[..., Daemon]) -> None:
     d = daemon()
     kv = layers(6)
