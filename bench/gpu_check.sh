@@ -134,6 +134,20 @@ if bench:
              ("kvpark demote / promote GB/s", f"{kv['demote_gbps']:.1f} / {kv['promote_gbps']:.1f} "
               f"({bench['ratios']['demote_vs_raw_d2h']:.2f}x / {bench['ratios']['promote_vs_raw_h2d']:.2f}x raw)"),
              (f"restore {r['bytes'] / 2**30:.2f} GiB host->device", f"best {r['best_ms']:.1f} ms, median {r['median_ms']:.1f} ms")]
+    ratios = bench.get("ratios", {})
+    for b in (2, 64):
+        if f"demote_{b}MiB_vs_raw" in ratios:
+            rows.append((f"{b} MiB blocks demote / promote vs raw",
+                         f"{ratios[f'demote_{b}MiB_vs_raw']:.2f}x / {ratios[f'promote_{b}MiB_vs_raw']:.2f}x"))
+    if "duplex_vs_one_direction" in ratios:
+        rows.append(("duplex vs one direction", f"{ratios['duplex_vs_one_direction']:.2f}x (raw "
+                     f"{ratios.get('raw_duplex_vs_one_direction', float('nan')):.2f}x)"))
+    for name, c in (bench.get("client") or {}).items():
+        rows.append((f"client {name} park / restore vs raw",
+                     f"{ratios[f'client_{name}_park_vs_raw']:.2f}x / {ratios[f'client_{name}_restore_vs_raw']:.2f}x, "
+                     f"bytes ok {c['bytes_ok']}, mapping pinned {c['client_mapping_pinned']}"))
+    if "pinned_bytes" in bench:
+        rows.append(("page-locked bytes", str(bench["pinned_bytes"])))
 else:
     rows.append(("bench", f"rc {bench_rc}, no result (see gpu_bench.log)"))
 rows.append(("verdict", f"{'OK' if ok else 'FAILED'}{' (CPU dry run)' if dry else ''} in {total_s}s"))
