@@ -184,7 +184,7 @@ class Staging:
         self.cuda = self.device.type == "cuda" and cuda_available()
         self._locks = {"d2h": threading.Lock(), "h2d": threading.Lock()}
         self._bufs: dict[str, list[torch.Tensor]] = {}
-        self._stream: object = None
+        self._streams: dict[str, object] = {}  # per direction, so the two run at once
         self.rounds = 0  # rounds run, both directions (tests: the double-buffering ran)
 
     @property
@@ -196,16 +196,16 @@ class Staging:
         if bufs is None:
             with on_device(self.device):
                 bufs = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
-                if self.cuda and self._stream is None:
-                    self._stream = side_stream(self.device, "staging")
+                if self.cuda:
+                    self._streams[direction] = side_stream(self.device, f"staging-{direction}")
             self._bufs[direction] = bufs
         return bufs
 
-    def _record(self) -> object:
+    def _record(self, direction: str) -> object:
         if not self.cuda:
             return None
         ev = torch.cuda.Event(blocking=True)
-        ev.record(self._stream)  # type: ignore[arg-type]
+        ev.record(self._streams[direction])  # type: ignore[arg-type]
         return ev
 
     @staticmethod
@@ -213,13 +213,14 @@ class Staging:
         if ev is not None:
             ev.synchronize()  # type: ignore[attr-defined]
 
-    def _side(self) -> ContextManager[object]:
+    def _side(self, direction: str) -> ContextManager[object]:
         if not self.cuda:
             return nullcontext()
+        stream = self._streams[direction]
         # Whatever the caller queued on its current stream (the bytes being read, or a
         # reader of the destination) is ordered before the staged copies.
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))  # type: ignore[union-attr]
-        return torch.cuda.stream(self._stream)  # type: ignore[arg-type]
+        stream.wait_stream(torch.cuda.current_stream(self.device))  # type: ignore[attr-defined]
+        return torch.cuda.stream(stream)  # type: ignore[arg-type]
 
     def download(self, parts: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Pageable CPU copies of the flat ``uint8`` device tensors ``parts``."""
@@ -238,13 +239,13 @@ class Staging:
                     pending[slot] = None
 
             try:
-                with self._side():
+                with self._side("d2h"):
                     for k, rnd in enumerate(plan_chunks([p.numel() for p in flat], self.chunk)):
                         slot = k % 2
                         drain(slot)  # the round before last used this buffer: empty it first
                         for i, off, boff, n in rnd:
                             bufs[slot][boff : boff + n].copy_(flat[i][off : off + n], non_blocking=True)
-                        pending[slot] = (self._record(), rnd)
+                        pending[slot] = (self._record("d2h"), rnd)
                         self.rounds += 1
                 for slot in (0, 1):
                     drain(slot)
@@ -264,21 +265,21 @@ class Staging:
             bufs = self._buffers("h2d")
             events: list[object] = [None, None]
             try:
-                with self._side():
+                with self._side("h2d"):
                     for k, rnd in enumerate(plan_chunks([s.numel()], self.chunk)):
                         slot = k % 2
                         self._wait(events[slot])  # its last DMA has read the buffer
                         for _i, off, boff, n in rnd:
                             bufs[slot][boff : boff + n].copy_(s[off : off + n])
                             d[off : off + n].copy_(bufs[slot][boff : boff + n], non_blocking=True)
-                        events[slot] = self._record()
+                        events[slot] = self._record("h2d")
                         self.rounds += 1
             finally:
                 # Landed before the caller (or the next upload) goes on.
                 for ev in events:
                     self._wait(ev)
             if self.cuda:
-                torch.cuda.current_stream(self.device).wait_stream(self._stream)  # type: ignore[arg-type]
+                torch.cuda.current_stream(self.device).wait_stream(self._streams["h2d"])  # type: ignore[arg-type]
 
     def _settle(self, pending: list) -> None:
         """After a failure: no DMA may still be writing a buffer the next caller reuses."""
@@ -477,7 +478,7 @@ def side_stream(device: torch.device, role: str) -> "torch.cuda.Stream":
     ``torch.cuda.Stream()`` hands out streams from a small pool, round robin, shared with
     every other user in the process (an engine's own side streams too): a new one per
     call soon lands copies on a stream that runs model work. One long-lived stream per
-    role and device (``"d2h"``, ``"h2d"``, ``"d2d"``, ``"staging"``) keeps kvpark's copies
+    role and device (``"d2h"``, ``"h2d"``, ``"d2d"``, ``"staging-d2h"``, ``"staging-h2d"``) keeps kvpark's copies
     on streams of their own, one per direction so the two run at once."""
     dev = indexed(device)
     key = (str(dev), role)
