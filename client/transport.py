@@ -535,6 +535,19 @@ def _park_copier(devices: set[torch.device]) -> cuda.LayerCopier | None:
     return cuda.LayerCopier(gpu, gpu)
 
 
+def _sources_ready(devices: set[torch.device]) -> None:
+    """Wait for the work already queued on the current streams of ``devices`` before a
+    reservation or read lease is asked for.
+
+    A lease lives ``leases.ttl_s`` from its grant, and the daemon cannot see a copy queued
+    on a GPU: a copy queued behind seconds of model work could outlive its lease and
+    write slots the daemon has handed to another park. Waiting first ties the lease's
+    life to the copy itself (the later ``wait_stream`` then orders nothing new)."""
+    gpus = {d for d in devices if d.type == "cuda"}
+    if gpus:
+        cuda.Fence(*gpus).wait()
+
+
 def _copy(copies: cuda.LayerCopier | None, dst: torch.Tensor, src: torch.Tensor) -> None:
     if copies is None:
         dst.copy_(src)
@@ -570,6 +583,7 @@ class _Pool(Transport):
             return self._park_small(header, flats)
         pool, rpc = self.pool, self.rpc
         self.prepare({f.device for f in flats if f.numel()})
+        _sources_ready({f.device for f in flats if f.numel()})
         r = rpc.call(rpc.reserve, pb.ReserveRequest(header=header, tier=self.tier))
         self.check(r, "reserve", r.lease_id)  # before a byte goes into the mapping
         devices = {pool.device, *(f.device for f in flats)}
@@ -616,6 +630,7 @@ class _Pool(Transport):
 
     def _restore(self, ids: list[str], target: Target) -> Restoring:
         self.prepare(target.devices())
+        _sources_ready(target.devices())
         req = pb.AcquireRequest(tier=self.tier, expect_layout=target.expect_layout, inline_max=SMALL_POOL_BYTES,
                                 packed=self.packed)
         set_ids(req, ids)
