@@ -195,11 +195,14 @@ class Client(ControlCalls):
         mapping is page-locked (False without shm, CUDA, or where the runtime refuses)."""
         dev = torch.device(device)
         t = self._transport
-        if dev.type != "cuda" or not isinstance(t, Shm):
+        if dev.type != "cuda" or not cuda.cuda_available() or not isinstance(t, Shm):
             return False
-        with self._uses.held():
-            t.prepare({cuda.indexed(dev)})
-            return t.pinned
+        try:
+            with self._uses.held(), t._uses.held():  # the transport is not closed (unmapped) under it
+                t.prepare({cuda.indexed(dev)})
+                return t.pinned
+        except Unavailable:
+            return False  # closed, or retired by a remap: the new mapping pins on first use
 
     def close(self) -> None:
         """End this client; calls begun after it raise ``Unavailable``. Calls running on

@@ -7,90 +7,118 @@ lock) belongs to the process: the first client to open an arena maps it, later o
 share it, and the last to let go unmaps it.
 
 Primitives:
-- ``open_arena(path, size) -> SharedArena``: this process's mapping of the arena file
-  (one per file: its path, device and inode), counted; ``OSError`` when it cannot be mapped.
-- ``close_arena(arena)``: one user fewer; the last unpins and unmaps it.
-- ``pin_arena(arena, device) -> bool``: page-lock the mapping once (under ``device``, so
-  the calling thread never opens a context on another GPU); whether it is pinned.
+- ``open_arena(path, size) -> Mapping``: a use of this process's mapping of the arena
+  file (one per file: its path, size, device and inode); ``.arena`` is the
+  ``SharedArena``. ``OSError`` when it cannot be mapped.
+- ``Mapping.close()``: this use ends (once); the last use unpins and unmaps it.
+- ``Mapping.pin(device) -> bool``: page-lock the mapping once per process (under
+  ``device``, so the calling thread never opens a context on another GPU); whether it is
+  pinned. Never pins a mapping whose last use has ended.
 - ``mapped() -> int``: mappings held now (tests).
+
+A use that is dropped without ``close()`` (a ``Client`` never closed) is let go by the
+garbage collector: the shared state is held only through its uses, and the last one to
+go unpins and unmaps, as a close would.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass, field
+import weakref
 
 import torch
 
 from kvpark.tiers import cuda
 from kvpark.tiers.shm import SharedArena
 
-__all__ = ["close_arena", "mapped", "open_arena", "pin_arena"]
+__all__ = ["Mapping", "mapped", "open_arena"]
+
+Key = tuple[str, int, int, int]
 
 
-@dataclass
-class _Mapping:
-    arena: SharedArena
-    key: tuple[str, int, int, int]
-    users: int = 1
-    pinned_on: torch.device | None = None  # the device it was page-locked under
-    pin_tried: bool = False
-    pin_lock: threading.Lock = field(default_factory=threading.Lock)
+class _Shared:
+    """The process's mapping of one arena file: its page lock, and its teardown."""
+
+    def __init__(self, arena: SharedArena, key: Key) -> None:
+        self.arena = arena
+        self.key = key
+        self.lock = threading.Lock()  # pin and teardown, one at a time
+        self.pinned_on: torch.device | None = None
+        self.pin_tried = False
+        self.gone = False
+
+    def teardown(self) -> None:
+        # REQUIRES: no use left, and no longer findable by open_arena (see _release).
+        with self.lock:
+            if self.gone:
+                return
+            self.gone = True
+            if self.pinned_on is not None:
+                cuda.unpin_host(self.arena.tensor, self.pinned_on)  # before the unmap, never after
+                self.pinned_on = None
+        self.arena.close()
+
+
+class Mapping:
+    """One use of a shared arena mapping."""
+
+    def __init__(self, shared: _Shared) -> None:
+        self._shared = shared
+        self.arena = shared.arena
+        self._closed = False
+        # A use dropped without close() ends as a close would (the GC runs this once).
+        self._end = weakref.finalize(self, _release, shared)
+        # Not at interpreter exit: a daemon thread may still be copying through it then,
+        # and the process's end unmaps everything anyway.
+        self._end.atexit = False
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._end()
+
+    def pin(self, device: torch.device) -> bool:
+        s = self._shared
+        with s.lock:
+            if not s.pin_tried and not s.gone and not self._closed:
+                s.pin_tried = True
+                if cuda.pin_host(s.arena.tensor, device) is not None:
+                    s.pinned_on = device
+            return s.pinned_on is not None
 
 
 _lock = threading.Lock()
-_by_key: dict[tuple[str, int, int, int], _Mapping] = {}
-_by_arena: dict[int, _Mapping] = {}  # id(arena) -> its mapping
+_shared: dict[Key, _Shared] = {}
+_users: dict[int, int] = {}  # id(_Shared) -> uses not yet ended
 
 
-def open_arena(path: str, size: int) -> SharedArena:
+def _release(shared: _Shared) -> None:
+    with _lock:
+        left = _users.get(id(shared), 0) - 1
+        if left > 0:
+            _users[id(shared)] = left
+            return
+        _users.pop(id(shared), None)
+        # Unfindable before it is torn down: an open from here on maps the file afresh
+        # instead of taking a use of a mapping about to be unmapped.
+        if _shared.get(shared.key) is shared:
+            del _shared[shared.key]
+    shared.teardown()
+
+
+def open_arena(path: str, size: int) -> Mapping:
     st = os.stat(path)  # a restarted daemon's arena is another file (another inode)
     key = (path, int(size), st.st_dev, st.st_ino)
     with _lock:
-        m = _by_key.get(key)
-        if m is not None:
-            m.users += 1
-            return m.arena
-        arena = SharedArena.open(path, size)
-        m = _Mapping(arena, key)
-        _by_key[key] = m
-        _by_arena[id(arena)] = m
-        return arena
-
-
-def close_arena(arena: SharedArena) -> None:
-    with _lock:
-        m = _by_arena.get(id(arena))
-        if m is None:
-            return
-        m.users -= 1
-        if m.users > 0:
-            return
-        del _by_arena[id(arena)]
-        _by_key.pop(m.key, None)
-    with m.pin_lock:
-        if m.pinned_on is not None:
-            cuda.unpin_host(arena.tensor, m.pinned_on)
-            m.pinned_on = None
-    arena.close()
-
-
-def pin_arena(arena: SharedArena, device: torch.device) -> bool:
-    """Page-lock ``arena`` once for this process (the first GPU caller's device guards
-    the call; the registration is portable, so it serves every GPU)."""
-    with _lock:
-        m = _by_arena.get(id(arena))
-    if m is None:
-        return False
-    with m.pin_lock:
-        if not m.pin_tried:
-            m.pin_tried = True
-            if cuda.pin_host(arena.tensor, device) is not None:
-                m.pinned_on = device
-        return m.pinned_on is not None
+        s = _shared.get(key)
+        if s is None:
+            s = _Shared(SharedArena.open(path, size), key)
+            _shared[key] = s
+        _users[id(s)] = _users.get(id(s), 0) + 1
+        return Mapping(s)
 
 
 def mapped() -> int:
     with _lock:
-        return len(_by_key)
+        return len(_shared)

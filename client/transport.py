@@ -59,7 +59,7 @@ from kvpark.proto.types import SeqInfo
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import decode_chunk, encode_chunk, regroup
 from kvpark.tiers import cuda
-from kvpark.tiers.shm import SharedArena, boot_id
+from kvpark.tiers.shm import boot_id
 
 from . import mappings
 from .datachannel import DataChannel, DataChannelRefused, client_ssl_context
@@ -524,15 +524,16 @@ class Inline(Transport):
         return self._restore_stream(ids, target, int(got.info.nbytes))
 
 
-def _park_copier(devices: set[torch.device]) -> cuda.LayerCopier | None:
-    """A park's copies on a side stream when one GPU is involved (into a page-locked
-    mapping they are real asynchronous DMA, queued behind nothing the model runs); None:
-    plain copies on the current streams (CPU only, or tensors on several GPUs)."""
-    gpus = {cuda.indexed(d) for d in devices if d.type == "cuda"}
-    if len(gpus) != 1:
+def _park_copier(sources: set[torch.device], pool: torch.device) -> cuda.LayerCopier | None:
+    """A park's copies on the side stream of their direction when one GPU is involved
+    (into a page-locked mapping they are real asynchronous DMA, queued behind nothing the
+    model runs); None: plain copies on the current streams (CPU only, or tensors on
+    several GPUs, or on several kinds of device)."""
+    gpus = {cuda.indexed(d) for d in sources | {pool} if d.type == "cuda"}
+    kinds = {d.type for d in sources}
+    if len(gpus) != 1 or len(kinds) != 1:
         return None
-    (gpu,) = gpus
-    return cuda.LayerCopier(gpu, gpu)
+    return cuda.LayerCopier(next(iter(sources)), pool)
 
 
 def _sources_ready(devices: set[torch.device]) -> None:
@@ -587,7 +588,7 @@ class _Pool(Transport):
         r = rpc.call(rpc.reserve, pb.ReserveRequest(header=header, tier=self.tier))
         self.check(r, "reserve", r.lease_id)  # before a byte goes into the mapping
         devices = {pool.device, *(f.device for f in flats)}
-        copies = _park_copier(devices)
+        copies = _park_copier({f.device for f in flats if f.numel()}, pool.device)
         try:
             if r.window_size:
                 self._park_windows(r, flats, devices, copies)
@@ -756,9 +757,10 @@ class Shm(_Pool):
     name = "shm"
     tier = "host"
 
-    def __init__(self, rpc: Rpc, hello: pb.HelloResponse, arena: SharedArena) -> None:
-        super().__init__(rpc, hello, arena.tensor)
-        self.arena = arena
+    def __init__(self, rpc: Rpc, hello: pb.HelloResponse, mapping: mappings.Mapping) -> None:
+        super().__init__(rpc, hello, mapping.arena.tensor)
+        self.mapping = mapping
+        self.arena = mapping.arena
         self.pinned = False
 
     def prepare(self, devices: set[torch.device]) -> None:
@@ -769,7 +771,7 @@ class Shm(_Pool):
                 # clients), on the first call that moves GPU tensors through it or at a
                 # connector's start, so D2H/H2D go straight in and out; a CPU-only user
                 # never creates a CUDA context for it.
-                self.pinned = mappings.pin_arena(self.arena, cuda.indexed(gpu))
+                self.pinned = self.mapping.pin(cuda.indexed(gpu))
 
     @classmethod
     def open(cls, rpc: Rpc, hello: pb.HelloResponse) -> "Transport":
@@ -779,14 +781,14 @@ class Shm(_Pool):
         if a.hostname != socket.gethostname() or (a.boot_id and a.boot_id != boot_id()):
             raise TransportUnavailable(f"the daemon runs on another host ({a.hostname})")
         try:
-            arena = mappings.open_arena(a.path, a.size)
+            mapping = mappings.open_arena(a.path, a.size)
         except OSError as e:
             raise TransportUnavailable(f"cannot map arena {a.path}: {e}") from None
-        return cls(rpc, hello, arena)
+        return cls(rpc, hello, mapping)
 
     def _unmap(self) -> None:
         self.pinned = False
-        mappings.close_arena(self.arena)  # the process's last user unpins and unmaps it
+        self.mapping.close()  # the process's last use unpins and unmaps it
 
 
 class CudaIpc(_Pool):

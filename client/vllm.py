@@ -132,7 +132,9 @@ def _platform_name() -> str:
     try:
         from vllm.platforms import current_platform
 
-        return "cuda" if current_platform.is_cuda() else str(current_platform.device_type)
+        # device_name, not device_type: ROCm reports device_type "cuda" and name "rocm".
+        return "cuda" if current_platform.is_cuda() else str(getattr(current_platform, "device_name", "")
+                                                             or current_platform.device_type)
     except Exception:  # noqa: BLE001 - an unknown platform gets its own, never-matching name
         return "unknown"
 

@@ -372,7 +372,10 @@ class BackgroundSaver:
         try:
             if left <= 0:
                 raise DeadlineExceeded(f"{len(save.keys)} blocks waited {self.timeout_s:.1f}s to be saved")
-            with cuda.on_device(save.packed.device):
+            # Its own current stream: the park's lease waits and copies then queue behind
+            # nothing but the saver's own work, not the model's on the default stream.
+            dev = save.packed.device
+            with cuda.on_device(dev), cuda.on_stream(dev, "saver"):
                 if save.ready is not None:
                     save.ready.synchronize()  # the gather has landed (a blocking event: no spin)
                 with self.conn.bounded(left) as client:  # the connect counts against the save's deadline too

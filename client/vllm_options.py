@@ -52,8 +52,8 @@ def _number(extra: Mapping[str, Any], key: str, default: float, kind: type) -> A
         n = kind(value)
     except (TypeError, ValueError):
         raise InvalidArgument(f"kv_connector_extra_config.{key}: expected a number, got {value!r}") from None
-    if n <= 0:
-        raise InvalidArgument(f"kv_connector_extra_config.{key}: must be above 0, got {value!r}")
+    if not n > 0 or n == float("inf"):  # nan compares false with everything
+        raise InvalidArgument(f"kv_connector_extra_config.{key}: must be a finite number above 0, got {value!r}")
     return n
 
 

@@ -256,7 +256,7 @@ class CopyEngine:
         """The next chunks to issue together: the next chunk of the best job at the head of
         any direction's queue whose direction has budget for it, then, while they fit in
         one chunk's worth of bytes and the budget, the next chunks of that direction's
-        queue in order. Small jobs (a demotion of a 2 MiB block) so go out many to one
+        queue in order, of the same priority. Small jobs (a demotion of a 2 MiB block) so go out many to one
         event and one wake-up of the completion thread, not one each."""
         with self._cv:
             while True:
@@ -272,11 +272,14 @@ class CopyEngine:
                 if best is not None:
                     d = best[1]
                     q = self._queues[d]
+                    prio = q[0][0]
                     batch = [self._take(q, d)]
                     total = batch[0][2]
                     while True:
                         self._skip_failed(q)
-                        if not q:
+                        if not q or q[0][0] != prio:
+                            # One priority per batch: a batch completes as a whole, so a
+                            # restore batched with demotions would wait for their copies.
                             break
                         n = q[0][2]._chunks[0][1]
                         if total + n > self.chunk_bytes or self._inflight[d] + n > self.max_inflight:

@@ -28,7 +28,8 @@ Primitives:
 - ``Fence(*devices)``: events on those devices' current streams; ``wait()`` returns once
   the work queued there so far is done (no device-wide synchronize).
 - ``device_uuid(device)`` / ``local_device_for(uuid)``: tell whether two processes share a GPU.
-- ``side_stream(device, role)``: the process's one stream per role and device.
+- ``side_stream(device, role)``: the process's one stream per role and device;
+  ``on_stream(device, role)``: that stream made current inside a block.
 - ``LayerCopier``: the client's copies with per-tensor readiness marks, on a side stream.
 """
 
@@ -107,7 +108,12 @@ def unpin_host(t: torch.Tensor, device: torch.device | None = None) -> None:
     """Undo a successful ``pin_host``."""
     if cuda_available() and t.numel():
         with on_device(device):
-            torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+            rc = int(torch.cuda.cudart().cudaHostUnregister(t.data_ptr()))
+            if rc != 0:
+                _clear_last_cuda_error()  # else the next kernel launch on this thread raises it
+                log.warning("cudaHostUnregister of %d MiB failed (error %d)", (t.numel() * t.element_size()) >> 20,
+                            rc)
+                return
         with _pinned_lock:
             _pinned.pop(t.data_ptr(), None)
 
@@ -189,13 +195,21 @@ class Staging:
 
     @property
     def pinned_bytes(self) -> int:
-        return sum(b.numel() for bufs in self._bufs.values() for b in bufs) if self.cuda else 0
+        bufs = list(self._bufs.values())  # a copy: another thread may add a direction (GIL-atomic)
+        return sum(b.numel() for pair in bufs for b in pair if b.is_pinned()) if self.cuda else 0
 
     def _buffers(self, direction: str) -> list[torch.Tensor]:
         bufs = self._bufs.get(direction)
         if bufs is None:
             with on_device(self.device):
-                bufs = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
+                try:
+                    bufs = [torch.empty(self.chunk, dtype=torch.uint8, pin_memory=self.cuda) for _ in range(2)]
+                except RuntimeError as e:
+                    # Still correct, only slower: a copy out of or into pageable memory
+                    # is done with it before it returns.
+                    log.warning("cannot page-lock %d MiB of staging (%s); staging through pageable memory",
+                                (2 * self.chunk) >> 20, e)
+                    bufs = [torch.empty(self.chunk, dtype=torch.uint8) for _ in range(2)]
                 if self.cuda:
                     self._streams[direction] = side_stream(self.device, f"staging-{direction}")
             self._bufs[direction] = bufs
@@ -377,6 +391,8 @@ def ipc_handle(pool: torch.Tensor) -> bytes:
     # made it, and another release refuses it in words instead of misreading it.
     handle = json.dumps({"torch": _torch_release(), "fields": enc}).encode()
     with _exported_lock:
+        for dead in [h for h, r in _exported.items() if r() is None]:
+            del _exported[dead]
         _exported[handle] = weakref.ref(pool)
     return handle
 
@@ -475,19 +491,31 @@ _streams: dict[tuple[str, str], object] = {}
 def side_stream(device: torch.device, role: str) -> "torch.cuda.Stream":
     """This process's one side stream for ``role`` on ``device``, made once.
 
-    ``torch.cuda.Stream()`` hands out streams from a small pool, round robin, shared with
-    every other user in the process (an engine's own side streams too): a new one per
-    call soon lands copies on a stream that runs model work. One long-lived stream per
-    role and device (``"d2h"``, ``"h2d"``, ``"d2d"``, ``"staging-d2h"``, ``"staging-h2d"``) keeps kvpark's copies
-    on streams of their own, one per direction so the two run at once."""
+    ``torch.cuda.Stream()`` hands out streams from a small pool per priority, round robin,
+    shared with every other user in the process (an engine's own side streams too): a new
+    one per call soon lands copies on a stream that runs model work. One long-lived stream
+    per role and device (``"d2h"``, ``"h2d"``, ``"d2d"``, ``"staging-d2h"``,
+    ``"staging-h2d"``, ``"saver"``), one per direction so the two run at once, from the
+    high-priority pool, which few users draw from (and which lets a load's copies go
+    ahead of queued bulk work). Sharing with another user of that pool is still possible;
+    it costs time, never correctness (every wait is on an event)."""
     dev = indexed(device)
     key = (str(dev), role)
     with _streams_lock:
         st = _streams.get(key)
         if st is None:
             with on_device(dev):
-                st = _streams[key] = torch.cuda.Stream(device=dev)
+                st = _streams[key] = torch.cuda.Stream(device=dev, priority=-1)
         return st  # type: ignore[return-value]
+
+
+def on_stream(device: torch.device | None, role: str) -> ContextManager[object]:
+    """Make this process's ``role`` side stream current on ``device`` inside the block
+    (CPU or None: no-op): a background thread's copies and waits then stay off the
+    default stream, which the model's work may be queued on."""
+    if device is None or device.type != "cuda" or not cuda_available():
+        return nullcontext()
+    return torch.cuda.stream(side_stream(device, role))
 
 
 class LayerCopier:

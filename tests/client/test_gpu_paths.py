@@ -267,3 +267,37 @@ def test_an_ipc_handle_of_another_torch_release_is_refused_in_words() -> None:
     for bad in (json.dumps(fields).encode(), b"not json", json.dumps({"fields": fields}).encode()):
         with pytest.raises(RuntimeError, match="malformed CUDA IPC handle"):
             cuda.open_ipc(bad, 4096, torch.device("cuda", 0))
+
+
+def _client_maps(path: str) -> int:
+    with open("/proc/self/maps") as fh:
+        return sum(1 for line in fh if path in line)
+
+
+def test_a_client_dropped_without_close_lets_its_mapping_go(daemon: Callable[..., Daemon]) -> None:
+    """A fresh-eyes attack: the process-wide registry held every mapping for the life of
+    the process once a client was dropped unclosed, and later clients that did close
+    never unmapped it either."""
+    import gc
+
+    d = daemon()
+    before = mappings.mapped()
+    for i in range(3):
+        c = Client(d.address, transport="shm")
+        path = c._transport.arena.path
+        c.park(f"x{i}", [blob(i, 256 << 10)])
+        del c
+        gc.collect()
+    assert mappings.mapped() == before
+    assert _client_maps(path) == 1, "only the daemon's own mapping of its arena is left"
+    with Client(d.address, transport="shm") as c:  # a fresh mapping works
+        assert torch.equal(c.restore("x2")[0], blob(2, 256 << 10))
+
+
+@pytest.mark.parametrize("dev", ["cuda", "cuda:0", "cuda:3", "cpu"])
+def test_pin_arena_without_cuda_says_false(daemon: Callable[..., Daemon], dev: str) -> None:
+    d = daemon()
+    with Client(d.address, transport="shm") as c:
+        assert c.pin_arena(dev) is False
+    with Client(d.address, transport="inline") as c:
+        assert c.pin_arena("cuda:0") is False

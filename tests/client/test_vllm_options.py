@@ -47,7 +47,8 @@ def test_defaults_strings_and_the_address_rule() -> None:
     ({"adress": "x"}, "unknown key 'adress'"),
     ({"transport": "tcp"}, "transport: 'tcp' is not one of"),
     ({"stage_bytes": "lots"}, "stage_bytes: expected a number"),
-    ({"load_timeout_s": 0}, "load_timeout_s: must be above 0"),
+    ({"load_timeout_s": 0}, "load_timeout_s: must be a finite number above 0"),
+    ({"save_submit_wait_s": "nan"}, "save_submit_wait_s: must be a finite number above 0"),
     ({"address": "http://127.0.0.1:50551"}, "not http://"),
 ])
 def test_bad_extra_config_is_refused_naming_the_key(extra: dict, words: str) -> None:

@@ -135,6 +135,28 @@ def test_small_jobs_queued_in_one_direction_go_out_together_in_order() -> None:
         eng.close()
 
 
+def test_a_restore_is_never_batched_with_the_demotions_queued_behind_it() -> None:
+    """A batch completes as a whole: a restore that opened one and took the demotions
+    queued after it would wait for their copies too. A fresh-eyes attack: 100 demotions
+    queued behind a full budget, then a restore; the restore must land first."""
+    eng = CopyEngine(max_inflight_bytes=1 << 20, chunk_bytes=64 << 20)
+    lows = [torch.zeros(4096, dtype=torch.uint8) for _ in range(100)]
+    seen: list[int] = []
+    try:
+        first = eng.submit([(held(1 << 20), torch.ones(1 << 20, dtype=torch.uint8))], restore=False, direction=H2D)
+        assert wait_until(lambda: in_flight(eng, H2D))
+        for dst in lows:
+            eng.submit([(dst, torch.full((4096,), 7, dtype=torch.uint8))], restore=False, direction=H2D)
+        r = eng.submit([(torch.zeros(4096, dtype=torch.uint8), torch.full((4096,), 9, dtype=torch.uint8))],
+                       restore=True, direction=H2D, on_done=lambda j: seen.append(sum(int(d[0]) == 7 for d in lows)))
+        Held.gate.set()
+        assert first.wait(10) and r.wait(10)
+        assert seen == [0], f"the restore landed after {seen} demotions queued behind it were copied"
+    finally:
+        Held.gate.set()
+        eng.close()
+
+
 def test_a_failed_job_in_a_batch_fails_alone() -> None:
     eng = CopyEngine(max_inflight_bytes=64, chunk_bytes=1024)
     src = torch.arange(64, dtype=torch.int64).to(torch.uint8)
