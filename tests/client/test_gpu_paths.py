@@ -294,7 +294,8 @@ def test_a_client_dropped_without_close_lets_its_mapping_go(daemon: Callable[...
         assert torch.equal(c.restore("x2")[0], blob(2, 256 << 10))
 
 
-@pytest.mark.parametrize("dev", ["cuda", "cuda:0", "cuda:3", "cpu"])
+# ids without the word "cuda": the suite skips tests whose keywords carry it on a CPU.
+@pytest.mark.parametrize("dev", ["cuda", "cuda:0", "cuda:3", "cpu"], ids=["gpu-bare", "gpu-0", "gpu-3", "cpu"])
 def test_pin_arena_without_cuda_says_false(daemon: Callable[..., Daemon], dev: str) -> None:
     d = daemon()
     with Client(d.address, transport="shm") as c:
