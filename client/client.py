@@ -503,6 +503,7 @@ class Client(ControlCalls):
     def _grant_restoring(self, grant: Grant, reply: pb.AcquireResponse, target: Target,
                          release: bool) -> Restoring:
         t = self._grant_mapping(grant, reply.instance)
+        t.prepare(target.devices())  # page-locked before a GPU copies out of it (once per process)
         if reply.window_size:
             # Larger than the host tier: served window by window, each asked for, and the
             # lease ends with the last one.

@@ -9,6 +9,9 @@ size) is in ``tests/client/test_gpu_paths.py``.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import threading
 from typing import Callable
 
@@ -149,3 +152,98 @@ def test_closing_a_layerwise_restore_midway_never_writes_into_reused_memory(daem
             fresh = [torch.full((4 * MiB,), 7, dtype=torch.uint8, device="cuda:0") for _ in range(12)]
             torch.cuda.synchronize()
             assert all(bool((f == 7).all()) for f in fresh)
+
+
+def test_pinning_for_the_second_gpu_opens_no_context_on_the_first() -> None:
+    """A rank's saver thread never chose a device: pinning for its GPU must not open a
+    context (0.3-0.6 GiB) on GPU 0, which rank 0 filled with KV cache. Checked in a
+    fresh process, where no context exists yet."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (only one is visible)")
+    code = (
+        "import threading, torch\n"
+        "from kvpark.tiers import cuda\n"
+        "buf = torch.empty(8 << 20, dtype=torch.uint8)\n"
+        "t = threading.Thread(target=lambda: cuda.pin_host(buf, torch.device('cuda', 1)))\n"
+        "t.start(); t.join()\n"
+        "assert buf.is_pinned()\n"
+        "print('CTX0', torch._C._cuda_hasPrimaryContext(0))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "CTX0 False" in r.stdout
+
+
+def test_an_index_goes_up_without_waiting_for_the_stream() -> None:
+    torch.cuda.synchronize()
+    torch.cuda._sleep(500_000_000)  # ~0.3 s of queued work on the current stream
+    idx = cuda.as_index(list(range(1000)), torch.device("cuda:0"))
+    assert not torch.cuda.current_stream().query(), "as_index waited for the queued work"
+    assert idx.tolist() == list(range(1000))  # .tolist() waits; the values are right
+
+
+def test_side_streams_are_one_per_role_and_reused() -> None:
+    dev = torch.device("cuda:0")
+    assert cuda.side_stream(dev, "d2h") is cuda.side_stream(dev, "d2h")
+    assert cuda.side_stream(dev, "d2h") != cuda.side_stream(dev, "h2d")
+    assert cuda.side_stream(dev, "d2h").priority < 0  # the high-priority pool
+
+
+def test_a_park_queued_behind_long_gpu_work_outlives_no_lease(daemon: Callable[..., Daemon]) -> None:
+    """The lease is asked for once the work queued on the tensors' stream is done: a park
+    whose source is still being produced for longer than leases.ttl_s is committed, not
+    refused (nor written into slots the daemon reaped and reused)."""
+    d = daemon(**{**GPU, "leases.ttl_s": "1"})
+    src = gblob(3, 8 * MiB)
+    torch.cuda.synchronize()
+    with Client(d.address, transport="shm") as c:
+        torch.cuda._sleep(4_000_000_000)  # ~2-3 s on the current stream, longer than the TTL
+        assert c.park("slow", [src]).tier == "host"
+        assert torch.equal(c.restore("slow", device="cuda:0")[0], src)
+
+
+def test_a_daemon_under_expandable_segments_serves_every_path(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """An allocator with expandable segments may refuse to export the pool: cuda_ipc is
+    then off (logged), and shm and inline still serve GPU tensors."""
+    from ..conftest import Proc
+
+    env = {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        p = Proc.start(tmp_path, *[x for k, v in GPU.items() for x in ("--set", f"{k}={v}")])
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    try:
+        src = gblob(4, 6 * MiB)
+        with Client(p.address) as c:
+            c.park("e", [src])
+            assert torch.equal(c.restore("e", device="cuda:0")[0], src)
+        with Client(p.address, transport="inline") as c:
+            assert torch.equal(c.restore("e", device="cuda:0")[0], src)
+    finally:
+        p.kill()
+
+
+def test_vllm_blocks_saved_off_the_step_and_loaded_back_on_a_gpu(daemon: Callable[..., Daemon]) -> None:
+    """The connector's data path (vLLM-free) on a GPU: FlashAttention-layout layers,
+    a snapshot saved by the background saver, loaded into other blocks."""
+    from kvpark.client.vllm_io import load_blocks, scatter_blocks  # noqa: F401
+
+    d = daemon(**GPU)
+    STATS.clear()
+    layers = [gblob(80 + i, 2 * 8 * 16 * 4 * 64 * 2).view(torch.bfloat16).view(2, 8, 16, 4, 64) for i in range(3)]
+    saver = BackgroundSaver(Conn(d.address, "auto"), timeout_s=30, max_pending_bytes=1 << 30)
+    packed = gather_blocks(layers, 1, [1, 2, 5])
+    assert saver.submit(["v1", "v2", "v5"], packed, {"layout": "t"}, gathered(packed.device))
+    assert saver.drain(60) and STATS["saves"] == 1
+    with Client(d.address) as c:
+        assert load_blocks(c, layers, 1, [6, 7, 0], ["v1", "v2", "v5"], stage_bytes=1 << 20) == 3
+    for layer in layers:
+        assert torch.equal(layer[:, 6], layer[:, 1]) and torch.equal(layer[:, 7], layer[:, 2])
+        assert torch.equal(layer[:, 0], layer[:, 5])
+    saver.close()

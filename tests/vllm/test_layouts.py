@@ -83,3 +83,25 @@ def test_flash_attention_layout_on_gpu_through_the_device_pool(proc: Callable[..
     with Client(d.address) as c:
         round_trip(c, "flash", "cuda:0")
         assert c.info(KEYS[0]).tier == "device"  # parked through the device pool, not the arena
+
+
+def test_the_layout_fingerprint_never_asks_torch_about_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The scheduler's process computes the fingerprint too, and vLLM forks workers from
+    processes like it: ``torch.cuda.is_available()`` there initialises CUDA's driver
+    state, which a forked child cannot use. The platform comes from vLLM instead."""
+    from types import SimpleNamespace
+
+    from kvpark.client import vllm as connector
+    from vllm.platforms import current_platform
+
+    current_platform.is_cpu()  # vLLM resolves its platform once, before the check below
+
+    def refuse() -> bool:
+        raise AssertionError("torch.cuda.is_available() called while fingerprinting")
+
+    monkeypatch.setattr(torch.cuda, "is_available", refuse)
+    spec = SimpleNamespace(dtype=torch.bfloat16, block_size=16, num_kv_heads=2, head_size=64)
+    kv_cache_config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=spec, layer_names=["a", "b"])])
+    vllm_config = SimpleNamespace(model_config=SimpleNamespace(model="m"))
+    fp = connector.layout_fingerprint(vllm_config, kv_cache_config)
+    assert fp == f"vllm-v1:m:bfloat16:bs16:h2:d64:L2:cpu-{torch.backends.cpu.get_cpu_capability()}"
