@@ -88,7 +88,11 @@ class Mapping:
             return s.pinned_on is not None
 
 
-_lock = threading.Lock()
+# Reentrant: a garbage collection can start on any allocation made under it (opening a
+# mapping allocates), and a dropped use's finalizer (``_release``) then runs on this
+# thread and takes it again. The use being opened is counted before anything is
+# allocated, so a finalizer running in between never tears its mapping down.
+_lock = threading.RLock()
 _shared: dict[Key, _Shared] = {}
 _users: dict[int, int] = {}  # id(_Shared) -> uses not yet ended
 
@@ -99,6 +103,14 @@ def _release(shared: _Shared) -> None:
         if left > 0:
             _users[id(shared)] = left
             return
+        _users[id(shared)] = 0
+    _release_last(shared)
+
+
+def _release_last(shared: _Shared) -> None:
+    with _lock:
+        if _users.get(id(shared), 0) > 0:
+            return  # taken again meanwhile (it was still findable): it stays
         _users.pop(id(shared), None)
         # Unfindable before it is torn down: an open from here on maps the file afresh
         # instead of taking a use of a mapping about to be unmapped.
@@ -116,7 +128,13 @@ def open_arena(path: str, size: int) -> Mapping:
             s = _Shared(SharedArena.open(path, size), key)
             _shared[key] = s
         _users[id(s)] = _users.get(id(s), 0) + 1
-        return Mapping(s)
+        try:
+            return Mapping(s)
+        except BaseException:
+            _users[id(s)] -= 1  # no use was made: give the count back (the last one tears it down)
+            if _users[id(s)] == 0:
+                _release_last(s)
+            raise
 
 
 def mapped() -> int:

@@ -46,14 +46,22 @@ def flag(value: Any) -> bool:
     return bool(value)
 
 
+# The largest value a key takes: seconds past this overflow the waits they feed
+# (threading's TIMEOUT_MAX, gRPC deadlines), and bytes past it are not a real machine's.
+_MAX = {float: 1e6, int: 1 << 50}
+
+
 def _number(extra: Mapping[str, Any], key: str, default: float, kind: type) -> Any:
     value = extra.get(key, default)
+    if isinstance(value, bool):  # True is not 1 second, nor 1 byte
+        raise InvalidArgument(f"kv_connector_extra_config.{key}: expected a number, got {value!r}")
     try:
         n = kind(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # int(inf) overflows
         raise InvalidArgument(f"kv_connector_extra_config.{key}: expected a number, got {value!r}") from None
-    if not n > 0 or n == float("inf"):  # nan compares false with everything
-        raise InvalidArgument(f"kv_connector_extra_config.{key}: must be a finite number above 0, got {value!r}")
+    if not 0 < n <= _MAX[kind]:  # nan compares false with everything
+        raise InvalidArgument(f"kv_connector_extra_config.{key}: must be a finite number above 0 and at most "
+                              f"{_MAX[kind]:g}, got {value!r}")
     return n
 
 

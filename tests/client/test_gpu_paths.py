@@ -302,3 +302,39 @@ def test_pin_arena_without_cuda_says_false(daemon: Callable[..., Daemon], dev: s
         assert c.pin_arena(dev) is False
     with Client(d.address, transport="inline") as c:
         assert c.pin_arena("cuda:0") is False
+
+
+_GC_CHILD = """
+import faulthandler, gc, sys
+faulthandler.dump_traceback_later(60, exit=True)
+from kvpark.client import Client, mappings
+addr = sys.argv[1]
+keep = Client(addr, transport="shm")  # a live use: the mapping stays
+path, size = keep._transport.arena.path, keep._transport.arena.size
+for n in range(60):
+    gc.disable()
+    c = Client(addr, transport="shm")
+    c.me = c                      # a client in a cycle, dropped unclosed: only the collector frees it
+    gc.collect(0)
+    del c
+    gc.set_threshold(n, 0, 100000)  # where the next automatic collection lands
+    gc.enable()
+    m = mappings.open_arena(path, size)  # an open on this thread, under the registry's lock
+    gc.set_threshold(700, 10, 10)
+    gc.collect()
+    m.close()
+keep.close()
+print("OK", mappings.mapped())
+"""
+
+
+def test_a_collection_inside_open_arena_does_not_deadlock(daemon: Callable[..., Daemon]) -> None:
+    """A fresh-eyes attack: a dropped use's finalizer runs on whichever thread starts a
+    collection, also one inside ``open_arena`` holding the registry's lock; with a plain
+    lock that thread waited on itself for ever. Run in a child (a hang ends it)."""
+    import subprocess
+    import sys
+
+    d = daemon()
+    p = subprocess.run([sys.executable, "-c", _GC_CHILD, d.address], capture_output=True, text=True, timeout=180)
+    assert p.returncode == 0 and "OK 0" in p.stdout, p.stdout[-2000:] + p.stderr[-3000:]

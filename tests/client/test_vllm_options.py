@@ -49,6 +49,10 @@ def test_defaults_strings_and_the_address_rule() -> None:
     ({"stage_bytes": "lots"}, "stage_bytes: expected a number"),
     ({"load_timeout_s": 0}, "load_timeout_s: must be a finite number above 0"),
     ({"save_submit_wait_s": "nan"}, "save_submit_wait_s: must be a finite number above 0"),
+    ({"save_timeout_s": 1e10}, "save_timeout_s: must be a finite number above 0 and at most 1e+06"),
+    ({"stage_bytes": float("inf")}, "stage_bytes: expected a number"),
+    ({"save_queue_bytes": "-inf"}, "save_queue_bytes: expected a number"),
+    ({"load_timeout_s": True}, "load_timeout_s: expected a number"),
     ({"address": "http://127.0.0.1:50551"}, "not http://"),
 ])
 def test_bad_extra_config_is_refused_naming_the_key(extra: dict, words: str) -> None:
