@@ -17,13 +17,19 @@ Primitives:
   parked block, a million of them at scale); ``extents`` is derived from that.
 
 Tails are placed by first fit over the partial slots that still have a free granule
-(kept apart from the full ones), so placing one does not scan every partial slot.
+(kept apart from the full ones), so placing one does not scan every partial slot. Full
+blocks take the smallest run of free slots that holds them (the lowest of those); the
+maximal free runs are kept as slots come and go (by start, by end, and by length), so
+finding one is a lookup, not a scan of the free map: 6-8 µs per allocation from 1k to
+64k slots, where the scan cost 19-177 µs (``bench/alloc.py``).
 
 Pure bookkeeping: no memory is touched here, so it is unit-tested without I/O.
 Not thread-safe; the engine calls it under its lock.
 """
 
 from __future__ import annotations
+
+import bisect
 
 import numpy as np
 
@@ -109,8 +115,18 @@ class SlotAllocator:
         self.granule = slot_size // GRANULES_PER_SLOT
         self.nslots = capacity // slot_size
         self.capacity = self.nslots * slot_size
-        self._free = np.ones(self.nslots, dtype=bool)
+        self._free = np.ones(self.nslots, dtype=bool)  # the truth, for the double-free checks
         self._nfree = self.nslots
+        # The maximal runs of free slots, kept as slots come and go, so taking a run is a
+        # lookup, not a scan of the whole free map (which cost 0.4 ms per allocation at
+        # 64k slots): start -> length, end -> start (to merge a freed run with its
+        # neighbours), and the starts of each length, sorted, with the lengths sorted.
+        self._run_at: dict[int, int] = {}
+        self._run_end: dict[int, int] = {}
+        self._by_len: dict[int, list[int]] = {}
+        self._lens: list[int] = []
+        if self.nslots:
+            self._add_run(0, self.nslots)
         self._partial: dict[int, int] = {}  # slot -> bitmask of used granules
         # The partial slots that still have a free granule, in the order they last gained
         # one: a tail is placed by scanning these, not every partial slot (with a million
@@ -143,23 +159,57 @@ class SlotAllocator:
                     return slot, g
         return None
 
+    def _add_run(self, start: int, length: int) -> None:
+        self._run_at[start] = length
+        self._run_end[start + length] = start
+        starts = self._by_len.get(length)
+        if starts is None:
+            self._by_len[length] = [start]
+            bisect.insort(self._lens, length)
+        else:
+            bisect.insort(starts, start)
+
+    def _remove_run(self, start: int) -> int:
+        length = self._run_at.pop(start)
+        del self._run_end[start + length]
+        starts = self._by_len[length]
+        del starts[bisect.bisect_left(starts, start)]
+        if not starts:
+            del self._by_len[length]
+            del self._lens[bisect.bisect_left(self._lens, length)]
+        return length
+
+    def _release_range(self, a: int, b: int) -> None:
+        """Slots ``[a, b)`` are free again: one run, merged with the free runs beside it."""
+        if a in self._run_end:
+            a = self._run_end[a]
+            self._remove_run(a)
+        if b in self._run_at:
+            b += self._remove_run(b)
+        self._add_run(a, b - a)
+
+    def _take_from(self, start: int, n: int) -> None:
+        """The first ``n`` slots of the free run at ``start``."""
+        length = self._remove_run(start)
+        if length > n:
+            self._add_run(start + n, length - n)
+
     def _take_slots(self, n: int) -> list[int]:
-        """Take ``n`` free slots, preferring the smallest single run that holds them all."""
+        """Take ``n`` free slots, preferring the smallest single run that holds them all
+        (the lowest such); else the longest runs first (then the lowest), in slot order."""
         if n == 0:
             return []
-        padded = np.concatenate(([False], self._free, [False]))
-        edges = np.flatnonzero(np.diff(padded.astype(np.int8)))
-        starts, ends = edges[0::2], edges[1::2]
-        lengths = ends - starts
-        fit = np.flatnonzero(lengths >= n)
-        if fit.size:
-            i = fit[np.argmin(lengths[fit])]
-            chosen = list(range(int(starts[i]), int(starts[i]) + n))
+        i = bisect.bisect_left(self._lens, n)
+        if i < len(self._lens):
+            start = self._by_len[self._lens[i]][0]
+            self._take_from(start, n)
+            chosen = list(range(start, start + n))
         else:
             chosen = []
-            for i in np.argsort(-lengths, kind="stable"):
-                take = min(int(lengths[i]), n - len(chosen))
-                chosen.extend(range(int(starts[i]), int(starts[i]) + take))
+            for start, length in sorted(self._run_at.items(), key=lambda r: (-r[1], r[0])):
+                take = min(length, n - len(chosen))
+                self._take_from(start, take)
+                chosen.extend(range(start, start + take))
                 if len(chosen) == n:
                     break
             chosen.sort()
@@ -200,6 +250,14 @@ class SlotAllocator:
             assert not self._free[idx].any(), "double free of arena slots"
             self._free[idx] = True
             self._nfree += len(idx)
+            idx.sort()
+            lo = prev = idx[0]
+            for slot in idx[1:]:
+                if slot != prev + 1:
+                    self._release_range(lo, prev + 1)
+                    lo = slot
+                prev = slot
+            self._release_range(lo, prev + 1)
         if a.tail is not None:
             slot, g, k = a.tail
             bits = ((1 << k) - 1) << g
@@ -211,5 +269,6 @@ class SlotAllocator:
                 del self._open[slot]
                 self._free[slot] = True
                 self._nfree += 1
+                self._release_range(slot, slot + 1)
         self.used_bytes -= a.charged
         assert self.used_bytes >= 0

@@ -2,6 +2,8 @@
 
 import random
 
+import numpy as np
+
 from kvpark.tiers.arena import SlotAllocator
 
 MiB = 1 << 20
@@ -144,3 +146,55 @@ def test_remove_stale_deletes_only_arena_files_no_live_daemon_holds(tmp_path) ->
         assert not stale.exists() and other.exists() and live.path and (tmp_path / live.path).exists()
     finally:
         live.close(unlink=True)
+
+
+def _scan_take(free: "np.ndarray", n: int) -> list[int]:
+    """The allocator's slot choice as it was made by scanning the whole free map: the
+    reference the kept runs must agree with, slot for slot."""
+    padded = np.concatenate(([False], free, [False]))
+    edges = np.flatnonzero(np.diff(padded.astype(np.int8)))
+    starts, ends = edges[0::2], edges[1::2]
+    lengths = ends - starts
+    fit = np.flatnonzero(lengths >= n)
+    if fit.size:
+        i = fit[np.argmin(lengths[fit])]
+        return list(range(int(starts[i]), int(starts[i]) + n))
+    chosen: list[int] = []
+    for i in np.argsort(-lengths, kind="stable"):
+        take = min(int(lengths[i]), n - len(chosen))
+        chosen.extend(range(int(starts[i]), int(starts[i]) + take))
+        if len(chosen) == n:
+            break
+    return sorted(chosen)
+
+
+def test_kept_free_runs_choose_exactly_what_a_scan_of_the_free_map_would() -> None:
+    """The free runs are kept as slots come and go (a lookup per allocation, not a scan):
+    through random churn of mixed sizes, every allocation takes the very slots a scan
+    of the free map would have, and the runs are always the maximal runs of free slots."""
+    for seed in range(6):
+        rng = random.Random(seed)
+        slots = rng.choice([17, 64, 200])
+        a = SlotAllocator(slots * MiB, MiB)
+        live = []
+        for _ in range(1500):
+            if live and rng.random() < 0.5:
+                a.free(live.pop(rng.randrange(len(live))))
+            else:
+                n = rng.choice([0, 1, 1, 2, 3, 5, 8, 13]) * MiB + rng.choice([0, 0, 777, MiB // 2])
+                want_full = _scan_take(a._free.copy(), n // MiB) if a.fits(n) else None
+                x = a.alloc(n)
+                assert (x is None) == (want_full is None)
+                if x is not None:
+                    assert list(x.full_slots) == want_full, (seed, n)
+                    live.append(x)
+            runs = sorted(a._run_at.items())
+            free = np.zeros(slots, dtype=bool)
+            for s, length in runs:
+                free[s : s + length] = True
+            assert np.array_equal(free, a._free), seed
+            assert all(s1 + l1 < s2 for (s1, l1), (s2, _) in zip(runs, runs[1:])), "runs not maximal"
+            assert a._lens == sorted(a._by_len) and all(a._by_len[k] == sorted(a._by_len[k]) for k in a._lens)
+        for x in live:
+            a.free(x)
+        assert a._run_at == {0: slots} and a.used_bytes == 0
