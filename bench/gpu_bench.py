@@ -34,6 +34,7 @@ from kvpark.daemon.mover import await_copy
 from kvpark.daemon.server import Daemon
 from kvpark.daemon.model import ParkSpec
 from kvpark.proto.layout import TensorMeta
+from kvpark.tiers.cuda import pinned_bytes
 
 from _common import write_json  # bench/ is on sys.path when a script here runs
 
@@ -245,7 +246,7 @@ def main() -> int:
             out["client"] = {"shm": client_bench(daemon.address, device, e2e, args.reps, "shm")}
             if device.type == "cuda":
                 out["client"]["cuda_ipc"] = client_bench(daemon.address, device, e2e, args.reps, "cuda_ipc")
-            out["pinned_bytes"] = cuda_pinned()
+            out["pinned_bytes"] = pinned_bytes()
         finally:
             daemon.stop()
     raw = out["raw"]
@@ -287,12 +288,6 @@ def main() -> int:
           " (target < 120 ms on H200; ratios: >= 0.8x at 64 MiB, >= 0.6x at 2 MiB, duplex >= 1.6x)")
     write_json(args.json, out)
     return 0 if all(r["bytes_ok"] for r in out["client"].values()) else 1
-
-
-def cuda_pinned() -> dict[str, int]:
-    from kvpark.tiers.cuda import pinned_bytes
-
-    return pinned_bytes()
 
 
 if __name__ == "__main__":

@@ -66,7 +66,6 @@ class Mapping:
     def __init__(self, shared: _Shared) -> None:
         self._shared = shared
         self.arena = shared.arena
-        self._closed = False
         # A use dropped without close() ends as a close would (the GC runs this once).
         self._end = weakref.finalize(self, _release, shared)
         # Not at interpreter exit: a daemon thread may still be copying through it then,
@@ -74,14 +73,12 @@ class Mapping:
         self._end.atexit = False
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._end()
+        self._end()  # once: a finalizer runs at most once, by close or by the GC
 
     def pin(self, device: torch.device) -> bool:
         s = self._shared
         with s.lock:
-            if not s.pin_tried and not s.gone and not self._closed:
+            if not s.pin_tried and not s.gone and self._end.alive:
                 s.pin_tried = True
                 if cuda.pin_host(s.arena.tensor, device) is not None:
                     s.pinned_on = device
@@ -98,19 +95,12 @@ _users: dict[int, int] = {}  # id(_Shared) -> uses not yet ended
 
 
 def _release(shared: _Shared) -> None:
+    """One use of ``shared`` ended; the last one tears it down."""
     with _lock:
         left = _users.get(id(shared), 0) - 1
         if left > 0:
             _users[id(shared)] = left
             return
-        _users[id(shared)] = 0
-    _release_last(shared)
-
-
-def _release_last(shared: _Shared) -> None:
-    with _lock:
-        if _users.get(id(shared), 0) > 0:
-            return  # taken again meanwhile (it was still findable): it stays
         _users.pop(id(shared), None)
         # Unfindable before it is torn down: an open from here on maps the file afresh
         # instead of taking a use of a mapping about to be unmapped.
@@ -131,9 +121,7 @@ def open_arena(path: str, size: int) -> Mapping:
         try:
             return Mapping(s)
         except BaseException:
-            _users[id(s)] -= 1  # no use was made: give the count back (the last one tears it down)
-            if _users[id(s)] == 0:
-                _release_last(s)
+            _release(s)  # no use was made: give the count back (the last one tears it down)
             raise
 
 

@@ -84,21 +84,22 @@ def _address(t: torch.Tensor, offset: int) -> tuple[torch.device, int, int]:
 
 def runs(flats: Sequence[torch.Tensor], segments: Sequence[tuple[int, int]]) -> list[tuple[torch.Tensor, int, int]]:
     out: list[tuple[torch.Tensor, int, int]] = []
-    # The run being grown: its storage, where it starts there, where the pool copy starts.
-    cur: tuple[torch.Tensor, int, int, int] | None = None  # (a flat of the storage, byte, pool offset, n)
+    # The run being grown: a flat of its storage, that storage's (device, base), the
+    # byte it starts at there, where its pool copy starts, and its length.
+    cur: tuple[torch.Tensor, tuple[torch.device, int], int, int, int] | None = None
     for si, so, di, do, n in pieces([f.numel() for f in flats], [length for _, length in segments]):
         dst = segments[di][0] + do
         dev, base, byte = _address(flats[si], so)
         if cur is not None:
-            c_flat, c_byte, c_dst, c_n = cur
-            c_dev, c_base, _ = _address(c_flat, 0)
-            if c_dev == dev and c_base == base and c_byte + c_n == byte and c_dst + c_n == dst:
-                cur = (c_flat, c_byte, c_dst, c_n + n)
+            c_flat, c_where, c_byte, c_dst, c_n = cur
+            if c_where == (dev, base) and c_byte + c_n == byte and c_dst + c_n == dst:
+                cur = (c_flat, c_where, c_byte, c_dst, c_n + n)
                 continue
-            out.append(_span(*cur))
-        cur = (flats[si], byte, dst, n)
+            out.append(_span(c_flat, c_byte, c_dst, c_n))
+        cur = (flats[si], (dev, base), byte, dst, n)
     if cur is not None:
-        out.append(_span(*cur))
+        c_flat, _where, c_byte, c_dst, c_n = cur
+        out.append(_span(c_flat, c_byte, c_dst, c_n))
     return out
 
 

@@ -583,12 +583,13 @@ class _Pool(Transport):
         if sum(f.numel() for f in flats) <= self.small_limit:
             return self._park_small(header, flats)
         pool, rpc = self.pool, self.rpc
-        self.prepare({f.device for f in flats if f.numel()})
-        _sources_ready({f.device for f in flats if f.numel()})
+        sources = {f.device for f in flats if f.numel()}
+        self.prepare(sources)
+        _sources_ready(sources)
         r = rpc.call(rpc.reserve, pb.ReserveRequest(header=header, tier=self.tier))
         self.check(r, "reserve", r.lease_id)  # before a byte goes into the mapping
         devices = {pool.device, *(f.device for f in flats)}
-        copies = _park_copier({f.device for f in flats if f.numel()}, pool.device)
+        copies = _park_copier(sources, pool.device)
         try:
             if r.window_size:
                 self._park_windows(r, flats, devices, copies)

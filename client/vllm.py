@@ -49,8 +49,8 @@ Extra config keys: ``address`` (default ``$KVPARK_ADDRESS`` or 127.0.0.1:50551),
 ``lookup_timeout_s`` (0.5), ``load_timeout_s`` (10), ``save_timeout_s`` (10),
 ``stage_bytes`` (256 MiB), ``save_queue_bytes`` (2 x ``stage_bytes``: snapshots waiting
 for the saver), ``save_submit_wait_s`` (0.005: how long a step waits for room in that
-queue before it drops the snapshot, counted), ``transport`` ("auto"; the workers' data path, the scheduler always uses
-"inline"), ``cpu_amx_init`` (true); parsed and checked by ``kvpark.client.vllm_options``
+queue before it drops the snapshot, counted), ``transport`` ("auto"; the workers' data
+path, the scheduler always uses "inline"), ``cpu_amx_init`` (true); parsed and checked by ``kvpark.client.vllm_options``
 (a bad value or an unknown key stops the engine's start with ``InvalidArgument``).
 
 On vLLM's CPU platform the worker-role connector asks the kernel for AMX tile permission
@@ -101,7 +101,6 @@ from .vllm_io import (
     block_bytes,
     count,
     gather_blocks,
-    gathered,
     load_blocks,
     miss,
     save_blocks,
@@ -471,7 +470,8 @@ class KVParkConnector(KVConnectorBase_V1):
                 packed = gather_blocks(self._layers, self._block_dim, ids[lo : lo + step])
                 # The saver reads the snapshot on its own thread and stream: it waits for
                 # this event, recorded after the gather on the stream that ran it.
-                saver.submit(keys[lo : lo + step], packed, {"layout": self.fingerprint}, gathered(packed.device))
+                saver.submit(keys[lo : lo + step], packed, {"layout": self.fingerprint},
+                             cuda.record_event(packed.device))
         except Exception as e:  # noqa: BLE001 - a failed save only costs a future miss
             miss("save", e)
         count("save_step_us", int((time.perf_counter() - t0) * 1e6))

@@ -17,11 +17,9 @@ Primitives:
 - ``Conn(address, transport, connect_timeout_s=5)``: a lazily (re)connected ``Client``
   that fails fast (for a two-second back-off) while the daemon is down. ``get(timeout)``;
   ``bounded(seconds)``: a block whose calls, the connect included, end within ``seconds``.
-- ``block_index(ids, device)``: an index tensor on ``device`` without a stream sync.
-- ``gathered(device) -> event | None``: an event recorded now on ``device``'s current
-  stream (None off CUDA), handed to ``submit`` so the saver reads after the gather.
 - ``BackgroundSaver(conn, timeout_s, max_pending_bytes, max_wait_s=0.005)``:
-  ``submit(keys, packed, attrs, ready=None)`` queues a snapshot and returns at once (or
+  ``submit(keys, packed, attrs, ready=None)`` (``ready``: ``cuda.record_event`` after the
+  gather, None off CUDA) queues a snapshot and returns at once (or
   within ``max_wait_s`` when the queue is full, dropping it); one thread parks the
   snapshots in order. Each
   save has a deadline of ``timeout_s`` from its submission: it is committed by then, or
@@ -104,15 +102,10 @@ def _block_shape(layers: list[torch.Tensor], block_dim: int) -> tuple[int, ...]:
     return tuple(s)
 
 
-def block_index(ids: list[int], device: torch.device) -> torch.Tensor:
-    """``ids`` as an index tensor on ``device``, without a stream sync on a GPU."""
-    return cuda.as_index(ids, device)
-
-
 def gather_blocks(layers: list[torch.Tensor], block_dim: int, ids: list[int]) -> torch.Tensor:
     """Blocks ``ids`` of every layer, copied into one new ``[n, L, *block]`` tensor."""
     dev = layers[0].device
-    idx = block_index(ids, dev)
+    idx = cuda.as_index(ids, dev)  # no stream sync on a GPU
     packed = torch.empty((len(ids), len(layers), *_block_shape(layers, block_dim)), dtype=layers[0].dtype,
                          device=dev)
     for layer, kv in enumerate(layers):
@@ -125,7 +118,7 @@ def gather_blocks(layers: list[torch.Tensor], block_dim: int, ids: list[int]) ->
 
 def scatter_blocks(layers: list[torch.Tensor], block_dim: int, ids: list[int], packed: torch.Tensor) -> None:
     """Write ``packed`` (``[n, L, *block]``) into blocks ``ids`` of every layer."""
-    idx = block_index(ids, layers[0].device)
+    idx = cuda.as_index(ids, layers[0].device)
     for layer, kv in enumerate(layers):
         src = packed[:, layer]
         if block_dim == 1:
@@ -166,12 +159,6 @@ def save_blocks(client: Client, layers: list[torch.Tensor], block_dim: int, ids:
         packed = gather_blocks(layers, block_dim, ids[lo : lo + step])
         new += client.park_batch({key: [packed[j]] for j, key in enumerate(keys[lo : lo + step])}, attrs=attrs)
     return new
-
-
-def gathered(device: torch.device) -> Any:
-    """An event on ``device``'s current stream, recorded now: it completes once the
-    gather queued there has (None off CUDA, where the gather has already run)."""
-    return cuda.record_event(device)
 
 
 class Conn:

@@ -549,11 +549,12 @@ class Engine:
 
     def stat(self) -> Stat:
         used = self.disk.used
+        pinned = {k: v for k, v in cuda.pinned_bytes().items() if v}  # its own locks, not the index's
         with self.catalog.lock:
             on_remote = self.catalog.on_remote()
             st = Stat(tiers=self.catalog.tier_stats(self.disk.capacity, used, self.mover.evictions, self.slot_size),
                       sequences=len(self.catalog), leases=self.leases.count, damaged=self.disk.damaged,
-                      pinned={k: v for k, v in cuda.pinned_bytes().items() if v})
+                      pinned=pinned)
         if self.remote is None:
             return st
         return dataclasses.replace(st, remote=self.remote.stat(on_remote))

@@ -50,7 +50,7 @@ import torch
 
 from kvpark.proto.layout import overlaps
 
-from .cuda import cuda_available, is_cuda
+from .cuda import cuda_available, is_cuda, side_stream
 
 log = logging.getLogger("kvpark.copy")
 
@@ -198,7 +198,9 @@ class CopyEngine:
         self.completed = 0  # jobs finished (copied or failed): how many copies a step took
         self.issued = 0  # batches issued (each one event and one completion wake-up)
         if self.cuda:
-            self._streams = {d: torch.cuda.Stream(device=device) for d in DIRECTIONS}
+            # The process's long-lived side streams, one per direction, not fresh ones
+            # from torch's shared pool (``cuda.side_stream``).
+            self._streams = {d: side_stream(device, f"engine-{d}") for d in DIRECTIONS}
             self._events: list[torch.cuda.Event] = []
         self._thread = threading.Thread(target=self._dispatch, name="kvpark-copy", daemon=True)
         self._thread.start()
@@ -256,8 +258,8 @@ class CopyEngine:
         """The next chunks to issue together: the next chunk of the best job at the head of
         any direction's queue whose direction has budget for it, then, while they fit in
         one chunk's worth of bytes and the budget, the next chunks of that direction's
-        queue in order, of the same priority. Small jobs (a demotion of a 2 MiB block) so go out many to one
-        event and one wake-up of the completion thread, not one each."""
+        queue in order, of the same priority. Small jobs (a demotion of a 2 MiB block) so
+        go out many to one event and one wake-up of the completion thread, not one each."""
         with self._cv:
             while True:
                 best: tuple[tuple[int, int], str] | None = None

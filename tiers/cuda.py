@@ -36,10 +36,8 @@ Primitives:
 from __future__ import annotations
 
 import base64
-import ctypes
 import json
 import logging
-import os
 import threading
 import time
 import weakref
@@ -143,6 +141,8 @@ def _clear_last_cuda_error() -> None:
         torch.empty(1, dtype=torch.uint8, device="cuda").zero_()
     except RuntimeError as e:  # the pending error, now cleared
         log.debug("cleared a pending CUDA error: %s", e)
+
+
 STAGE_CHUNK = 8 << 20  # bytes per bounce buffer: 2 per direction, so 32 MiB pinned per device
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from kvpark.client import Client
-from kvpark.client.vllm_io import STATS, BackgroundSaver, Conn, gather_blocks, gathered
+from kvpark.client.vllm_io import STATS, BackgroundSaver, Conn, gather_blocks
 from kvpark.daemon.server import Daemon
 from kvpark.tiers import cuda
 
@@ -100,7 +100,7 @@ def test_a_snapshot_gathered_on_another_stream_is_saved_whole(daemon: Callable[.
     with torch.cuda.stream(side):
         torch.cuda._sleep(200_000_000)  # the gather queues behind ~0.1 s of GPU work
         packed = gather_blocks(kv, 0, [1, 4, 6])
-        ready = gathered(packed.device)
+        ready = cuda.record_event(packed.device)
     ids = ["ord-1", "ord-4", "ord-6"]
     assert saver.submit(ids, packed, {"layout": "t"}, ready)
     assert saver.drain(60) and STATS["saves"] == 1
@@ -239,7 +239,7 @@ def test_vllm_blocks_saved_off_the_step_and_loaded_back_on_a_gpu(daemon: Callabl
     layers = [gblob(80 + i, 2 * 8 * 16 * 4 * 64 * 2).view(torch.bfloat16).view(2, 8, 16, 4, 64) for i in range(3)]
     saver = BackgroundSaver(Conn(d.address, "auto"), timeout_s=30, max_pending_bytes=1 << 30)
     packed = gather_blocks(layers, 1, [1, 2, 5])
-    assert saver.submit(["v1", "v2", "v5"], packed, {"layout": "t"}, gathered(packed.device))
+    assert saver.submit(["v1", "v2", "v5"], packed, {"layout": "t"}, cuda.record_event(packed.device))
     assert saver.drain(60) and STATS["saves"] == 1
     with Client(d.address) as c:
         assert load_blocks(c, layers, 1, [6, 7, 0], ["v1", "v2", "v5"], stage_bytes=1 << 20) == 3
