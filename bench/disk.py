@@ -18,10 +18,14 @@ tensor per sequence, so 1 MiB disk records, as a daemon with 1 MiB slots writes 
   same bytes a restore lands. An info row adds the xxh3 every kvpark read from disk
   computes before it trusts a record.
 - ``kvpark restore from disk``: ``Client.restore(into=...)`` of every sequence after a
-  daemon restart (untimed), so each one is on disk only and the restore reads, verifies
-  and promotes it. Over shm (the default for a local client) and inline; and over shm
-  once more with ``Client.restore_many`` of all of them (one ``Acquire`` and one
-  ``Release`` instead of two round trips per sequence).
+  daemon restart (untimed), so each one is on disk only. Over shm (the default for a
+  local client) three ways: the default (a disk grant: the client reads the verified
+  records itself, and the promotion ``policy.promote_on_restore`` asks for runs in the
+  background), ``no promotion`` (``promote_on_restore = false``), and ``arena``
+  (``tiers.disk.direct_reads = false``: the daemon verifies and promotes into the arena,
+  the client copies out and releases, as every shm restore from disk did before disk
+  grants); and inline. Each shm variant once more with ``Client.restore_many`` of all
+  of them (one ``Acquire`` instead of one per sequence).
 
 Both sides read what they just wrote, so both read from the page cache (the same
 conditions). Each row runs ``--reps`` times (best and median); ratios use the best. The
@@ -34,6 +38,7 @@ Usage: ``python bench/disk.py [--quick] [--reps N] [--dir DIR] [--json PATH]``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import platform
 import shutil
@@ -95,6 +100,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         "policy.high_watermark": 0.99, "policy.low_watermark": 0.98,
     })
 
+    # The shm rows: the default (a disk grant, the promotion for next time in the
+    # background), a disk grant with no promotion, and the arena path that every shm
+    # restore from disk took before disk grants (promote into the arena, copy out, Release).
+    variants = [
+        ("", cfg),
+        (", no promotion", dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, promote_on_restore=False))),
+        (", arena", dataclasses.replace(cfg, tiers=dataclasses.replace(
+            cfg.tiers, disk=dataclasses.replace(cfg.tiers.disk, direct_reads=False)))),
+    ]
+
     def raw_env(path: str) -> lmdb.Environment:
         return lmdb.open(path, map_size=4 * total + (64 << 20), max_dbs=4, subdir=True, writemap=False,
                          sync=False, metasync=False, readahead=False, lock=True)
@@ -152,25 +167,26 @@ def main(argv: Sequence[str] | None = None) -> int:
                 t0 = time.perf_counter()
                 c.flush()
                 add("kvpark spill (host -> disk, flush)", time.perf_counter() - t0)
-            # ---- restore_many over shm: one Acquire + one Release for all of them, so the
-            # gap to the per-sequence row below is the per-sequence round trips. (Each
-            # restart leaves every sequence on disk only again.)
-            with Daemon(cfg) as d, Client(d.address) as c:
-                t0 = time.perf_counter()
-                c.restore_many(ids, into=dst)
-                add("kvpark restore_many from disk (shm)", time.perf_counter() - t0)
-                if not same(src, dst):
-                    checks.append("kvpark restore_many from disk (shm): bytes differ")
-                touch(dst)
+            # ---- restore_many over shm: one Acquire (+ one Release on the arena path) for
+            # all of them, so the gap to the per-sequence rows below is the per-sequence
+            # round trips. (Each restart leaves every sequence on disk only again.)
+            for label, conf in variants:
+                with Daemon(conf) as d, Client(d.address) as c:
+                    t0 = time.perf_counter()
+                    c.restore_many(ids, into=dst)
+                    add(f"kvpark restore_many from disk (shm{label})", time.perf_counter() - t0)
+                    if not same(src, dst):
+                        checks.append(f"kvpark restore_many from disk (shm{label}): bytes differ")
+                    touch(dst)
             # ---- restart: every sequence is on disk only; restore each (timed)
-            for transport in ("shm", "inline"):
-                with Daemon(cfg) as d, Client(d.address, transport=transport) as c:
+            for transport, label, conf in [("shm", lb, cf) for lb, cf in variants] + [("inline", "", cfg)]:
+                with Daemon(conf) as d, Client(d.address, transport=transport) as c:
                     t0 = time.perf_counter()
                     for sid, t in zip(ids, dst):
                         c.restore(sid, into=[t])
-                    add(f"kvpark restore from disk ({transport})", time.perf_counter() - t0)
+                    add(f"kvpark restore from disk ({transport}{label})", time.perf_counter() - t0)
                     if not same(src, dst):
-                        checks.append(f"kvpark restore from disk ({transport}): bytes differ")
+                        checks.append(f"kvpark restore from disk ({transport}{label}): bytes differ")
                     touch(dst)
                     if transport == "inline":
                         for sid in ids:
@@ -191,12 +207,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         ratios.append(dict(ratio=label, value=v, target=TARGET, verdict="MET" if v >= TARGET else "MISSED"))
 
     ratio("spill / raw LMDB write", "kvpark spill (host -> disk, flush)", "raw LMDB write (+ sync)")
-    for transport in ("shm", "inline"):
-        ratio(f"restore from disk ({transport}) / raw LMDB read + copy", f"kvpark restore from disk ({transport})",
+    for row in [f"shm{lb}" for lb, _ in variants] + ["inline"]:
+        ratio(f"restore from disk ({row}) / raw LMDB read + copy", f"kvpark restore from disk ({row})",
               "raw LMDB read + copy into dst")
-    ratio("restore_many from disk (shm) / raw LMDB read + copy", "kvpark restore_many from disk (shm)",
-          "raw LMDB read + copy into dst")
-    w = 40
+    for lb, _ in variants:
+        ratio(f"restore_many from disk (shm{lb}) / raw LMDB read + copy", f"kvpark restore_many from disk (shm{lb})",
+              "raw LMDB read + copy into dst")
+    w = 48
     print(f"\nThroughput, GB/s: best of {args.reps} (median)")
     for r in rows:
         print(f"{r['row']:<{w}}{r['best_gbps']:8.2f} ({r['median_gbps']:5.2f})")

@@ -43,6 +43,7 @@ Primitives:
 
 from __future__ import annotations
 
+import logging
 import socket
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -58,14 +59,16 @@ from kvpark.proto.errors import (DataLoss, DeadlineExceeded, KVParkError, LeaseE
 from kvpark.proto.types import SeqInfo
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import decode_chunk, encode_chunk, regroup
-from kvpark.tiers import cuda
+from kvpark.tiers import cuda, envs
 from kvpark.tiers.shm import boot_id
 
-from . import mappings
+from . import disk_reads, mappings
 from .datachannel import DataChannel, DataChannelRefused, client_ssl_context
 from .payload import Outputs, pieces, runs
 from .rpc import Rpc, translate
 from .uses import Uses
+
+log = logging.getLogger("kvpark.client")
 
 # Payloads up to this size travel inside one unary RPC even on shm/cuda_ipc: one round
 # trip beats two (reserve+commit, acquire+release) when the bytes are few
@@ -634,10 +637,19 @@ class _Pool(Transport):
         self.prepare(target.devices())
         _sources_ready(target.devices())
         req = pb.AcquireRequest(tier=self.tier, expect_layout=target.expect_layout, inline_max=SMALL_POOL_BYTES,
-                                packed=self.packed)
+                                packed=self.packed, disk=self._disk_grants(target))
         set_ids(req, ids)
         try:
             r = self.rpc.call(self.rpc.acquire, req)
+            if r.disk_parts:
+                self.check(r, "acquire")
+                try:
+                    return self._restore_disk(r, target)
+                except disk_reads.Miss:
+                    # Gone from disk since the grant, or not readable here: the daemon
+                    # answers again as for any restore (the bytes, NOT_FOUND, DATA_LOSS).
+                    req.disk = False
+                    r = self.rpc.call(self.rpc.acquire, req)
         except ResourceExhausted:
             # No room to stage it in that tier (all leased or pinned): the fallback path.
             if self.fallback is not None:
@@ -649,6 +661,13 @@ class _Pool(Transport):
         if r.window_size:
             return self._restore_windows(r, target)
         return self._restore_leased(r, target)
+
+    def _disk_grants(self, target: Target) -> bool:
+        """Whether to ask for a disk grant (``disk_reads.py``) for a restore into ``target``."""
+        return False
+
+    def _restore_disk(self, r: pb.AcquireResponse, target: Target) -> Restoring:
+        raise disk_reads.Miss("this transport reads no disk grants")
 
     def _restore_windows(self, r: pb.AcquireResponse, target: Target) -> Restoring:
         """Copy each window out of the leased slots, then ask the daemon for the next;
@@ -763,6 +782,36 @@ class Shm(_Pool):
         self.mapping = mapping
         self.arena = mapping.arena
         self.pinned = False
+        # Where the daemon's disk tier lies, when it grants direct reads of it ("" if not).
+        self.disk_path = hello.disk.path
+
+    def _disk_grants(self, target: Target) -> bool:
+        # Into CPU tensors only: a GPU target is better served from the page-locked arena
+        # (one asynchronous DMA) than by copies out of pageable file pages.
+        return bool(self.disk_path) and all(d.type == "cpu" for d in target.devices())
+
+    def _restore_disk(self, r: pb.AcquireResponse, target: Target) -> Restoring:
+        """Read a disk grant's records into the outputs, whole, before handing any over."""
+        info = convert.info_from_pb(r.info)
+        out = target.outputs(info)
+        try:
+            disk_reads.read_into(self.disk_path, r.disk_parts, out.flats)
+        except disk_reads.Unreadable as e:
+            log.warning("disk grants off for this client: %s", e)
+            self.disk_path = ""
+            raise
+        except disk_reads.Miss:
+            envs.refresh(self.disk_path)  # a data file replaced under a reader opened earlier
+            raise
+
+        def tensors() -> Iterator[tuple[int, torch.Tensor]]:
+            if out.flat is not None:
+                out.finish_flat()
+                return
+            for i in range(len(out.flats)):
+                yield i, out.finish_one(i)
+
+        return Restoring(info, tensors())
 
     def prepare(self, devices: set[torch.device]) -> None:
         if not self.pinned:

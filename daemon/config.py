@@ -155,6 +155,9 @@ class DiskTierConfig:
     path: str = _f("", "LMDB directory; empty = $XDG_DATA_HOME/kvpark (else ~/.local/share/kvpark)")
     capacity: int = _f(64 << 30, "payload bytes the disk tier may hold; LMDB map_size follows it", size=True)
     writemap: bool = _f(False, "LMDB writemap; off measured 1.1-3x faster for our write pattern (bench/lmdb_write.py)")
+    direct_reads: bool = _f(True, "trusted_local clients on this host read sequences that are on disk only straight "
+                            "from the LMDB files (a disk grant: one verified copy, no promotion before the read); "
+                            "offered only while no tenant is untrusted, since the files hold every tenant's bytes")
 
 
 @dataclass(frozen=True)
@@ -203,7 +206,8 @@ class PolicyConfig:
                         "refuse: parks fail with RESOURCE_EXHAUSTED instead", choices=("evict", "refuse"))
     high_watermark: float = _f(0.9, "host usage fraction that starts background demotion")
     low_watermark: float = _f(0.8, "host usage fraction background demotion brings it down to")
-    promote_on_restore: bool = _f(True, "restoring a disk-resident sequence copies it back to host when there is room")
+    promote_on_restore: bool = _f(True, "restoring a disk-resident sequence copies it back to host when there is room "
+                                   "(after a disk grant, in the background: the read does not wait for it)")
     flush_on_shutdown: bool = _f(True, "a graceful stop writes every host-only sequence to disk first")
     max_dirty_s: float = _f(30.0, "write_back: a sequence memory-only for longer is written to disk in the "
                             "background (a stop, or a crash, then loses or drains at most this much); 0 = no bound")

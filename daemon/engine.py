@@ -54,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
 import secrets
 import threading
 import time
@@ -145,6 +146,9 @@ class Engine:
         self.restore_to = None if not pol.promote_on_restore else "host" if pol.restore_to == "auto" else pol.restore_to
         # Whose copies live in daemon-private memory: the tenants that are not trusted_local.
         self.placement = Placement(config.untrusted)
+        # Disk grants hand a client the LMDB files, which hold every tenant's bytes: only
+        # while every tenant may read every other's anyway (all trusted_local, or none).
+        self.disk_grants = config.tiers.disk.direct_reads and not config.untrusted
         self.catalog = Catalog(self.tiers, config.policy.eviction, self.placement)
         pol = config.policy
         if pol.write == "write_back":  # write_through has no dirty data
@@ -422,9 +426,12 @@ class Engine:
     # ------------------------------------------------------------------ restore
 
     def acquire(self, seq_ids: str | list[str], need: str | None = None, stream: bool = False,
-                expect_layout: str = "", inline_max: int = 0) -> ReadHandle:
-        """Lease readable copies of one or more sequences, served as one payload (``reads.py``)."""
-        return reads.acquire(self, seq_ids, need, stream, expect_layout, inline_max)
+                expect_layout: str = "", inline_max: int = 0, disk: bool = False) -> ReadHandle:
+        """Lease readable copies of one or more sequences, served as one payload (``reads.py``).
+        ``disk``: the caller reads the disk tier itself; a restore whose parts are all on
+        disk only is answered with a disk grant (``ReadHandle.direct``) when this daemon
+        offers them (``disk_grants``)."""
+        return reads.acquire(self, seq_ids, need, stream, expect_layout, inline_max, disk and self.disk_grants)
 
     def grant(self, handle: ReadHandle) -> Grant:
         w = handle.window
@@ -611,6 +618,7 @@ class Engine:
             ipc_handle=handle,
             device_uuid=cuda.device_uuid(dev.device) if dev is not None else "",
             instance=self.instance,
+            disk_path=os.path.abspath(self.disk.path) if self.disk_grants else "",
         )
 
     def check_invariants(self) -> None:

@@ -12,7 +12,8 @@ Primitives:
 - ``maintain(engine)``: the maintenance thread: once, sweep block records no manifest owns
   (``DiskStore.sweep_orphans``); then its loop: reap leases, expire, retry
   failed disk deletes and remote deletes of dropped versions, compact the eviction order, relieve tiers past their high marks,
-  write back what is past write_back's dirty bounds.
+  write back what is past write_back's dirty bounds, and every ``READER_CHECK_S`` free the
+  LMDB reader slots of dead processes (``DiskStore.reader_check``).
 - ``expire(engine)``: drop versions past their TTL, and shared blocks nobody took up.
 - ``retire(engine, seq) -> list[Seq]`` (REQUIRES: index lock): unlink ``seq`` (and the
   shared blocks it leaves unreferenced); returns what has disk copies to delete.
@@ -44,6 +45,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvpark.engine")
 
+READER_CHECK_S = 30.0  # how often LMDB's reader slots of dead processes are freed
+
 
 def maintain(engine: "Engine") -> None:
     cat = engine.catalog
@@ -53,6 +56,7 @@ def maintain(engine: "Engine") -> None:
     except Exception:  # the maintenance thread must never die
         log.exception("disk tier: the sweep of orphaned block records failed")
     moved = 0
+    readers_checked = time.monotonic()
     while True:
         with cat.lock:
             if engine.closed:
@@ -77,6 +81,11 @@ def maintain(engine: "Engine") -> None:
                 cat.order.compact()  # touches without evictions leave stale heap entries
             moved = engine.mover.relieve()
             moved += engine.mover.write_back()  # write_back's dirty bounds
+            if time.monotonic() - readers_checked >= READER_CHECK_S:
+                # A client killed inside a disk-grant read leaves its LMDB reader slot
+                # behind, and with it a snapshot whose pages the writer may not reuse.
+                readers_checked = time.monotonic()
+                engine.disk.reader_check()
         except Exception:  # the maintenance thread must never die
             log.exception("maintenance pass failed")
 

@@ -473,6 +473,9 @@ class ReadHandle:
     info: SeqInfo
     parts: list[Part]
     lease: Lease | None  # holds every memory part
+    # A disk grant: every part is on disk only and the caller reads the records itself
+    # (``Engine.acquire(disk=True)``); no lease, nothing promoted first.
+    direct: bool = False
 
     @property
     def lease_id(self) -> str:
@@ -530,3 +533,4 @@ class Capabilities:
     ipc_handle: bytes = b""
     device_uuid: str = ""
     instance: str = ""  # this start of the daemon (random; see Engine.instance)
+    disk_path: str = ""  # the LMDB directory offered for disk grants ("" when they are not)

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 
 
 def acquire(engine: "Engine", seq_ids: str | list[str], need: str | None = None, stream: bool = False,
-            expect_layout: str = "", inline_max: int = 0) -> ReadHandle:
+            expect_layout: str = "", inline_max: int = 0, disk: bool = False) -> ReadHandle:
     """Lease readable copies of one or more sequences, served as one payload.
 
     A sequence that references shared blocks expands to those blocks, then itself.
@@ -61,7 +61,9 @@ def acquire(engine: "Engine", seq_ids: str | list[str], need: str | None = None,
     the private tier is promoted and served there, whatever ``need`` or
     ``policy.restore_to`` say (``placement.py``). With ``expect_layout``, every
     named sequence must carry ``attrs["layout"]`` equal to it. ``stream``: the lease
-    is held by this call's stream (no deadline).
+    is held by this call's stream (no deadline). ``disk``: the caller reads the disk
+    tier's records itself; when every part is on disk only, the answer is a disk grant
+    (``ReadHandle.direct``: no lease, no promotion, nothing to release).
     """
     ids = [seq_ids] if isinstance(seq_ids, str) else list(seq_ids)
     if not ids:
@@ -81,7 +83,7 @@ def acquire(engine: "Engine", seq_ids: str | list[str], need: str | None = None,
         for attempt in range(REPLACED_RETRIES):
             tops: list[Seq] = []
             try:
-                return _acquire_once(engine, ids, need, stream, expect_layout, inline_max, tops)
+                return _acquire_once(engine, ids, need, stream, expect_layout, inline_max, tops, disk)
             except (NotFound, DataLoss):
                 if attempt == REPLACED_RETRIES - 1:
                     raise
@@ -104,7 +106,7 @@ def replaced(engine: "Engine", tops: list[Seq]) -> bool:
 
 
 def _acquire_once(engine: "Engine", ids: list[str], need: str | None, stream: bool, expect_layout: str,
-                  inline_max: int, tops: list[Seq]) -> ReadHandle:
+                  inline_max: int, tops: list[Seq], disk: bool = False) -> ReadHandle:
     """One try of ``acquire``; fills ``tops`` with the versions it found."""
     with engine.catalog.lock:
         tops.extend(engine.catalog.get(sid) for sid in ids)
@@ -126,6 +128,14 @@ def _acquire_once(engine: "Engine", ids: list[str], need: str | None, stream: bo
             engine.catalog.touch(c)  # its place in each tier's eviction order
         if need is not None and sum(c.manifest.nbytes for c in comps) <= inline_max:
             need = None
+        elif disk and all(not c.res and c.on_disk for c in comps):
+            # A disk grant: the caller reads the records in its own read transaction. No
+            # lease: a version's record keys carry its generation, unique to one daemon
+            # start, so whatever happens to it meanwhile (evicted, dropped, overwritten)
+            # the caller finds exactly these bytes or nothing, and asks again without
+            # ``disk`` (an answer linearised here, as a lease's is at its grant).
+            return ReadHandle(engine.catalog.info_of(tops, comps), [Part(c.manifest, None, "disk", c) for c in comps],
+                              None, direct=True)
         one = engine.placement.tier(comps[0].seq_id, need) if need is not None and len(comps) == 1 else None
         big = one is not None and one not in comps[0].res and engine.windows.needed(comps[0].manifest.nbytes, one)
     if big:

@@ -42,6 +42,7 @@ from kvpark.proto.errors import (ERROR_KEY, FailedPrecondition, Internal, Invali
 from kvpark.proto.layout import MAX_SEQ_ID_BYTES
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import decode_chunk, encode_chunk
+from kvpark.tiers.disk import Manifest
 
 from .config import ServerConfig
 from .datachannel import DataChannelServer
@@ -115,6 +116,11 @@ def _spec(h: pb.ParkHeader) -> ParkSpec:
     )
 
 
+def _disk_part(m: Manifest) -> pb.DiskPart:
+    return pb.DiskPart(seq_id=m.seq_id, key_gen=m.key_gen, fingerprint=m.fingerprint, nbytes=m.nbytes,
+                       block_size=m.block_size)
+
+
 def _segments(segs: Sequence[tuple[int, int]]) -> list[pb.Segment]:
     return [pb.Segment(offset=o, length=n) for o, n in segs]
 
@@ -179,6 +185,7 @@ class Servicer:
             device=pb.DeviceInfo(device=h.device, size=h.device_size, ipc_handle=h.ipc_handle, uuid=h.device_uuid),
             features=list(FEATURES),
             instance=h.instance,
+            disk=pb.DiskInfo(path=h.disk_path) if h.disk_path else None,
             data_channel=None if self.datachannel is None else pb.DataChannelInfo(
                 address=self.datachannel.address, tls=self.datachannel.tls, max_frame=MAX_FRAME),
         )
@@ -351,17 +358,18 @@ class Servicer:
     @_typed
     def Acquire(self, req: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireResponse:
         return self._acquire(self.tenants.view(), list(req.seq_ids) or req.seq_id, req.tier, req.expect_layout,
-                             req.inline_max, data_channel=req.data_channel, packed=req.packed)
+                             req.inline_max, data_channel=req.data_channel, packed=req.packed, disk=req.disk)
 
     def _acquire(self, eng: Any, ids: list[str] | str, tier: str, expect_layout: str, inline_max: int, *,
-                 data_channel: bool = False, packed: bool = False) -> pb.AcquireResponse:
+                 data_channel: bool = False, packed: bool = False, disk: bool = False) -> pb.AcquireResponse:
         small = min(inline_max, self.chunk_size)
         t0 = time.perf_counter()
         need: str | None = tier or "host"
         if data_channel:
             self._channel()
             need = None  # served as an inline restore is: from its fastest copy, or from disk
-        h = eng.acquire(ids, need=need, expect_layout=expect_layout, inline_max=small)
+        h = eng.acquire(ids, need=need, expect_layout=expect_layout, inline_max=small,
+                        disk=disk and not data_channel)
         if h.info.nbytes <= small:
             # Small: one round trip, bytes in the reply, no lease left behind.
             try:
@@ -372,6 +380,12 @@ class Servicer:
             finally:
                 if h.lease_id:
                     eng.release(h.lease_id)
+        if h.direct:
+            self._restored("disk", h.info.nbytes, t0)
+            out = pb.AcquireResponse(info=convert.info_to_pb(h.info, packed=packed), instance=self.engine.instance,
+                                     disk_parts=[_disk_part(p.manifest) for p in h.parts])
+            self._promote_later(eng, [ids] if isinstance(ids, str) else ids)
+            return out
         if data_channel:
             try:
                 token = self._channel().tickets.issue_get(h, eng)
@@ -390,6 +404,19 @@ class Servicer:
         return pb.AcquireResponse(lease_id=g.lease_id, info=convert.info_to_pb(g.info, packed=packed),
                                   segments=_segments(g.segments), expires_in_s=g.expires_in_s,
                                   window_size=g.window_size, instance=self.engine.instance)
+
+    def _promote_later(self, eng: Any, ids: list[str]) -> None:
+        """After a disk grant: what ``policy.promote_on_restore`` asks for (a copy in
+        memory for the next read) happens in the background, off the read's path; a
+        sequence gone or with no room meanwhile simply stays on disk."""
+        tier = self.engine.restore_to
+        if tier is None:
+            return
+        for sid in ids:
+            try:
+                eng.prefetch(sid, tier)
+            except KVParkError as e:
+                log.debug("promotion after a disk grant of %r: %s", sid, e)
 
     @_typed
     def Release(self, req: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:

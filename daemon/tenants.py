@@ -96,11 +96,11 @@ class OpenView:
         return self.engine.reserve(spec, inline=inline, tier=tier)
 
     def acquire(self, seq_ids: str | list[str], need: str | None = None, stream: bool = False,
-                expect_layout: str = "", inline_max: int = 0) -> ReadHandle:
+                expect_layout: str = "", inline_max: int = 0, disk: bool = False) -> ReadHandle:
         for s in [seq_ids] if isinstance(seq_ids, str) else seq_ids:
             check_id(s)
         return self.engine.acquire(seq_ids, need=need, stream=stream, expect_layout=expect_layout,
-                                   inline_max=inline_max)
+                                   inline_max=inline_max, disk=disk)
 
     def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None) -> str:
         check_id(seq_id)
@@ -187,7 +187,7 @@ class TenantView:
         if self.tenant.trusted_local:
             return h
         return dataclasses.replace(h, transports=("inline",), arena_path="", arena_size=0, ipc_handle=b"",
-                                   device="", device_size=0, device_uuid="")
+                                   device="", device_size=0, device_uuid="", disk_path="")
 
     def reserve(self, spec: ParkSpec, inline: bool = False, tier: str | None = None) -> Reservation:
         if not inline:
@@ -265,14 +265,14 @@ class TenantView:
     # ------------------------------------------------------------------ restore
 
     def acquire(self, seq_ids: str | list[str], need: str | None = None, stream: bool = False,
-                expect_layout: str = "", inline_max: int = 0) -> ReadHandle:
-        if need is not None:
+                expect_layout: str = "", inline_max: int = 0, disk: bool = False) -> ReadHandle:
+        if need is not None or disk:
             self._trusted("the shm / cuda_ipc restore path")
         ids = [seq_ids] if isinstance(seq_ids, str) else list(seq_ids)
         with _scrubbed(self.prefix):
             try:
                 h = self.engine.acquire([self._ns(s) for s in ids], need=need, stream=stream,
-                                        expect_layout=expect_layout, inline_max=inline_max)
+                                        expect_layout=expect_layout, inline_max=inline_max, disk=disk)
             except KVParkError:
                 # A restore of several ids that failed part way (a drop racing it, a corrupt
                 # block) may have promoted the ones before: no Release will come to settle them.

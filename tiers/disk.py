@@ -59,6 +59,11 @@ Primitives:
 - ``scan() -> Scan``: every manifest, block record and staged generation in LMDB
   (invariant checks on a quiet store).
 - ``read_txn()``: a read transaction whose ``read_block`` returns zero-copy verified views.
+  ``ReadTxn(txn, db)`` with no hooks is how a client reads a disk grant's records (the
+  same checks). The store's environment is this process's one environment on its
+  directory (``envs.py``): a client of this process reads grants through it.
+- ``reader_check() -> int``: free the LMDB reader slots of processes that died inside a
+  read transaction (a client killed mid disk-grant read).
 - ``sweep_orphans() -> int``: delete block records no manifest (or staged write) owns.
 - ``lock_dir(path) -> fd``: the data directory's exclusive lock (one daemon, or one
   offline tool such as ``compact.py``, per directory).
@@ -101,7 +106,7 @@ from kvpark.proto.errors import DataLoss, ResourceExhausted, StartupError, Unava
 from kvpark.proto.layout import TensorMeta
 from kvpark.proto.sizes import human
 
-from . import interning
+from . import envs, interning
 
 log = logging.getLogger(__name__)
 
@@ -361,19 +366,32 @@ class DiskStore:
         # ~2.4x their payload in half-full B-tree pages plus a manifest each. The map is
         # address space (and a sparse file under writemap), not disk.
         map_size = max(capacity * 3 + (64 << 20), existing)
-        self.env = lmdb.open(
-            path,
-            map_size=map_size,
-            max_dbs=6,  # blocks, manifests, meta, staging, tombs (``tombs.py``), stubs (``stubs.py``)
-            subdir=True,
-            writemap=writemap,
-            sync=False,  # durability points call sync() explicitly (write policy)
-            metasync=False,
-            readahead=False,
-            max_readers=1024,
-            lock=True,
-        )
-        self._blocks = self.env.open_db(b"blocks")
+        try:
+            # One environment per directory per process: a client of this process that
+            # reads the files directly (disk grants) reads through this one from now on.
+            with envs.owning(path) as publish:
+                self.env = lmdb.open(
+                    path,
+                    map_size=map_size,
+                    max_dbs=6,  # blocks, manifests, meta, staging, tombs (``tombs.py``), stubs (``stubs.py``)
+                    subdir=True,
+                    writemap=writemap,
+                    sync=False,  # durability points call sync() explicitly (write policy)
+                    metasync=False,
+                    readahead=False,
+                    max_readers=1024,
+                    lock=True,
+                )
+                self._blocks = self.env.open_db(b"blocks")
+                # What a direct reader in this process reads through: counted like
+                # ``read_txn``, with no corruption hooks (a record a client finds bad is
+                # read again by the daemon, which counts it then). Kept, so ``disown``
+                # withdraws this very callable.
+                self._direct = self._raw_read
+                publish(self._direct)
+        except BaseException:
+            os.close(self._lock_fd)
+            raise
         self._manifests = self.env.open_db(b"manifests")
         meta = self.env.open_db(b"meta")
         self._staging = self.env.open_db(b"staging")
@@ -424,6 +442,7 @@ class DiskStore:
                       "the environment stays open until the process exits", self.path, stuck, CLOSE_WAIT_S)
             return
         self.env.close()
+        envs.disown(self.path, self._direct)
         os.close(self._lock_fd)  # releases the directory lock
 
     def sync(self) -> None:
@@ -866,14 +885,27 @@ class DiskStore:
     @contextmanager
     def read_txn(self) -> Iterator[ReadTxn]:
         """A read transaction (zero-copy views); counted, so ``close`` waits it out."""
+        with self._raw_read() as (txn, db):
+            yield ReadTxn(txn, db, self.on_corrupt, self._mark_damaged)
+
+    @contextmanager
+    def _raw_read(self) -> Iterator[tuple[lmdb.Transaction, lmdb._Database]]:
         with self._readers_cv:
             if self._closing:
                 raise Unavailable(f"the disk tier at {self.path} is closing")
             self._readers += 1
         try:
             with self.env.begin(buffers=True) as txn:
-                yield ReadTxn(txn, self._blocks, self.on_corrupt, self._mark_damaged)
+                yield txn, self._blocks
         finally:
             with self._readers_cv:
                 self._readers -= 1
                 self._readers_cv.notify_all()
+
+    def reader_check(self) -> int:
+        """Free the reader slots of processes that died inside a read transaction (a
+        client killed mid disk-grant read): a stale slot would pin old pages for ever."""
+        try:
+            return self.env.reader_check()
+        except lmdb.Error:
+            return 0

@@ -49,7 +49,7 @@ class DeviceInfo(_message.Message):
     def __init__(self, device: _Optional[str] = ..., size: _Optional[int] = ..., ipc_handle: _Optional[bytes] = ..., uuid: _Optional[str] = ...) -> None: ...
 
 class HelloResponse(_message.Message):
-    __slots__ = ("server_version", "transports", "chunk_size", "max_seq_id_len", "arena", "lease_ttl_s", "device", "data_channel", "features", "instance")
+    __slots__ = ("server_version", "transports", "chunk_size", "max_seq_id_len", "arena", "lease_ttl_s", "device", "data_channel", "features", "instance", "disk")
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     TRANSPORTS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class HelloResponse(_message.Message):
     DATA_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     server_version: str
     transports: _containers.RepeatedScalarFieldContainer[str]
     chunk_size: int
@@ -70,7 +71,14 @@ class HelloResponse(_message.Message):
     data_channel: DataChannelInfo
     features: _containers.RepeatedScalarFieldContainer[str]
     instance: str
-    def __init__(self, server_version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., chunk_size: _Optional[int] = ..., max_seq_id_len: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., lease_ttl_s: _Optional[float] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., data_channel: _Optional[_Union[DataChannelInfo, _Mapping]] = ..., features: _Optional[_Iterable[str]] = ..., instance: _Optional[str] = ...) -> None: ...
+    disk: DiskInfo
+    def __init__(self, server_version: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., chunk_size: _Optional[int] = ..., max_seq_id_len: _Optional[int] = ..., arena: _Optional[_Union[ArenaInfo, _Mapping]] = ..., lease_ttl_s: _Optional[float] = ..., device: _Optional[_Union[DeviceInfo, _Mapping]] = ..., data_channel: _Optional[_Union[DataChannelInfo, _Mapping]] = ..., features: _Optional[_Iterable[str]] = ..., instance: _Optional[str] = ..., disk: _Optional[_Union[DiskInfo, _Mapping]] = ...) -> None: ...
+
+class DiskInfo(_message.Message):
+    __slots__ = ("path",)
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    def __init__(self, path: _Optional[str] = ...) -> None: ...
 
 class DataChannelInfo(_message.Message):
     __slots__ = ("address", "tls", "max_frame")
@@ -260,7 +268,7 @@ class CommitRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., packed: _Optional[bool] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("seq_id", "tier", "seq_ids", "expect_layout", "inline_max", "packed", "data_channel")
+    __slots__ = ("seq_id", "tier", "seq_ids", "expect_layout", "inline_max", "packed", "data_channel", "disk")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -268,6 +276,7 @@ class AcquireRequest(_message.Message):
     INLINE_MAX_FIELD_NUMBER: _ClassVar[int]
     PACKED_FIELD_NUMBER: _ClassVar[int]
     DATA_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    DISK_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     tier: str
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -275,10 +284,25 @@ class AcquireRequest(_message.Message):
     inline_max: int
     packed: bool
     data_channel: bool
-    def __init__(self, seq_id: _Optional[str] = ..., tier: _Optional[str] = ..., seq_ids: _Optional[_Iterable[str]] = ..., expect_layout: _Optional[str] = ..., inline_max: _Optional[int] = ..., packed: _Optional[bool] = ..., data_channel: _Optional[bool] = ...) -> None: ...
+    disk: bool
+    def __init__(self, seq_id: _Optional[str] = ..., tier: _Optional[str] = ..., seq_ids: _Optional[_Iterable[str]] = ..., expect_layout: _Optional[str] = ..., inline_max: _Optional[int] = ..., packed: _Optional[bool] = ..., data_channel: _Optional[bool] = ..., disk: _Optional[bool] = ...) -> None: ...
+
+class DiskPart(_message.Message):
+    __slots__ = ("seq_id", "key_gen", "fingerprint", "nbytes", "block_size")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_GEN_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    NBYTES_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    seq_id: str
+    key_gen: int
+    fingerprint: int
+    nbytes: int
+    block_size: int
+    def __init__(self, seq_id: _Optional[str] = ..., key_gen: _Optional[int] = ..., fingerprint: _Optional[int] = ..., nbytes: _Optional[int] = ..., block_size: _Optional[int] = ...) -> None: ...
 
 class AcquireResponse(_message.Message):
-    __slots__ = ("lease_id", "info", "segments", "expires_in_s", "data", "inlined", "window_size", "token", "instance")
+    __slots__ = ("lease_id", "info", "segments", "expires_in_s", "data", "inlined", "window_size", "token", "instance", "disk_parts")
     LEASE_ID_FIELD_NUMBER: _ClassVar[int]
     INFO_FIELD_NUMBER: _ClassVar[int]
     SEGMENTS_FIELD_NUMBER: _ClassVar[int]
@@ -288,6 +312,7 @@ class AcquireResponse(_message.Message):
     WINDOW_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    DISK_PARTS_FIELD_NUMBER: _ClassVar[int]
     lease_id: str
     info: SeqInfo
     segments: _containers.RepeatedCompositeFieldContainer[Segment]
@@ -297,7 +322,8 @@ class AcquireResponse(_message.Message):
     window_size: int
     token: bytes
     instance: str
-    def __init__(self, lease_id: _Optional[str] = ..., info: _Optional[_Union[SeqInfo, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., data: _Optional[bytes] = ..., inlined: _Optional[bool] = ..., window_size: _Optional[int] = ..., token: _Optional[bytes] = ..., instance: _Optional[str] = ...) -> None: ...
+    disk_parts: _containers.RepeatedCompositeFieldContainer[DiskPart]
+    def __init__(self, lease_id: _Optional[str] = ..., info: _Optional[_Union[SeqInfo, _Mapping]] = ..., segments: _Optional[_Iterable[_Union[Segment, _Mapping]]] = ..., expires_in_s: _Optional[float] = ..., data: _Optional[bytes] = ..., inlined: _Optional[bool] = ..., window_size: _Optional[int] = ..., token: _Optional[bytes] = ..., instance: _Optional[str] = ..., disk_parts: _Optional[_Iterable[_Union[DiskPart, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
     __slots__ = ("lease_id",)
