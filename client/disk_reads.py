@@ -76,7 +76,7 @@ def read_into(path: str, parts: Sequence[pb.DiskPart], flats: list[torch.Tensor]
                 np.copyto(dst[di][do:do + n], np.frombuffer(view, np.uint8, n, so))
     except DataLoss as e:  # missing or failing verification: the daemon reads it again
         raise Miss(str(e)) from None
-    except Unavailable as e:  # this process's daemon is closing its store
+    except (Unavailable, envs.Again) as e:  # this process's daemon closing its store; a mapping being replaced
         raise Miss(str(e)) from None
     except (OSError, lmdb.Error) as e:  # no access to the files, or no reader slot left
         raise Unreadable(f"the disk tier's files at {path}: {e}") from None

@@ -5,8 +5,9 @@ dropped, ``data.mdb`` keeps its high-water size. A copy with compaction
 (``mdb_env_copy2(MDB_CP_COMPACT)``) writes only the live pages. It needs the directory to
 itself: the data directory's lock is taken first (a running daemon holds it, and the
 compaction is refused in words), the compact copy is written and fsynced beside the
-original, then renamed over it. An interrupted compaction leaves the original intact
-(and a ``compact.tmp`` directory the next run removes).
+original, then renamed over it, the old ``lock.mdb`` removed first (see ``compact``). An
+interrupted compaction leaves the original intact (and a ``compact.tmp`` directory the
+next run removes).
 
 Primitives: ``compact(path) -> (bytes_before, bytes_after)``.
 """
@@ -47,6 +48,17 @@ def compact(path: str) -> tuple[int, int]:
         with open(out, "rb") as fh:
             os.fsync(fh.fileno())
         os.chmod(out, os.stat(data).st_mode & 0o777)
+        # The lock file goes first: a client process may still hold the old one open (a
+        # reader of disk grants), and the next daemon would then not be LMDB's first
+        # opener: it would keep that file's transaction id and reader table, which
+        # describe the old data file, and choose the copy's meta page by them (an empty
+        # store, whose first write destroys the copy's root). A fresh lock file makes it
+        # the first opener; such a client keeps reading the old inodes, whose records
+        # are the same versions' bytes, until it notices the new file.
+        try:
+            os.unlink(os.path.join(path, "lock.mdb"))
+        except FileNotFoundError:
+            pass
         os.replace(out, data)
         dfd = os.open(path, os.O_RDONLY)
         try:

@@ -99,7 +99,10 @@ def test_a_daemon_frozen_mid_restore_ends_it_by_the_deadline(proc: Callable[...,
                                                               data_channel: bool, seq: str, bound: str) -> None:
     # 1. A daemon process; big enough a host tier for the 64 MiB one to stay in memory.
     host = "256MiB" if seq == "many" else "16MiB"
-    p = proc("--set", f"tiers.host.capacity={host}", "--set", f"server.data_channel={str(data_channel).lower()}")
+    # Disk grants off: a shm client would read the windowed sequence from the files
+    # without the daemon, and the windows are the path under test here.
+    p = proc("--set", f"tiers.host.capacity={host}", "--set", f"server.data_channel={str(data_channel).lower()}",
+             "--set", "tiers.disk.direct_reads=false")
     try:
         with Client(p.address, transport=transport, timeout=LONG_S) as c:
             ts = MANY if seq == "many" else HUGE
