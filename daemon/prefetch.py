@@ -18,7 +18,7 @@ import concurrent.futures
 import logging
 from typing import TYPE_CHECKING, Callable
 
-from kvpark.proto.errors import DeadlineExceeded, NotFound, ResourceExhausted
+from kvpark.proto.errors import DeadlineExceeded, NotFound, ResourceExhausted, Unavailable
 
 from .model import Seq
 
@@ -46,15 +46,24 @@ class Prefetches:
                                         f"{tier} tier ({cap} bytes): it stays on disk, and restores stream it")
             with self.mover.catalog.lock:
                 return seq.tier
+        started = False
         with self.mover.catalog.lock:
             if tier in seq.res:
                 return seq.tier
             key = (seq.seq_id, tier, seq.manifest.gen)  # by version: a newer one's prefetch is its own
             fut = self._futures.get(key)
             if fut is None or fut.done():
-                fut = self._pool.submit(self.mover.promote, seq, tier, True)
+                try:
+                    fut = self._pool.submit(self.mover.promote, seq, tier, True)
+                except RuntimeError:  # the pool has shut down: the daemon is stopping
+                    raise Unavailable(f"prefetch of {seq.seq_id!r}: the daemon is stopping") from None
                 self._futures[key] = fut
-                fut.add_done_callback(lambda f, k=key: self._done(k, f))
+                started = True
+        if started:
+            # Outside the index lock: a promotion that has already ended (a fast one, on a
+            # pool thread that ran before this line) calls ``_done`` right here, and
+            # ``_done`` takes the index lock.
+            fut.add_done_callback(lambda f, k=key: self._done(k, f))
         if then is not None:  # outside the index lock: a future already done calls it at once, here
             fut.add_done_callback(lambda f: self._then(f, then))
         if wait:
