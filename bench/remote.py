@@ -19,7 +19,8 @@ Rows, each for SET (write) and GET (read), over the same bytes (``--total``, cut
 - Through real daemons (in this process, each with its own data dir, host tier, disk
   tier and the same Redis namespace): ``demote to remote`` times the disk tier's
   eviction of ``--total`` bytes of parked sequences into Redis
-  (``Mover.evict_disk``: LMDB read + remote put + disk delete); ``fetch from remote``
+  (``Mover.evict_disk``: LMDB read + remote put + disk delete), ``tiers.remote.evict_parallel``
+  sequences at once (the default), and once more on a daemon that moves one at a time; ``fetch from remote``
   times another daemon bringing them onto its disk (``Mover.fetch_remote``: remote
   read, verify, LMDB write: the path when memory has no room); ``restore from remote``
   times a third daemon's client restoring them (shm transport, ``into=`` a preallocated
@@ -210,7 +211,7 @@ def bench_daemons(url: str, cluster: bool, a: argparse.Namespace, tmp: Path, tag
 
     nseq = max(1, a.total // a.seq)
 
-    def start(name: str, host: int) -> Daemon:
+    def start(name: str, host: int, evict_parallel: int = 4) -> Daemon:
         d = tmp / f"{tag}-{name}"
         (d / "shm").mkdir(parents=True)
         cfg = load(env={}, overrides={
@@ -220,19 +221,31 @@ def bench_daemons(url: str, cluster: bool, a: argparse.Namespace, tmp: Path, tag
             "tiers.remote.url": url, "tiers.remote.cluster": cluster, "tiers.remote.namespace": f"bench-{tag}",
             "tiers.remote.timeout_s": 20.0, "tiers.remote.chunk_size": str(a.value),
             "tiers.remote.inflight": a.inflight, "policy.flush_on_shutdown": False,
+            "tiers.remote.evict_parallel": evict_parallel,
         })
         return Daemon(cfg).start()
 
     # The reader's host tier holds everything it restores, so each restore promotes
     # straight from Redis into host memory (without room it would go through its disk).
     owner, fetcher, reader = start("a", 2 * a.seq), start("b", 2 * a.seq), start("c", a.reps * a.total + 2 * a.seq)
+    # The same demotion, one sequence at a time (tiers.remote.evict_parallel = 1, as before
+    # it existed), on its own daemon and namespace prefix, in the same rep.
+    single = start("a1", 2 * a.seq, evict_parallel=1)
     data = torch.randint(0, 256, (a.seq,), dtype=torch.uint8)
     out = torch.empty_like(data)
-    demote, fetch, restore = [], [], []
+    demote, demote1, fetch, restore = [], [], [], []
     try:
-        with Client(owner.address) as c, Client(reader.address, transport="shm") as r:
+        with Client(owner.address) as c, Client(reader.address, transport="shm") as r, \
+                Client(single.address) as c1:
             for rep in range(a.reps):
                 ids = [f"r{rep}-{i}" for i in range(nseq)]
+                for sid in ids:
+                    c1.park(f"one-{sid}", [data])
+                assert single.engine is not None
+                single.engine.flush()
+                t0 = time.perf_counter()
+                assert single.engine.mover.evict_disk(0, target=0)
+                demote1.append(nseq * a.seq / 1e6 / (time.perf_counter() - t0))
                 for sid in ids:
                     c.park(sid, [data])
                 eng = owner.engine
@@ -256,9 +269,10 @@ def bench_daemons(url: str, cluster: bool, a: argparse.Namespace, tmp: Path, tag
                 restore.append(nseq * a.seq / 1e6 / (time.perf_counter() - t0))
                 assert torch.equal(out, data)
     finally:
-        for d in (owner, fetcher, reader):
+        for d in (owner, fetcher, reader, single):
             d.stop(0.5)
-    return {"demote_MBps": statistics.median(demote), "fetch_MBps": statistics.median(fetch),
+    return {"demote_MBps": statistics.median(demote), "demote_one_MBps": statistics.median(demote1),
+            "fetch_MBps": statistics.median(fetch),
             "restore_MBps": statistics.median(restore)}
 
 
@@ -365,9 +379,10 @@ def main() -> None:
                           f"{r['write_MBps'] / best_w:6.2f} {r['read_MBps'] / best_r:6.2f}")
                     results["rows"].append({"server": label, "row": name, **r})
                 for name, key, base in (("kvpark demote to remote", "demote_MBps", best_w),
+                                        ("  one sequence at a time", "demote_one_MBps", best_w),
                                         ("kvpark fetch from remote", "fetch_MBps", best_r),
                                         ("kvpark restore from remote", "restore_MBps", best_r)):
-                    col = "SET" if key == "demote_MBps" else "GET"
+                    col = "SET" if key.startswith("demote") else "GET"
                     print(f"{'':{len(label) + 2}}{name:<32} {col} {dm[key]:6.0f} MB/s  {dm[key] / base:.2f}x raw {col}")
                 results["daemon"] = results.get("daemon", {}) | {label: dm}
                 srv.stop()

@@ -174,6 +174,8 @@ class RemoteTierConfig:
     chunk_size: int = _f(4 << 20, "largest remote value; larger blocks are split so they spread over cluster "
                          "slots", size=True)
     inflight: int = _f(4, "pipelines in flight at once for one sequence, each on its own connection")
+    evict_parallel: int = _f(4, "sequences a disk eviction moves to remote at once, so one's Redis round trips, "
+                             "LMDB read and delete overlap the others' (1: one at a time)")
     breaker_failures: int = _f(3, "consecutive failed remote calls that open the circuit breaker")
     breaker_cooldown_s: float = _f(5.0, "seconds an open breaker fails remote calls fast before one probe")
     max_pending: int = _f(1024, "write_through copies waiting for Redis at most; past it a copy is skipped "
@@ -290,6 +292,7 @@ class Config:
             return None
         return RemoteOptions(url=r.url, cluster=r.cluster, namespace=r.namespace, ttl_s=r.ttl_s,
                              timeout_s=r.timeout_s, chunk_size=r.chunk_size, inflight=r.inflight,
+                             evict_parallel=r.evict_parallel,
                              breaker_failures=r.breaker_failures, breaker_cooldown_s=r.breaker_cooldown_s,
                              max_pending=r.max_pending, keys=remote_keys(r))
 
@@ -584,8 +587,11 @@ def _check_remote(r: RemoteTierConfig) -> None:
         raise ConfigError(f"tiers.remote.timeout_s: must be > 0, got {r.timeout_s}")
     if not (64 << 10) <= r.chunk_size <= (512 << 20):
         raise ConfigError(f"tiers.remote.chunk_size: must be between 64KiB and 512MiB, got {r.chunk_size}")
-    if r.inflight < 1 or r.breaker_failures < 1 or r.breaker_cooldown_s < 0:
-        raise ConfigError("tiers.remote.inflight and breaker_failures must be >= 1, breaker_cooldown_s >= 0")
+    if r.inflight < 1 or r.evict_parallel < 1 or r.breaker_failures < 1 or r.breaker_cooldown_s < 0:
+        raise ConfigError("tiers.remote.inflight, evict_parallel and breaker_failures must be >= 1, "
+                          "breaker_cooldown_s >= 0")
+    if r.evict_parallel > 64:
+        raise ConfigError(f"tiers.remote.evict_parallel: at most 64, got {r.evict_parallel}")
     if r.max_pending < 1:
         raise ConfigError(f"tiers.remote.max_pending: must be >= 1, got {r.max_pending}")
     if r.url:

@@ -13,6 +13,8 @@ disk or Redis I/O runs under the index lock.
 Primitives:
 - ``evict_disk(mover, need, target=None, exclude=None) -> bool``: make the disk hold at
   most ``target`` bytes (default: room for ``need`` more); True when it got there.
+  With a remote tier, up to ``tiers.remote.evict_parallel`` victims move at once
+  (``Mover.evict_pool``), so one's round trips, LMDB read and delete overlap the others'.
 - ``disk_drop(mover, victim) -> bool``: no remote tier: free one disk copy (dropping the
   sequence when it was its only copy).
 - ``disk_to_remote(mover, victim) -> bool``: copy one sequence to remote (unless that
@@ -25,6 +27,7 @@ Primitives:
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import time
 from typing import TYPE_CHECKING
@@ -75,6 +78,11 @@ def evict_disk(mover: "Mover", need: int, target: int | None = None, exclude: Se
                            and not (s.shared and mover.catalog.refcount(s.seq_id)) and s.on_disk),
                 used - goal)
         moved = False
+        if mover.remote is not None and len(plan) > 1 and mover.evict_pool is not None:
+            moved, down = _to_remote_many(mover, plan, goal)
+            if down:
+                return False  # Redis is down: stop here, fail fast
+            plan = []  # tried, every one
         for victim in plan:  # the records chosen: an id re-parked meanwhile is another version
             if mover.disk.used <= goal:
                 return True
@@ -95,6 +103,43 @@ def evict_disk(mover: "Mover", need: int, target: int | None = None, exclude: Se
             if left <= 0 or not plan:
                 return False
             mover.catalog.changed.wait(min(0.05, left))
+
+
+def _to_remote_many(mover: "Mover", plan: list[Seq], goal: int) -> tuple[bool, bool]:
+    """``disk_to_remote`` of the victims in ``plan``, up to ``tiers.remote.evict_parallel``
+    at once, in plan order, until the disk holds at most ``goal`` bytes. Each move is the
+    one-at-a-time move, whole (its claim, copy, checks under the index lock, stub and
+    delete): what runs at once is only what already could, in several threads making
+    room. Returns (any moved, Redis down): once the breaker opens, no new move starts."""
+    assert mover.remote is not None and mover.evict_pool is not None
+    pool, breaker = mover.evict_pool, mover.remote.store.breaker
+    todo = iter(plan)
+    running: set[concurrent.futures.Future[bool]] = set()
+    moved = down = False
+
+    def start() -> None:
+        while len(running) < mover.evict_parallel and not down and mover.disk.used > goal:
+            victim = next(todo, None)
+            if victim is None:
+                return
+            try:
+                running.add(pool.submit(disk_to_remote, mover, victim))
+            except RuntimeError:  # the mover has closed (a flush at stop still makes room): here
+                f: concurrent.futures.Future[bool] = concurrent.futures.Future()
+                f.set_result(disk_to_remote(mover, victim))
+                running.add(f)
+
+    start()
+    while running:
+        done, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+        for f in done:
+            running.discard(f)
+            if f.result():  # disk_to_remote answers False for any failure it logged
+                moved = True
+            elif breaker.state != "closed":
+                down = True
+        start()
+    return moved, down
 
 
 def disk_drop(mover: "Mover", victim: Seq | str) -> bool:

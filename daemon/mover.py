@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
@@ -130,6 +131,10 @@ class Mover:
         self.cleanups = 0
         self.deletes = Deletes(catalog, disk)  # a failed delete is retried (``deletes.py``)
         self.prefetches = Prefetches(self)
+        # Disk eviction to remote, several sequences at once (``disk_evict.py``).
+        self.evict_parallel = remote.store.opts.evict_parallel if remote is not None else 1
+        self.evict_pool = (ThreadPoolExecutor(self.evict_parallel, thread_name_prefix="kvpark-evict")
+                           if self.evict_parallel > 1 else None)
 
     def close(self) -> None:
         """Stop taking moves; in-flight prefetches are cancelled or finish."""
@@ -137,6 +142,8 @@ class Mover:
             self.closed = True
             self.catalog.changed.notify_all()
         self.prefetches.close()
+        if self.evict_pool is not None:
+            self.evict_pool.shutdown(wait=True)  # moves under way end (each is bounded by Redis's timeouts)
 
     @property
     def paused(self) -> bool:

@@ -125,6 +125,9 @@ class RemoteOptions:
     chunk_size: int = 4 << 20  # largest value written; blocks larger than this are split
     pipeline_bytes: int = 16 << 20  # payload bytes per pipeline
     inflight: int = 4  # pipelines in flight at once
+    # Not the store's either: sequences the daemon's disk eviction moves at once (each one
+    # a caller of its own); the connection pool makes room for them.
+    evict_parallel: int = 4
     breaker_failures: int = 3
     breaker_cooldown_s: float = 5.0
     # Not the store's: the daemon's bound on write_through copies queued for Redis
@@ -442,7 +445,8 @@ class RemoteStore:
                 redis = self._redis
                 o = self.opts
                 common = dict(socket_timeout=o.timeout_s, socket_connect_timeout=o.timeout_s,
-                              max_connections=max(8, o.inflight * 2), connection_class=connection_class(o.url))
+                              max_connections=max(8, o.inflight * 2) + o.evict_parallel,
+                              connection_class=connection_class(o.url))
                 from redis.backoff import NoBackoff
                 from redis.retry import Retry
 
