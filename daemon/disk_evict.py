@@ -78,12 +78,13 @@ def evict_disk(mover: "Mover", need: int, target: int | None = None, exclude: Se
                            and not (s.shared and mover.catalog.refcount(s.seq_id)) and s.on_disk),
                 used - goal)
         moved = False
+        serial = plan
         if mover.remote is not None and len(plan) > 1 and mover.evict_pool is not None:
             moved, down = _to_remote_many(mover, plan, goal)
             if down:
                 return False  # Redis is down: stop here, fail fast
-            plan = []  # tried, every one
-        for victim in plan:  # the records chosen: an id re-parked meanwhile is another version
+            serial = []  # tried, every one (``plan`` still says whether there were victims)
+        for victim in serial:  # the records chosen: an id re-parked meanwhile is another version
             if mover.disk.used <= goal:
                 return True
             if mover.remote is None:

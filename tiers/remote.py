@@ -115,6 +115,8 @@ KEY_BYTES = 32
 WHOLE, REPLACED, GONE = "whole", "replaced", "gone"
 
 
+POOL_HEADROOM = 64  # connections beyond the pipelines' and evictions': the daemon's other callers
+
 @dataclass(frozen=True)
 class RemoteOptions:
     url: str = "redis://127.0.0.1:6379/0"
@@ -445,7 +447,11 @@ class RemoteStore:
                 redis = self._redis
                 o = self.opts
                 common = dict(socket_timeout=o.timeout_s, socket_connect_timeout=o.timeout_s,
-                              max_connections=max(8, o.inflight * 2) + o.evict_parallel,
+                              # Made as needed, so a roomy bound costs nothing: every
+                              # caller at once (the pipelines, the eviction's moves, each
+                              # gRPC handler reading remote) gets one, never "Too many
+                              # connections" in place of Redis's answer.
+                              max_connections=o.inflight * 2 + o.evict_parallel + POOL_HEADROOM,
                               connection_class=connection_class(o.url))
                 from redis.backoff import NoBackoff
                 from redis.retry import Retry
@@ -473,6 +479,10 @@ class RemoteStore:
         except DataLoss:
             self._ok()  # Redis answered; the value was bad
             raise
+        except redis.exceptions.MaxConnectionsError as e:
+            # Our own bound, not Redis failing: no breaker failure (it would fail every
+            # caller fast for the cooldown while Redis is fine).
+            raise Unavailable(f"remote tier: {what}: every connection is in use ({e})") from None
         except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as e:
             with self._stat_lock:
                 self._errors += 1
