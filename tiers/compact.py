@@ -21,6 +21,7 @@ import lmdb
 
 from kvpark.proto.errors import StartupError
 
+from . import envs
 from .disk import lock_dir
 
 _MAX_DBS = 8  # at least what ``DiskStore`` opens
@@ -39,6 +40,7 @@ def compact(path: str) -> tuple[int, int]:
         before = os.path.getsize(data)
         shutil.rmtree(tmp, ignore_errors=True)
         os.mkdir(tmp, 0o700)
+        envs.close(path)  # a disk-grant reader of this process: py-lmdb opens no second environment
         env = lmdb.open(path, readonly=True, max_dbs=_MAX_DBS, subdir=True, lock=False)
         try:
             env.copy(tmp, compact=True)

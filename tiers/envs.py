@@ -30,7 +30,8 @@ Primitives: ``owning(path)`` (a context yielding ``publish(read)``, ``read()`` a
 yielding ``(txn, blocks_db)``), ``disown(path, read)``, ``reading(path)`` (a context
 yielding ``(txn, blocks_db)``; ``OSError``/``lmdb.Error`` when the files cannot be
 opened; ``Again`` while this process's reader environment is being replaced),
-``refresh(path) -> bool``, ``CLOSE_WAIT_S``, ``READER_MAP``.
+``refresh(path) -> bool``, ``close(path)`` (before opening the files some other way),
+``CLOSE_WAIT_S``, ``READER_MAP``.
 """
 
 from __future__ import annotations
@@ -197,6 +198,13 @@ def reading(path: str) -> Iterator[tuple[Any, Any]]:
             yield txn, own.db
     finally:
         _unuse(key, own)
+
+
+def close(path: str) -> None:
+    """Close this process's reader environment on ``path`` once its reads are over: for
+    code of this process that opens the files itself (py-lmdb refuses a second open)."""
+    with _cv:
+        _close_own(_key(path))
 
 
 def refresh(path: str) -> bool:

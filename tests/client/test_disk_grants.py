@@ -281,23 +281,24 @@ def test_a_reader_environment_gives_way_to_a_store_opened_in_the_same_process(da
         assert reads.grants == 1 and reads.misses == 0
 
 
-def test_refresh_reopens_a_reader_on_a_replaced_data_file(tmp_path) -> None:
-    path = str(tmp_path / "env")
+def one_record(path: str, value: bytes) -> None:
+    """An LMDB environment at ``path`` whose blocks database holds ``k`` = ``value``."""
     env = lmdb.open(path, max_dbs=6)
     db = env.open_db(b"blocks")
     with env.begin(write=True) as txn:
-        txn.put(b"k", b"old", db=db)
+        txn.put(b"k", value, db=db)
     env.close()
+
+
+def test_refresh_reopens_a_reader_on_a_replaced_data_file(tmp_path) -> None:
+    path = str(tmp_path / "env")
+    one_record(path, b"old")
     with envs.reading(path) as (txn, db):
         assert bytes(txn.get(b"k", db=db)) == b"old"
     assert not envs.refresh(path)
     # The directory replaced (a restore from backup, a compaction's copy renamed in).
     fresh = str(tmp_path / "env2")
-    env = lmdb.open(fresh, max_dbs=6)
-    db = env.open_db(b"blocks")
-    with env.begin(write=True) as txn:
-        txn.put(b"k", b"new", db=db)
-    env.close()
+    one_record(fresh, b"new")
     (Path(path) / "data.mdb").unlink()
     (Path(fresh) / "data.mdb").rename(Path(path) / "data.mdb")
     assert envs.refresh(path)
@@ -330,3 +331,21 @@ def test_a_reader_killed_inside_its_transaction_gives_its_slot_back(daemon, tmp_
     finally:
         if p.poll() is None:
             p.kill()
+
+
+def test_a_sequence_larger_than_the_host_tier_is_read_whole_without_windows(daemon, monkeypatch) -> None:
+    """Over the arena a sequence three times the host tier moves through windows of
+    slots, each asked for with a round trip; a grant reads it in one transaction."""
+    ts = [blob(10 * MiB + 7, 17), blob(14 * MiB, 18)]
+    d = daemon(**{"tiers.host.capacity": "8MiB", "tiers.disk.capacity": "256MiB"})
+    with Client(d.address, transport="shm") as c:
+        assert c.park("big", ts).tier == "disk"
+    reads = Reads(monkeypatch)
+    with Client(d.address, transport="shm") as c:
+        r = c.restore("big", layerwise=True)
+        i, first = next(r)
+        assert i == 0 and torch.equal(first, ts[0])
+        assert d.engine.tiers["host"].alloc.used_bytes == 0 and c.stat().leases == 0  # no window, no lease
+        assert [torch.equal(t, want) for (_, t), want in zip(r, ts[1:])] == [True]
+        assert reads.grants == 1 and reads.misses == 0
+        assert c.info("big").tier == "disk"  # too large for host: not promoted either

@@ -334,7 +334,9 @@ def test_a_failed_delete_in_a_drop_leaves_no_orphaned_block_and_is_retried(daemo
 @pytest.mark.parametrize("how", ["restore", "restore_many", "prefetch"])
 def test_a_promotion_racing_a_drop_is_not_found_not_data_loss(daemon: Callable[..., Daemon], gate: Gate,
                                                               how: str) -> None:
-    d = daemon(disk_factory=GatedDisk, **{"policy.write": "write_through"})
+    # Disk grants off: the promotion is the path under test (a grant reads the records
+    # without one; tests/client/test_disk_grants.py races drops against grants).
+    d = daemon(disk_factory=GatedDisk, **{"policy.write": "write_through", "tiers.disk.direct_reads": "false"})
     with Client(d.address) as c:
         c.park("s", [full(2 * MiB, 5)])
         assert d.engine.mover.demote("s", "host")

@@ -26,7 +26,10 @@ from ..conftest import Proc, wait_until
 
 MiB = 1 << 20
 HOST = 8 * MiB
-SMALL = {"tiers.host.capacity": "8MiB"}  # auto window: a quarter, 2 MiB
+# auto window: a quarter, 2 MiB. Disk grants off: over shm, a sequence on disk only would
+# be read from the files without windows (tests/client/test_disk_grants.py), and the
+# windows are the path under test here.
+SMALL = {"tiers.host.capacity": "8MiB", "tiers.disk.direct_reads": "false"}
 
 
 def big(seed: int, total: int = 3 * HOST + 12345) -> list[torch.Tensor]:

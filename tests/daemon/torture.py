@@ -308,8 +308,10 @@ class Torture:
         (after a clean stop, when nothing may be left)."""
         import lmdb
 
+        from kvpark.tiers import envs
         from kvpark.tiers.disk import Manifest
 
+        envs.close(str(self.data))  # this process's grant reader, if it has one: one environment each
         env = lmdb.open(str(self.data), max_dbs=4, readonly=True, lock=False)
         try:
             blocks, manifests = env.open_db(b"blocks", create=False), env.open_db(b"manifests", create=False)
