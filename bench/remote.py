@@ -206,6 +206,7 @@ def bench_daemons(url: str, cluster: bool, a: argparse.Namespace, tmp: Path, tag
     import torch
 
     from kvpark.client import Client
+    from kvpark.daemon import reads
     from kvpark.daemon.config import load
     from kvpark.daemon.server import Daemon
 
@@ -215,7 +216,7 @@ def bench_daemons(url: str, cluster: bool, a: argparse.Namespace, tmp: Path, tag
         d = tmp / f"{tag}-{name}"
         (d / "shm").mkdir(parents=True)
         cfg = load(env={}, overrides={
-            "server.listen": "127.0.0.1:0", "tiers.device.enabled": "false",
+            "server.listen": "127.0.0.1:0", "tiers.device.enabled": "false", "metrics.listen": "",
             "tiers.host.capacity": str(host), "tiers.host.shm_dir": str(d / "shm"),
             "tiers.disk.path": str(d / "disk"), "tiers.disk.capacity": str(4 * a.total * a.reps),
             "tiers.remote.url": url, "tiers.remote.cluster": cluster, "tiers.remote.namespace": f"bench-{tag}",
@@ -256,7 +257,7 @@ def bench_daemons(url: str, cluster: bool, a: argparse.Namespace, tmp: Path, tag
                 demote.append(nseq * a.seq / 1e6 / (time.perf_counter() - t0))
                 fe = fetcher.engine
                 assert fe is not None
-                fe._adopt(ids)
+                reads.adopt(fe, ids)  # the ids indexed as remote-only, as a local miss would
                 with fe.catalog.lock:
                     seqs = [fe.catalog.get(sid) for sid in ids]
                 t0 = time.perf_counter()
