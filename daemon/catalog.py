@@ -15,6 +15,7 @@ Primitives:
   maintenance thread's condition).
 - Lookups (REQUIRES: lock): ``find``, ``get`` (``NotFound``), ``present``, ``sequences``,
   ``refcount``.
+- ``committing``: versions between their write lease's end and their publish (REQUIRES: lock).
 - ``next_gen()``: generations order every commit, drop and disk write of an id; they
   come from ``gens`` (``model.Generations``: unique across daemons).
 - ``plan_commit(lease, expect_nbytes, block_size)``: validate a commit against the index
@@ -90,6 +91,9 @@ class Catalog:
         # Namespace ("alice" + NS_SEP) -> its sequences: a tenant's usage, quota victims and
         # list without a scan of every tenant's million blocks. Open daemons have none.
         self._spaces: dict[str, dict[str, Seq]] = {}
+        # Versions a commit has taken from its write lease and not yet published or
+        # refused (``commit.py``): a tenant's usage counts them (``quota.py``).
+        self.committing: set[Seq] = set()
         self.gens = Generations()
         # Memory-only sequences, oldest first, for write_back's dirty bounds (set by the
         # engine; none by default).

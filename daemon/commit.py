@@ -136,6 +136,10 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
             seq = Seq(manifest=spec.manifest(catalog.next_gen(), engine.slot_size), res={tier: alloc})
         held = [b.seq_id for b in blocks] + ([spec.seq_id] if seq is not None else [])
         pending.add(held)
+        # Neither an open lease nor indexed until its publish: counted as committing
+        # meanwhile, or a tenant's next park would be admitted against its quota as if
+        # these bytes were not there.
+        catalog.committing.update(blocks + ([seq] if seq is not None else []))
         # The version this replaces keeps its disk records through our write: it is deleted
         # after we publish (``Deletes``), once no read lease reads it. Deleting it in our
         # write transaction would pull it from under a restore that leased it meanwhile.
@@ -147,6 +151,7 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
             write_through_disk(engine, blocks, seq, replace)
     except BaseException:
         with catalog.lock:
+            catalog.committing.difference_update(mine)
             for s in mine:
                 for name, a in s.res.items():
                     catalog.free(name, a)
@@ -173,6 +178,7 @@ def commit(engine: "Engine", lease: Lease, expect_nbytes: int | None) -> SeqInfo
     failed: KVParkError | None = None
     undo: Manifest | None = None
     with catalog.lock:
+        catalog.committing.difference_update(mine)  # indexed (or refused) in this same step
         catalog.publish_blocks(blocks)
         gone: list[Seq] = []
         if seq is None:

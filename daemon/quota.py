@@ -7,7 +7,8 @@ Primitives:
   of the tenant's copies in ``device`` and ``host`` (copies in the private tier are host
   memory: counted under ``host``), and under ``disk`` every byte it has parked (each may
   land on disk; under write_through they all do); open write leases count as if
-  committed.
+  committed, and so do commits between their lease's end and their publish
+  (``Catalog.committing``).
 - ``admit(tenant, prefix, spec, tier)``: before a park of ``spec`` (already namespaced)
   into memory tier ``tier`` (``"disk"`` for a park that streams to disk through windows): for that tier and for disk, if the tenant's usage plus the
   park is over its quota, demote (memory) or drop (disk) the tenant's own coldest
@@ -82,6 +83,11 @@ class Quotas:
             for t in s.res:
                 used[quota_tier(t)] += s.manifest.nbytes
             used["disk"] += s.manifest.nbytes
+        for s in self.engine.catalog.committing:  # between their lease's end and their publish
+            if s.seq_id.startswith(prefix) and s.seq_id != replacing:
+                for t in s.res:
+                    used[quota_tier(t)] += s.manifest.nbytes
+                used["disk"] += s.manifest.nbytes
         for lease in self.engine.leases.open_writes():
             spec = lease.spec
             if spec is not None and spec.owner.startswith(prefix):
