@@ -652,3 +652,6 @@ class Engine:
                 # Records kept from the orphan sweep for a reader: only while their delete waits.
                 stray = self.disk.kept - deleting
                 assert not stray, f"records kept from the orphan sweep with no delete waiting: {sorted(stray)[:8]}"
+                # Parks are quiet: no commit is between its lease's end and its publish.
+                left = sorted(s.seq_id for s in self.catalog.committing)
+                assert not left, f"commits that never published nor were refused: {left[:8]}"

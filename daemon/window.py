@@ -270,15 +270,20 @@ class Windows:
                     # The commit point: the generation of this version, as for every park kind.
                     final = dataclasses.replace(m, gen=catalog.next_gen(), data_gen=m.key_gen)
                     self.pending.add(ids)
+                    # Its lease has ended and it is not indexed yet: counted as committing
+                    # until its publish, or its tenant's disk quota would not see it.
+                    seq = Seq(manifest=final, on_disk=True)
+                    catalog.committing.add(seq)
         if refused is not None:
             # The abort is an LMDB write transaction: never under the index lock, which
             # every call needs (a slow disk would stall the whole daemon behind it).
             self.disk.stage_abort(m)
             raise refused
-        seq = Seq(manifest=final, on_disk=True)
         try:
             won = self.disk.stage_commit(final, replace, sync=self.write_through)
         except BaseException:
+            with catalog.lock:
+                catalog.committing.discard(seq)
             owned = False
             try:
                 if not self.disk.holds(final):  # the transaction failed (not a sync after it): nothing published
@@ -296,6 +301,7 @@ class Windows:
         failed: KVParkError | None = None
         gone: list[Seq] = []
         with self.catalog.lock:
+            self.catalog.committing.discard(seq)  # indexed (or refused) in this same step
             if not won:
                 # A newer generation of the id reached the disk first (a flushed overwrite,
                 # or one adopted from another daemon). Ours is gone from disk: superseded
