@@ -46,6 +46,14 @@ CHILD = textwrap.dedent("""
         return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
 
     import os, numpy as np
+    def wait_for(flag, timeout=60.0):
+        # The parent's step, by a deadline: a parent that failed leaves no child behind.
+        deadline = time.monotonic() + timeout
+        while not flag.exists():
+            if time.monotonic() > deadline:
+                print("gave up waiting for", flag.name, flush=True)
+                os._exit(4)
+            time.sleep(0.01)
     def where(addr):
         # (file, file offset) that virtual address addr maps, from /proc/self/maps
         for line in open("/proc/self/maps"):
@@ -65,8 +73,7 @@ CHILD = textwrap.dedent("""
                 addr = np.frombuffer(view, np.uint8).ctypes.data
                 before = where(addr)
                 (tmp / "held").touch()
-                while not (tmp / "go").exists():
-                    time.sleep(0.01)
+                wait_for(tmp / "go")
                 if where(addr) != before:  # touching the view now faults (or reads other bytes)
                     print("view of", m.seq_id, "block", index, "was", before, "now", where(addr), flush=True)
                     os._exit(3)
@@ -85,8 +92,7 @@ CHILD = textwrap.dedent("""
 
     one = threading.Thread(target=restore, args=("a", 1, 4 << 20), name="one")
     one.start()
-    while not (tmp / "grown").exists():
-        time.sleep(0.01)
+    wait_for(tmp / "grown")
     restore("b", 2, 2 << 20)  # thread "main": its begin() meets MapResizedError
     (tmp / "go").touch()
     one.join()
