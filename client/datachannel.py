@@ -17,7 +17,9 @@ client certificate the client gave gRPC (``client_ssl_context``); a client witho
 TLS settings counts such a channel as refused and uses the gRPC path.
 
 Primitives:
-- ``DataChannelRefused`` (a ``TransportUnavailable``).
+- ``DataChannelRefused`` (a ``TransportUnavailable``); ``NoStatus`` (from
+  ``kvpark.proto.dataframe``): the daemon closed a connection before answering its
+  request (it turns connections away when crowded), so the caller may use gRPC instead.
 - ``client_ssl_context(tls_ca, tls_cert, tls_key) -> SSLContext | None``: from the
   client's gRPC TLS settings (file paths or PEM bytes); None without any.
 - ``DataChannel(info, grpc_address, ssl_context=None)``: ``usable``; ``connect() ->
@@ -39,8 +41,8 @@ import threading
 import time
 from typing import Iterator, Sequence
 
-from kvpark.proto.dataframe import (CHUNK, GET, MAGIC, MAX_FRAME, PUT, REQUEST, VERSION, Closed, parse_address,
-                                    read_status, send_views)
+from kvpark.proto.dataframe import (CHUNK, GET, MAGIC, MAX_FRAME, PUT, REQUEST, VERSION, Closed, NoStatus,
+                                    parse_address, read_status, send_views)
 from kvpark.proto.errors import DataLoss, DeadlineExceeded, TransportUnavailable, Unavailable
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import regroup
@@ -178,9 +180,10 @@ class DataChannel:
         except socket.timeout:
             raise DeadlineExceeded(f"data channel PUT stalled past its {timeout}s deadline") from None
         except OSError as e:
-            # The daemon may have answered an error and closed: that answer says why.
+            # The daemon may have answered an error and closed: that answer says why. No
+            # answer: it closed the connection unread (turned away), or died.
             err = _status_after_reset(sock)
-            raise (err or Unavailable(f"data channel PUT failed: {e}")) from None
+            raise (err or NoStatus(f"data channel PUT failed: {e}")) from None
         err = self._status(budget)
         if err is not None:
             raise err
@@ -191,7 +194,11 @@ class DataChannel:
         ``nbytes``), yielding each index as it fills, the whole transfer within
         ``timeout``. Every length is checked: a chunk past ``nbytes`` is ``DataLoss``; a
         connection that ends before every byte and the closing status is ``Unavailable``
-        (the daemon died or dropped it), never quietly partial bytes."""
+        (the daemon died or dropped it), never quietly partial bytes.
+
+        The request and the daemon's first answer happen in this call, before any index
+        is yielded: ``NoStatus`` here means the daemon closed the connection without
+        answering (turned away, or gone), and nothing of the lease has been read."""
         budget = _Budget(sock, timeout)
         try:
             budget.arm()
@@ -199,10 +206,14 @@ class DataChannel:
         except socket.timeout:
             raise DeadlineExceeded(f"data channel GET stalled past its {timeout}s deadline") from None
         except OSError as e:
-            raise Unavailable(f"data channel GET failed: {e}") from None
+            raise NoStatus(f"data channel GET failed: {e}") from None
         err = self._status(budget)
         if err is not None:
             raise err
+        return self._receive(budget, nbytes, dsts)
+
+    def _receive(self, budget: "_Budget", nbytes: int, dsts: Sequence[memoryview]) -> Iterator[int]:
+        sock, timeout = budget.sock, budget.timeout
         lens = [len(d) for d in dsts]
         di = within = 0
         while di < len(lens) and lens[di] == 0:
@@ -248,6 +259,10 @@ class DataChannel:
             return read_status(budget.sock)
         except socket.timeout:
             return DeadlineExceeded(f"no answer on the data channel within {budget.timeout}s")
+        except ConnectionResetError as e:
+            # Reset before the answer: the daemon closed the connection with the request
+            # unread (it turns connections away when crowded), or died.
+            return NoStatus(f"data channel reset before the daemon's answer: {e}")
         except OSError as e:
             return Unavailable(f"data channel dropped: {e}")
 

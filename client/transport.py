@@ -63,7 +63,7 @@ from kvpark.tiers import cuda, envs
 from kvpark.tiers.shm import boot_id
 
 from . import disk_reads, mappings
-from .datachannel import DataChannel, DataChannelRefused, client_ssl_context
+from .datachannel import DataChannel, DataChannelRefused, NoStatus, client_ssl_context
 from .payload import Outputs, pieces, runs
 from .rpc import Rpc, translate
 from .uses import Uses
@@ -461,6 +461,13 @@ class Inline(Transport):
             self.check(r, "reserve", r.lease_id)
         try:
             channel.put(sock, r.token, views, total, rpc.data_timeout(total))
+        except NoStatus:
+            # Turned away unanswered (a crowded channel), or the daemon is gone: nothing of
+            # this reservation was committed, so the gRPC stream parks it afresh (and
+            # fails the same way if the daemon is gone).
+            channel.discard(sock)
+            rpc.release_quietly(r.lease_id)
+            return None
         except BaseException:
             channel.discard(sock)
             rpc.release_quietly(r.lease_id)  # the daemon aborts it on errors it sees; this covers the rest
@@ -468,9 +475,10 @@ class Inline(Transport):
         channel.done(sock)
         return self._commit(r.lease_id, self.packed)
 
-    def _restore_channel(self, sock: socket.socket, ids: list[str], target: Target) -> Restoring:
+    def _restore_channel(self, sock: socket.socket, ids: list[str], target: Target) -> Restoring | None:
         """Acquire (bytes inline when small, else a token), then the bytes on the data
-        channel straight into the outputs; the daemon ends the lease with the transfer."""
+        channel straight into the outputs; the daemon ends the lease with the transfer.
+        None: the daemon turned the connection away unanswered (the gRPC path serves it)."""
         rpc, channel = self.rpc, self.channel
         assert channel is not None
         req = pb.AcquireRequest(tier="host", expect_layout=target.expect_layout, inline_max=self.chunk_size,
@@ -498,7 +506,17 @@ class Inline(Transport):
             rpc.release_quietly(r.lease_id)
             raise
         dsts = [memoryview(f.numpy()) for f in out.flats]
-        got = channel.get(sock, r.token, info.nbytes, dsts, rpc.data_timeout(info.nbytes))
+        try:
+            got = channel.get(sock, r.token, info.nbytes, dsts, rpc.data_timeout(info.nbytes))
+        except NoStatus:
+            # Nothing of the lease was read: end it, and read the bytes over gRPC.
+            channel.discard(sock)
+            rpc.release_quietly(r.lease_id)
+            return None
+        except BaseException:
+            channel.discard(sock)
+            rpc.release_quietly(r.lease_id)
+            raise
 
         def tensors() -> Iterator[tuple[int, torch.Tensor]]:
             ok = False
@@ -518,7 +536,9 @@ class Inline(Transport):
     def _restore(self, ids: list[str], target: Target) -> Restoring:
         sock = self._socket()
         if sock is not None:
-            return self._restore_channel(sock, ids, target)
+            done = self._restore_channel(sock, ids, target)
+            if done is not None:
+                return done
         g = pb.GetRequest(expect_layout=target.expect_layout, max_bytes=self.chunk_size)
         set_ids(g, ids)
         got = self.rpc.call(self.rpc.get, g)

@@ -63,11 +63,14 @@ Primitives:
 
 from __future__ import annotations
 
+import array
+import fcntl
 import logging
 import os
 import secrets
 import socket
 import ssl
+import termios
 import threading
 import time
 from dataclasses import dataclass
@@ -279,10 +282,14 @@ class DataChannelServer:
             conn.settimeout(IDLE_S)  # not the listening socket's wake-up interval
             with self._lock:
                 # Room for the newcomer at the cost of the oldest unauthenticated one, never
-                # of a connection that has shown a request.
+                # of a connection that has shown a request, nor of one whose request is
+                # already waiting to be read: a burst of honest clients is not a client
+                # that says nothing (the bound is on those).
                 if self._unauth and (len(self._unauth) >= MAX_UNAUTHENTICATED
                                      or len(self._conns) >= MAX_CONNECTIONS):
-                    self._drop_unauth(next(iter(self._unauth)))
+                    victim = next((c for c in self._unauth if not self._request_waiting(c)), None)
+                    if victim is not None:
+                        self._drop_unauth(victim)
                 full = len(self._conns) >= MAX_CONNECTIONS
                 if not full:
                     self._conns.add(conn)
@@ -294,6 +301,20 @@ class DataChannelServer:
             with self._lock:
                 self._threads.add(t)
             t.start()
+
+    def _request_waiting(self, conn: socket.socket) -> bool:
+        """Whether a whole request header sits unread on ``conn`` (a clear connection:
+        under TLS the bytes say nothing before the handshake, so none is spared)."""
+        if self.ssl_context is not None:
+            return False
+        try:
+            # FIONREAD, not a peek: a socket with a timeout waits for readability before
+            # any recv, and this runs under the channel's lock.
+            waiting = array.array("i", [0])
+            fcntl.ioctl(conn.fileno(), termios.FIONREAD, waiting)
+            return waiting[0] >= REQUEST.size
+        except (OSError, ValueError):  # already closed
+            return False
 
     def _drop_unauth(self, conn: socket.socket) -> None:
         # REQUIRES: self._lock. Its thread wakes from recv, sees the close and ends.

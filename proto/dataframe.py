@@ -25,6 +25,8 @@ Primitives: ``REQUEST``, ``CHUNK``, ``STATUS`` (``struct.Struct``); ``MAGIC``,
 ``VERSION``, ``PUT``, ``GET``, ``TOKEN_BYTES``, ``MAX_FRAME``; ``recv_exact(sock, n)``;
 ``recv_into_exact(sock, view)``; ``send_views(sock, views)``; ``status_bytes(err)``;
 ``read_status(sock) -> KVParkError | None``; ``parse_address(address) -> (family, addr)``.
+``Closed`` (the peer closed mid-frame, with how much came); ``NoStatus`` (an
+``Unavailable``: closed before the first byte of an answer, the request unread).
 """
 
 from __future__ import annotations
@@ -48,7 +50,17 @@ _MAX_STATUS_TEXT = 1 << 16
 
 
 class Closed(ConnectionError):
-    """The peer closed the connection before a whole frame arrived."""
+    """The peer closed the connection before a whole frame arrived (``received``: how
+    many of the frame's bytes did)."""
+
+    def __init__(self, message: str, received: int = 0) -> None:
+        super().__init__(message)
+        self.received = received
+
+
+class NoStatus(Unavailable):
+    """The daemon closed the connection before the first byte of its status: it turned
+    the connection away (or died) without reading or answering the request."""
 
 
 def recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -63,7 +75,7 @@ def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
     while pos < n:
         got = sock.recv_into(view[pos:], n - pos)
         if got == 0:
-            raise Closed(f"connection closed after {pos} of {n} bytes")
+            raise Closed(f"connection closed after {pos} of {n} bytes", pos)
         pos += got
 
 
@@ -105,6 +117,8 @@ def read_status(sock: socket.socket) -> KVParkError | None:
         name = recv_exact(sock, nlen).decode(errors="replace")
         msg = recv_exact(sock, mlen).decode(errors="replace")
     except Closed as e:
+        if e.received == 0:
+            return NoStatus(f"data channel closed by the daemon before its answer: {e}")
         return Unavailable(f"data channel closed by the daemon: {e}")
     return from_name(name, msg)
 
