@@ -260,27 +260,61 @@ _NO_READERS: ReadCounts = _Empty()
 _NEW_LOCK = threading.Lock()  # makes a Seq's move lock exactly once (see Seq.move_lock)
 
 
-@dataclass(eq=False, slots=True)
-class Seq:
-    manifest: Manifest
-    res: TierMap[Allocation] = field(default_factory=TierMap)  # ready memory copies
-    on_disk: bool = False
-    on_remote: bool = False  # a copy in the remote tier (Redis) is known to this daemon
-    _readers: ReadCounts | None = None  # read leases per tier; made on the first (see ``readers``)
-    moving: int = 0  # copies in flight from this sequence's memory
-    dropped: bool = False
-    access_count: int = 0
-    promotions: int = 0
-    # write_back's dirty set (``dirty.py``): when this became memory-only (monotonic
-    # seconds); 0.0 while it is not in the set.
-    dirty_since: float = 0.0
-    # Made on first use: most of a million parked blocks never move, and a lock is 56
-    # bytes and a third of the time of rebuilding one index entry at restart.
-    _move_lock: threading.Lock | None = None
+# ``Seq._state``: three flags and the count of copies in flight, in one int that stays
+# below 256 (Python's shared small ints) for up to 31 copies in flight: three bools and a
+# count in separate slots cost 24 bytes more per parked block.
+_ON_DISK, _ON_REMOTE, _DROPPED, _MOVING = 1, 2, 4, 8
 
-    def __post_init__(self) -> None:
-        if not isinstance(self.res, TierMap):
-            self.res = TierMap(self.res)
+
+def _flag(bit: int, doc: str) -> property:
+    def get(self: "Seq") -> bool:
+        return bool(self._state & bit)
+
+    def put(self: "Seq", value: bool) -> None:
+        self._state = self._state | bit if value else self._state & ~bit
+
+    return property(get, put, doc=doc)
+
+
+class Seq:
+    """A parked sequence: its disk record, its memory copies and its state (see the
+    module docstring). Identity is the sequence version: compared and hashed by object."""
+
+    __slots__ = ("manifest", "res", "_state", "access_count", "promotions", "dirty_since", "_readers",
+                 "_move_lock")
+
+    def __init__(self, manifest: Manifest, res: Mapping[str, Allocation] | None = None, on_disk: bool = False,
+                 on_remote: bool = False, dropped: bool = False) -> None:
+        self.manifest = manifest
+        self.res: TierMap[Allocation] = res if isinstance(res, TierMap) else TierMap(res)  # ready memory copies
+        self._state = (_ON_DISK if on_disk else 0) | (_ON_REMOTE if on_remote else 0) | (_DROPPED if dropped else 0)
+        self.access_count = 0
+        self.promotions = 0
+        # write_back's dirty set (``dirty.py``): when this became memory-only (monotonic
+        # seconds); 0.0 while it is not in the set.
+        self.dirty_since = 0.0
+        self._readers: ReadCounts | None = None  # read leases per tier; made on the first (see ``readers``)
+        # Made on first use: most of a million parked blocks never move, and a lock is 56
+        # bytes and a third of the time of rebuilding one index entry at restart.
+        self._move_lock: threading.Lock | None = None
+
+    on_disk = _flag(_ON_DISK, "A copy on the disk tier.")
+    on_remote = _flag(_ON_REMOTE, "A copy in the remote tier (Redis) is known to this daemon.")
+    dropped = _flag(_DROPPED, "Retired from the index (dropped, overwritten, expired).")
+
+    @property
+    def moving(self) -> int:
+        """Copies in flight from this sequence's memory (``Catalog.copy_begin``/``copy_end``)."""
+        return self._state >> 3
+
+    @moving.setter
+    def moving(self, n: int) -> None:
+        assert n >= 0, f"{self.seq_id}: moving would be {n}"
+        self._state = (self._state & (_MOVING - 1)) | n << 3
+
+    def __repr__(self) -> str:
+        return (f"Seq({self.seq_id!r}, gen={self.gen}, res={self.res!r}, on_disk={self.on_disk}, "
+                f"on_remote={self.on_remote}, dropped={self.dropped}, moving={self.moving})")
 
     @property
     def readers(self) -> Mapping[str, int]:

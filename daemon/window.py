@@ -40,7 +40,6 @@ Primitives:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -268,7 +267,7 @@ class Windows:
                     # (``Deletes``), once no read lease reads its disk copy, not in our transaction.
                     replace = None
                     # The commit point: the generation of this version, as for every park kind.
-                    final = dataclasses.replace(m, gen=catalog.next_gen(), data_gen=m.key_gen)
+                    final = m.replace(gen=catalog.next_gen(), data_gen=m.key_gen)
                     self.pending.add(ids)
                     # Its lease has ended and it is not indexed yet: counted as committing
                     # until its publish, or its tenant's disk quota would not see it.

@@ -24,9 +24,11 @@ Primitives:
 - ``Manifest``: a sequence's typed disk record (tensors, sizes, generation, priority,
   timestamps, pin/TTL/refs/shared/attrs/data_gen; the last six travel in the JSON
   ``extra`` map). ``gen`` orders and names a version; ``key_gen`` keys its block records.
-  Slotted; ``decode`` shares the tensor tuples, attrs dicts and sizes that many
-  manifests repeat (``interning.py``), so a restart with a million blocks holds one
-  copy of each.
+  Slotted and small: id, generation, times and TTL deadline are its own, the rest one
+  ``Form`` (a named tuple) shared by the manifests that agree on it (``interning.py``),
+  read and written through properties; ``replace(**changes)`` copies. ``decode`` shares
+  the tensor tuples, attrs dicts and sizes too, so a restart with a million blocks
+  holds one copy of each.
 - ``DiskStore(path, capacity, writemap)``; ``close()`` (after every open ``read_txn``, at
   most ``CLOSE_WAIT_S``); ``sync()`` (the fsync seam), ``fsync()`` (it, typed). The engine takes a
   ``disk_factory`` with this signature, so tests inject a subclass that records syncs,
@@ -86,7 +88,6 @@ small lock, never held across I/O.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import fcntl
 import json
@@ -96,7 +97,7 @@ import struct
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterator, NamedTuple, Sequence
 
 import lmdb
@@ -121,25 +122,107 @@ def checksum(view: memoryview | bytes) -> int:
     return xxhash.xxh3_64_intdigest(view)
 
 
-@dataclass(slots=True)
-class Manifest:
-    seq_id: str
-    gen: int
+class Form(NamedTuple):
+    """What a manifest holds besides its identity and its clock: shared (interned) by the
+    many manifests that have the same, since a million blocks of one model differ only
+    in id, generation and times (``Manifest``). Immutable: a manifest that changes one
+    of these takes a new one."""
+
     tensors: tuple[TensorMeta, ...]
     nbytes: int
     block_size: int
     fingerprint: int
     priority: int = 0
-    created_at: float = 0.0
-    last_access: float = 0.0
     pinned: bool = False
-    expires_at: float | None = None  # wall-clock TTL deadline
     refs: tuple[str, ...] = ()  # shared blocks this sequence's payload starts with
     shared: bool = False  # a reference-counted shared block
-    attrs: dict[str, str] = field(default_factory=dict)
+    attrs: dict[str, str] = {}  # never changed in place (interned dicts are shared)
     # The generation the block records are keyed by, when it is not ``gen``: a windowed
     # park stages its blocks before its commit takes the generation (0: ``gen``).
     data_gen: int = 0
+
+
+def _form(*fields: object) -> Form:
+    """The shared ``Form`` of these fields; one of its own when it cannot be shared: refs
+    and digests are each sequence's own (interning them would only churn the table)."""
+    f = Form(*fields)  # type: ignore[arg-type]
+    if f.refs or f.data_gen or len(f.attrs) > 8 or _DIGESTS in f.attrs:
+        return f
+    return interning.form(f, (*f[:8], tuple(f.attrs.items()), f.data_gen))
+
+
+_DIGESTS = "kvpark.xxh3"  # kvpark.proto.digests.HASH_ATTR: per-block digests, never shared
+
+
+def _form_field(name: str) -> property:
+    index = Form._fields.index(name)
+
+    def get(self: "Manifest") -> object:
+        return self._f[index]
+
+    def put(self: "Manifest", value: object) -> None:
+        self._f = _form(*self._f[:index], value, *self._f[index + 1:])
+
+    return property(get, put, doc=f"``Form.{name}``")
+
+
+class Manifest:
+    """A sequence's typed disk record. Slotted and small: its id, generation, times and
+    TTL deadline are its own; the rest is a shared ``Form`` (a million blocks of one
+    model hold one), read and written through properties of the same names. Compared by
+    value (every field); not hashable (it changes: ``last_access``, ``pinned``)."""
+
+    __slots__ = ("seq_id", "gen", "created_at", "last_access", "expires_at", "_f")
+
+    def __init__(self, seq_id: str, gen: int, tensors: tuple[TensorMeta, ...], nbytes: int, block_size: int,
+                 fingerprint: int, priority: int = 0, created_at: float = 0.0, last_access: float = 0.0,
+                 pinned: bool = False, expires_at: float | None = None, refs: tuple[str, ...] = (),
+                 shared: bool = False, attrs: dict[str, str] | None = None, data_gen: int = 0) -> None:
+        self.seq_id = seq_id
+        self.gen = gen
+        self.created_at = created_at
+        self.last_access = last_access
+        self.expires_at = expires_at  # wall-clock TTL deadline
+        self._f = _form(tensors, nbytes, block_size, fingerprint, priority, pinned, refs, shared,
+                        interning.attrs({}) if attrs is None else attrs, data_gen)
+
+    tensors = _form_field("tensors")
+    nbytes = _form_field("nbytes")
+    block_size = _form_field("block_size")
+    fingerprint = _form_field("fingerprint")
+    priority = _form_field("priority")
+    pinned = _form_field("pinned")
+    refs = _form_field("refs")
+    shared = _form_field("shared")
+    attrs = _form_field("attrs")
+    data_gen = _form_field("data_gen")
+
+    def _fields(self) -> tuple:
+        return (self.seq_id, self.gen, self.created_at, self.last_access, self.expires_at, *self._f)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Manifest):
+            return NotImplemented
+        return self._fields() == other._fields()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        f = self._f
+        return (f"Manifest(seq_id={self.seq_id!r}, gen={self.gen}, nbytes={f.nbytes}, block_size={f.block_size}, "
+                f"fingerprint={f.fingerprint:#x}, priority={f.priority}, pinned={f.pinned}, "
+                f"expires_at={self.expires_at}, refs={f.refs}, shared={f.shared}, attrs={f.attrs}, "
+                f"data_gen={f.data_gen}, tensors={len(f.tensors)})")
+
+    def replace(self, **changes: object) -> "Manifest":
+        """A copy with ``changes`` (field names as in the constructor)."""
+        kw: dict = {"seq_id": self.seq_id, "gen": self.gen, "created_at": self.created_at,
+                    "last_access": self.last_access, "expires_at": self.expires_at, **self._f._asdict()}
+        unknown = set(changes) - set(kw)
+        if unknown:
+            raise TypeError(f"Manifest has no field(s) {sorted(unknown)}")
+        kw.update(changes)
+        return Manifest(**kw)
 
     @property
     def key_gen(self) -> int:
@@ -701,7 +784,7 @@ class DiskStore:
                         for i in range(len(previous.block_lengths)))
                     if whole and previous is not None:
                         if pinned is not None and pinned() != previous.pinned:
-                            previous = dataclasses.replace(previous, pinned=not previous.pinned)
+                            previous = previous.replace(pinned=not previous.pinned)
                         txn.put(name, previous.encode(), db=self._manifests)
                     else:
                         txn.delete(name, db=self._manifests)

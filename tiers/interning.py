@@ -19,6 +19,8 @@ Primitives:
 - ``attrs(d) -> dict``: the shared dict equal to ``d``; ``attrs_json(raw)``: the same from
   a manifest's JSON attrs object.
 - ``number(n)``: the shared int equal to ``n`` (block sizes repeat too).
+- ``form(value, key)``: the shared object equal to ``value`` under ``key`` (a
+  manifest's ``Form``: everything but its id, generation and times).
 The tables are bounded (``MAX_ENTRIES`` each; full, they start over), so sequences that
 each carry unique attrs cost nothing extra here. Callers hold no lock: a race between
 two threads at worst interns one value twice.
@@ -26,15 +28,19 @@ two threads at worst interns one value twice.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from kvpark.proto.layout import TensorMeta, fingerprint
 
 MAX_ENTRIES = 4096
+T = TypeVar("T")
 
 _layouts: dict[tuple[TensorMeta, ...], tuple[tuple[TensorMeta, ...], int]] = {}
 _json_layouts: dict[tuple, tuple[tuple[TensorMeta, ...], int]] = {}
 _attrs: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
 _json_attrs: dict[tuple, dict[str, str]] = {}
 _numbers: dict[int, int] = {}
+_forms: dict[tuple, object] = {}
 
 
 def _put(table: dict, key: object, value: object) -> None:
@@ -85,3 +91,11 @@ def number(n: int) -> int:
         _put(_numbers, n, n)
         hit = n
     return hit
+
+
+def form(value: T, key: tuple) -> T:
+    hit = _forms.get(key)
+    if hit is None:
+        _put(_forms, key, value)
+        return value
+    return hit  # type: ignore[return-value]

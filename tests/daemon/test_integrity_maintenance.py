@@ -8,7 +8,6 @@ sleeps; the tests wait on conditions with deadlines.
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from contextlib import contextmanager
 from pathlib import Path
@@ -266,7 +265,7 @@ def test_restart_collects_block_records_no_manifest_owns(daemon: Callable[..., D
     store = DiskStore(cfg.tiers.disk.path, cfg.disk_capacity)
     try:
         (old,) = store.load_manifests()[0]
-        new = dataclasses.replace(old, gen=old.gen + 1)
+        new = old.replace(gen=old.gen + 1)
         assert store.write(new, [memoryview(full(1000, 2).numpy())], sync=True)
     finally:
         store.close()

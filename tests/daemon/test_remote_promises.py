@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 from typing import Callable
@@ -101,7 +100,7 @@ def test_disk_eviction_never_hides_a_later_version_another_daemon_wrote(
             with d.engine.catalog.lock:
                 mine = d.engine.catalog.find("s")
             assert mine is not None
-            theirs = dataclasses.replace(mine.manifest, gen=mine.manifest.gen + 1000)
+            theirs = mine.manifest.replace(gen=mine.manifest.gen + 1000)
             other.put(theirs, [memoryview(blob(9).numpy().tobytes())])
             # Step: the disk evicts "s": its superseded version is not copied over theirs.
             _park_until(c, lambda: _tier(c, "s") == "remote", i)

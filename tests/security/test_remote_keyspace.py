@@ -9,7 +9,6 @@ plant into them, and keys in the old layout are never read for a tenant's ids.""
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 from typing import Callable
 
@@ -83,7 +82,7 @@ def test_keys_an_older_open_daemon_planted_under_a_tenants_ids_are_never_served(
         sid = "alice" + SEP + "legacy"
         r.set(f"{ns}:v:{m.fingerprint:016x}:{sid}:{m.gen}:0",
               encode_chunk(0, m.fingerprint, m.gen, bytes(mine.numpy())))
-        r.set(f"{ns}:m:{sid}", encode_manifest(dataclasses.replace(m, seq_id=sid), chunk))
+        r.set(f"{ns}:m:{sid}", encode_manifest(m.replace(seq_id=sid), chunk))
         assert alice.present(["legacy"]) == [False]
         with pytest.raises(NotFound):
             alice.restore("legacy")
