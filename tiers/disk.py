@@ -103,6 +103,7 @@ from typing import Callable, Iterator, NamedTuple, Sequence
 import lmdb
 import xxhash
 
+from kvpark.proto.digests import HASH_ATTR
 from kvpark.proto.errors import DataLoss, ResourceExhausted, StartupError, Unavailable
 from kvpark.proto.layout import TensorMeta
 from kvpark.proto.sizes import human
@@ -146,12 +147,9 @@ def _form(*fields: object) -> Form:
     """The shared ``Form`` of these fields; one of its own when it cannot be shared: refs
     and digests are each sequence's own (interning them would only churn the table)."""
     f = Form(*fields)  # type: ignore[arg-type]
-    if f.refs or f.data_gen or len(f.attrs) > 8 or _DIGESTS in f.attrs:
+    if f.refs or f.data_gen or len(f.attrs) > 8 or HASH_ATTR in f.attrs:
         return f
     return interning.form(f, (*f[:8], tuple(f.attrs.items()), f.data_gen))
-
-
-_DIGESTS = "kvpark.xxh3"  # kvpark.proto.digests.HASH_ATTR: per-block digests, never shared
 
 
 def _form_field(name: str) -> property:
