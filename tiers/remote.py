@@ -40,7 +40,9 @@ before a byte of it is served; a mismatch deletes the sequence from Redis and ra
 ``DataLoss``. A chunk that is not there at all (expired, evicted by Redis, dropped under
 the reader) is ``NotFound``, not damage: that generation's remains are deleted, nothing
 is counted as data loss. Chunks travel in pipelines of about ``pipeline_bytes``, ``inflight`` of
-them at once, each on its own pooled connection.
+them at once, each on its own pooled connection. Plain values go out without being joined
+and come back straight into the caller's buffers (``tiers/resp.py``: one copy, the
+kernel's); sealed ones through redis-py's parser, since the cipher needs the whole value.
 
 Every call goes through a circuit breaker (``tiers/breaker.py``): a Redis that is down,
 slow or resharding makes calls fail within ``timeout_s`` with ``Unavailable`` or
@@ -63,7 +65,8 @@ Primitives:
   ``ping()``; ``stats() -> RemoteStats``; ``close()``.
 - ``chunk_plan(block_lengths, chunk_size) -> list[(offset, length)]``;
   ``slices(views, offset, length)``: the pieces of block views a chunk covers. Pure.
-- ``encode_chunk`` / ``verify_chunk``, ``encode_manifest`` / ``decode_manifest``: pure.
+- ``chunk_head`` / ``encode_chunk`` / ``verify_chunk`` / ``check_head`` / ``verify_pieces``,
+  ``encode_manifest`` / ``decode_manifest``: pure.
 - ``Sealer(keys)``: ``seal(kind, redis_key, plain)``, ``open(kind, redis_key, raw) ->
   (plain, sealed with an old key)``; ``key_id(key)``.
 - ``require_client()``: the Redis client package, or a ``StartupError`` naming the extra.
@@ -85,6 +88,7 @@ import xxhash
 from kvpark.proto.errors import DataLoss, DeadlineExceeded, NotFound, StartupError, Unavailable
 from kvpark.tiers.breaker import Breaker
 from kvpark.tiers.disk import Manifest
+from kvpark.tiers.resp import Pieces, Unparsed, read_bulks_into, serializer_class
 
 log = logging.getLogger(__name__)
 
@@ -152,6 +156,9 @@ class RemoteStats:
     bytes_read: int
     outages: int  # times the breaker opened
     resealed: int = 0  # values sealed with an old key, re-sealed with the current one
+    # pipelines read in place (tiers/resp.py) that were read again the ordinary way: a
+    # cluster's redirect, a value of another size or type
+    reread: int = 0
 
     @property
     def degraded(self) -> bool:
@@ -179,14 +186,12 @@ def connection_class(url: str) -> type:
     are (docs/BENCHMARKS.md). Replies are still parsed by hiredis.
     """
     redis = require_client()
-    from redis.connection import PythonRespSerializer
-
     scheme = url.split("://", 1)[0]
     base = {"rediss": redis.SSLConnection, "unix": redis.UnixDomainSocketConnection}.get(scheme, redis.Connection)
 
     class LargeValueConnection(base):  # type: ignore[misc, valid-type]
         def _construct_command_packer(self, packer: Any) -> Any:
-            return packer or PythonRespSerializer(self._buffer_cutoff, self.encoder.encode)
+            return packer or serializer_class()(self._buffer_cutoff, self.encoder.encode)
 
     return LargeValueConnection
 
@@ -225,15 +230,49 @@ def slices(views: Sequence[memoryview], offset: int, length: int) -> list[memory
     return out
 
 
-def encode_chunk(index: int, fingerprint: int, gen: int, payload: memoryview | bytes | Sequence[memoryview]) -> bytes:
-    """Header + payload as one value; ``payload`` may be several pieces (one copy: the join)."""
-    pieces = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
+def chunk_head(index: int, fingerprint: int, gen: int, pieces: Sequence[memoryview | bytes]) -> bytes:
+    """The header of a chunk whose payload is ``pieces`` laid end to end (one xxh3 pass)."""
     h = xxhash.xxh3_64()
     for p in pieces:
         h.update(p)
     n = sum(len(p) for p in pieces)
-    head = CHUNK_HEADER.pack(CHUNK_MAGIC, FORMAT_VERSION, 0, 0, index, fingerprint, gen, n, h.intdigest())
-    return b"".join((head, *pieces))
+    return CHUNK_HEADER.pack(CHUNK_MAGIC, FORMAT_VERSION, 0, 0, index, fingerprint, gen, n, h.intdigest())
+
+
+def encode_chunk(index: int, fingerprint: int, gen: int, payload: memoryview | bytes | Sequence[memoryview]) -> bytes:
+    """Header + payload as one value; ``payload`` may be several pieces (one copy: the join)."""
+    pieces = [payload] if isinstance(payload, (bytes, bytearray, memoryview)) else list(payload)
+    return b"".join((chunk_head(index, fingerprint, gen, pieces), *pieces))
+
+
+def check_head(head: memoryview | bytes, index: int, fingerprint: int, gen: int) -> tuple[int, int]:
+    """(payload length, payload checksum) that a chunk's header states, or ``DataLoss``
+    naming what is wrong with it (magic, version, index, generation, fingerprint)."""
+    where = f"chunk {index}"
+    magic, version, _flags, _res, idx, fp, g, ln, ck = CHUNK_HEADER.unpack_from(head)
+    if magic != CHUNK_MAGIC or version != FORMAT_VERSION:
+        raise DataLoss(f"{where}: bad header (magic {magic!r}, version {version})")
+    if idx != index or g != gen:
+        raise DataLoss(f"{where}: header says chunk {idx} of generation {g}, expected {index} of {gen}")
+    if fp != fingerprint:
+        raise DataLoss(f"{where}: layout fingerprint {fp:#x} != manifest {fingerprint:#x}")
+    return ln, ck
+
+
+def verify_pieces(head: memoryview | bytes, pieces: Sequence[memoryview], index: int, fingerprint: int,
+                  gen: int) -> None:
+    """A chunk read in place, its header in ``head`` and its payload already in ``pieces``
+    (as long as the plan says): ``DataLoss`` unless the header is right and the payload
+    matches its checksum."""
+    ln, ck = check_head(head, index, fingerprint, gen)
+    length = sum(len(p) for p in pieces)
+    if ln != length:
+        raise DataLoss(f"chunk {index}: length {length} (header {ln}) != expected {length}")
+    h = xxhash.xxh3_64()
+    for p in pieces:
+        h.update(p)
+    if h.intdigest() != ck:
+        raise DataLoss(f"chunk {index}: checksum mismatch")
 
 
 def verify_chunk(raw: bytes | None, index: int, fingerprint: int, gen: int, length: int) -> memoryview:
@@ -244,19 +283,18 @@ def verify_chunk(raw: bytes | None, index: int, fingerprint: int, gen: int, leng
     view = memoryview(raw)
     if len(view) < CHUNK_HEADER.size:
         raise DataLoss(f"{where}: truncated ({len(view)} bytes)")
-    magic, version, _flags, _res, idx, fp, g, ln, ck = CHUNK_HEADER.unpack_from(view)
-    if magic != CHUNK_MAGIC or version != FORMAT_VERSION:
-        raise DataLoss(f"{where}: bad header (magic {magic!r}, version {version})")
-    if idx != index or g != gen:
-        raise DataLoss(f"{where}: header says chunk {idx} of generation {g}, expected {index} of {gen}")
-    if fp != fingerprint:
-        raise DataLoss(f"{where}: layout fingerprint {fp:#x} != manifest {fingerprint:#x}")
+    ln, ck = check_head(view, index, fingerprint, gen)
     payload = view[CHUNK_HEADER.size:]
     if ln != length or len(payload) != length:
         raise DataLoss(f"{where}: length {len(payload)} (header {ln}) != expected {length}")
     if checksum(payload) != ck:
         raise DataLoss(f"{where}: checksum mismatch")
     return payload
+
+
+def _wrong_type(e: Exception) -> bool:
+    # redis-py raises a plain ResponseError whose message starts with the error code.
+    return str(e).startswith("WRONGTYPE")
 
 
 def encode_manifest(m: Manifest, chunk_size: int) -> bytes:
@@ -356,7 +394,7 @@ class RemoteStore:
         # Values sealed with an old key are re-sealed with the current one in the background.
         self._reseal_pool = (ThreadPoolExecutor(1, thread_name_prefix="kvpark-remote-reseal")
                              if len(opts.keys) > 1 else None)
-        self._reseal_queued = self._resealed = 0
+        self._reseal_queued = self._resealed = self._reread = 0
 
     # -- keys --------------------------------------------------------------------
 
@@ -560,8 +598,12 @@ class RemoteStore:
                 pipe = client.pipeline(transaction=False)
                 for i in idx:
                     key = self.chunk_key(m, i)
-                    pipe.set(key, self._seal(SEAL_CHUNK, key, encode_chunk(i, m.fingerprint, m.gen,
-                                                                          slices(views, *plan[i]))), px=px)
+                    pieces = slices(views, *plan[i])
+                    if self._sealer is None:  # header and block views go out as they are
+                        value: Any = Pieces((chunk_head(i, m.fingerprint, m.gen, pieces), *pieces))
+                    else:  # the cipher takes one plain buffer
+                        value = self._sealer.seal(SEAL_CHUNK, key, encode_chunk(i, m.fingerprint, m.gen, pieces))
+                    pipe.set(key, value, px=px)
                 pipe.execute()
 
             self._call(f"put {m.seq_id!r}", send)
@@ -712,15 +754,31 @@ class RemoteStore:
 
         def run(idx: list[int]) -> None:
             ckeys = [self.chunk_key(m, i, legacy) for i in idx]
+            if self._sealer is None:
+                try:
+                    self._read_in_place(m, ckeys, idx, targets)
+                    return
+                except Unparsed as e:  # read again the ordinary way: it follows redirects, names damage
+                    log.debug("remote tier: %s read the ordinary way: %s", m.seq_id, e)
+                    with self._stat_lock:
+                        self._reread += 1
 
             def fetch(client: Any) -> list[Any]:
                 pipe = client.pipeline(transaction=False)
                 for k in ckeys:
                     pipe.get(k)
-                return pipe.execute()
+                out = pipe.execute(raise_on_error=False)
+                for raw in out:
+                    # A key of another type is damage (named below); any other error
+                    # is Redis failing, for the breaker.
+                    if isinstance(raw, Exception) and not _wrong_type(raw):
+                        raise raw
+                return out
 
             raws = self._call(f"read {m.seq_id!r}", fetch)
             for i, ckey, raw in zip(idx, ckeys, raws):
+                if isinstance(raw, Exception):
+                    raise DataLoss(f"sequence {m.seq_id!r} in the remote tier: chunk {i}: not a value ({raw})")
                 if raw is None:  # gone (expired, evicted, dropped under us), not damaged
                     raise NotFound(f"sequence {m.seq_id!r}: chunk {i} is gone from the remote tier (expired, "
                                    "evicted or dropped)")
@@ -748,6 +806,51 @@ class RemoteStore:
             raise
         with self._stat_lock:
             self._read += m.nbytes
+
+    def _read_in_place(self, m: Manifest, ckeys: list[str], idx: list[int],
+                       targets: list[list[memoryview]]) -> None:
+        """Chunks ``idx`` of ``m`` read from the sockets straight into their targets
+        (``tiers/resp.py``), then verified there: ``NotFound`` for a chunk that is gone,
+        ``DataLoss`` for one that is wrong, ``Unparsed`` for a reply to read the ordinary
+        way (a cluster's redirect, a value of another size)."""
+        heads = [memoryview(bytearray(CHUNK_HEADER.size)) for _ in idx]
+
+        def fetch(client: Any) -> list[bool]:
+            found = [False] * len(idx)
+            for pool, pos in self._pools(client, ckeys):
+                conn = pool.get_connection()
+                try:
+                    got = read_bulks_into(conn, [ckeys[p] for p in pos], [heads[p] for p in pos],
+                                          [targets[idx[p]] for p in pos])
+                finally:
+                    pool.release(conn)
+                for p, there in zip(pos, got):
+                    found[p] = there
+            return found
+
+        found = self._call(f"read {m.seq_id!r}", fetch)
+        for i, head, there in zip(idx, heads, found):
+            if not there:
+                raise NotFound(f"sequence {m.seq_id!r}: chunk {i} is gone from the remote tier (expired, "
+                               "evicted or dropped)")
+            try:
+                verify_pieces(head, targets[i], i, m.fingerprint, m.gen)
+            except DataLoss as e:
+                raise DataLoss(f"sequence {m.seq_id!r} in the remote tier: {e.message}") from None
+
+    def _pools(self, client: Any, keys: list[str]) -> list[tuple[Any, list[int]]]:
+        """(connection pool, positions in ``keys``) per server that holds some of them: the
+        one pool standalone; on a cluster, the pool of each key's primary by the client's
+        slot map (a stale map shows as a redirect, which ``read_bulks_into`` does not take)."""
+        if not self.opts.cluster:
+            return [(client.connection_pool, list(range(len(keys))))]
+        by_node: dict[str, tuple[Any, list[int]]] = {}
+        for p, k in enumerate(keys):
+            node = client.get_node_from_key(k)
+            if node.name not in by_node:
+                by_node[node.name] = (client.get_redis_connection(node).connection_pool, [])
+            by_node[node.name][1].append(p)
+        return list(by_node.values())
 
     def _corrupt(self, seq_id: str, m: Manifest | None, e: DataLoss, mkey: str = "") -> None:
         with self._stat_lock:
@@ -814,7 +917,8 @@ class RemoteStore:
         with self._stat_lock:
             return RemoteStats(state=self.breaker.state, errors=self._errors, refused=self._refused,
                                data_loss=self._data_loss, bytes_written=self._written, bytes_read=self._read,
-                               outages=self.breaker.opened_count, resealed=self._resealed)
+                               outages=self.breaker.opened_count, resealed=self._resealed,
+                               reread=self._reread)
 
     def close(self) -> None:
         if self._reseal_pool is not None:
