@@ -10,6 +10,8 @@ Primitives:
 - ``allow() -> bool``: may a call go out now? (In half-open, only one probe at a time.)
 - ``success()`` / ``failure() -> bool``: report the outcome; ``failure`` returns True when
   this failure opened the breaker (so the caller logs once per outage, not per call).
+- ``abandon()``: a call that ended with no verdict on the store (it was not attempted, or
+  its answer is to be had another way): if it was the probe, the next call may probe.
 - ``trip() -> bool``: open it now, whatever the count (a store found down by a probe);
   True when it was closed.
 - ``state`` (``"closed"``, ``"open"``, ``"half_open"``), ``opened_count``.
@@ -70,6 +72,12 @@ class Breaker:
             self._opened_at = None
             self._probing = False
             return was_open
+
+    def abandon(self) -> None:
+        """A call let through ended without a verdict: without this, a probe that never
+        reports would keep every later call refused."""
+        with self._lock:
+            self._probing = False
 
     def trip(self) -> bool:
         """Open now (an outage counted), e.g. when a start-up probe finds the store down."""

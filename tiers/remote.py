@@ -267,7 +267,7 @@ def verify_pieces(head: memoryview | bytes, pieces: Sequence[memoryview], index:
     ln, ck = check_head(head, index, fingerprint, gen)
     length = sum(len(p) for p in pieces)
     if ln != length:
-        raise DataLoss(f"chunk {index}: length {length} (header {ln}) != expected {length}")
+        raise DataLoss(f"chunk {index}: header says {ln} bytes, the manifest {length}")
     h = xxhash.xxh3_64()
     for p in pieces:
         h.update(p)
@@ -520,6 +520,7 @@ class RemoteStore:
         except redis.exceptions.MaxConnectionsError as e:
             # Our own bound, not Redis failing: no breaker failure (it would fail every
             # caller fast for the cooldown while Redis is fine).
+            self.breaker.abandon()
             raise Unavailable(f"remote tier: {what}: every connection is in use ({e})") from None
         except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError) as e:
             with self._stat_lock:
@@ -530,6 +531,11 @@ class RemoteStore:
             if isinstance(e, redis.exceptions.TimeoutError):
                 raise DeadlineExceeded(f"remote tier: {what} timed out after {self.opts.timeout_s}s") from None
             raise Unavailable(f"remote tier: {what} failed: {type(e).__name__}: {e}") from None
+        except BaseException:
+            # No verdict (an in-place read handing over to the ordinary one, say): had this
+            # call been the half-open probe, nothing would ever probe again.
+            self.breaker.abandon()
+            raise
         self._ok()
         return out
 
@@ -815,15 +821,24 @@ class RemoteStore:
         way (a cluster's redirect, a value of another size)."""
         heads = [memoryview(bytearray(CHUNK_HEADER.size)) for _ in idx]
 
+        redis = self._redis
+
         def fetch(client: Any) -> list[bool]:
             found = [False] * len(idx)
             for pool, pos in self._pools(client, ckeys):
-                conn = pool.get_connection()
                 try:
-                    got = read_bulks_into(conn, [ckeys[p] for p in pos], [heads[p] for p in pos],
-                                          [targets[idx[p]] for p in pos])
-                finally:
-                    pool.release(conn)
+                    conn = pool.get_connection()
+                    try:
+                        got = read_bulks_into(conn, [ckeys[p] for p in pos], [heads[p] for p in pos],
+                                              [targets[idx[p]] for p in pos])
+                    finally:
+                        pool.release(conn)
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+                    if not self.opts.cluster:
+                        raise
+                    # A node gone or moved (a failover): the ordinary read retries with a
+                    # refreshed slot map, which this path does not keep.
+                    raise Unparsed(f"cluster node unreachable: {e}") from None
                 for p, there in zip(pos, got):
                     found[p] = there
             return found

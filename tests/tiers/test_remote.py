@@ -140,6 +140,19 @@ def test_breaker_trip_opens_at_once_counts_one_outage_and_probes_after_cooldown(
     assert b.success() is True and b.state == CLOSED
 
 
+def test_breaker_abandoned_probe_lets_the_next_call_probe():
+    now = [0.0]
+    b = Breaker(failures=1, cooldown_s=1.0, clock=lambda: now[0])
+    b.trip()
+    now[0] = 1.0
+    assert b.allow() and not b.allow()  # the probe is out
+    b.abandon()  # ... and ended with no verdict
+    assert b.state == HALF_OPEN and b.allow()  # so another call may probe
+    assert b.success() is True and b.state == CLOSED
+    b.abandon()  # closed: nothing to release
+    assert b.state == CLOSED and b.allow()
+
+
 def test_breaker_success_resets_the_failure_count():
     b = Breaker(failures=2, cooldown_s=1.0, clock=lambda: 0.0)
     b.failure()

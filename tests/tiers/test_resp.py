@@ -17,7 +17,7 @@ from redis.connection import Encoder, PythonRespSerializer
 
 from kvpark.proto.errors import DataLoss, DeadlineExceeded, NotFound, Unavailable
 from kvpark.tiers.remote import CHUNK_HEADER, connection_class
-from kvpark.tiers.resp import Pieces, read_bulks_into, serializer_class
+from kvpark.tiers.resp import Pieces, Unparsed, read_bulks_into, serializer_class
 
 from ..conftest import wait_until
 from .test_remote import _manifest, _payload, _store
@@ -167,3 +167,51 @@ def _reads(st, m) -> bytes | None:
         return None
     except Unavailable:  # the breaker's cool-down after the timeouts
         return None
+
+
+def test_a_probe_that_hands_over_to_the_ordinary_read_does_not_wedge_the_breaker(redis_server):
+    # Half-open lets one probe through; a call that ends in ``Unparsed`` (no verdict:
+    # the ordinary read gives it) must free the probe, or every later call is refused.
+    st = _store(redis_server.url, breaker_cooldown_s=0.05)
+    try:
+        st.breaker.trip()
+        wait_until(lambda: st.breaker.state == "half_open", timeout=5.0)
+
+        def hand_over(client):
+            raise Unparsed("a reply for the ordinary read")
+
+        with pytest.raises(Unparsed):
+            st._call("probe", hand_over)
+        assert st.ping()  # the next call probed, and closed the breaker
+        assert st.breaker.state == "closed"
+    finally:
+        st.close()
+
+
+def test_a_dead_node_in_a_stale_cluster_map_is_read_the_ordinary_way(redis_cluster):
+    # What a failover leaves until the slot map is read again: slots naming a primary that
+    # is gone. The in-place read hands those chunks to redis-py's cluster pipeline, which
+    # refreshes the map and retries.
+    from redis.cluster import ClusterNode
+
+    from ..redis_servers import free_port
+
+    st = _store(redis_cluster.url, cluster=True, pipeline_bytes=1 << 30)
+    try:
+        m = _manifest("failover", 6 * (1 << 14) + 3)
+        data, views = _payload(m)
+        st.put(m, views)
+        client = st._connect()
+        nm = client.nodes_manager
+        dead = ClusterNode("127.0.0.1", free_port(), server_type="primary")
+        nm.nodes_cache[dead.name] = dead
+        mslot = client.keyslot(st.manifest_key(m.seq_id))
+        for i in range(6):
+            slot = client.keyslot(st.chunk_key(m, i))
+            if slot != mslot:
+                nm.slots_cache[slot] = [dead]
+        assert bytes(st.read(m)) == data
+        assert st.stats().reread >= 1 and st.stats().errors == 0
+        assert bytes(st.read(m)) == data and st.breaker.state == "closed"
+    finally:
+        st.close()
