@@ -117,13 +117,19 @@ def test_a_chunk_key_of_the_wrong_type_fails_typed_and_the_store_goes_on(redis_s
         st.close()
 
 
+def _six_chunks_on(st, seq_id: str):
+    """A sequence of six chunks (and a short seventh) put through ``st``: (manifest, its
+    bytes, the store's cluster client)."""
+    m = _manifest(seq_id, 6 * (1 << 14) + 3)
+    data, views = _payload(m)
+    st.put(m, views)
+    return m, data, st._connect()
+
+
 def test_a_stale_cluster_slot_map_is_followed_not_misread(redis_cluster):
     st = _store(redis_cluster.url, cluster=True, inflight=1, pipeline_bytes=1 << 30)
     try:
-        m = _manifest("moved", 6 * (1 << 14) + 3)
-        data, views = _payload(m)
-        st.put(m, views)
-        client = st._connect()
+        m, data, client = _six_chunks_on(st, "moved")
         nm = client.nodes_manager
         slot = client.keyslot(st.chunk_key(m, 0))
         right = nm.slots_cache[slot][0]
@@ -198,10 +204,7 @@ def test_a_dead_node_in_a_stale_cluster_map_is_read_the_ordinary_way(redis_clust
 
     st = _store(redis_cluster.url, cluster=True, pipeline_bytes=1 << 30)
     try:
-        m = _manifest("failover", 6 * (1 << 14) + 3)
-        data, views = _payload(m)
-        st.put(m, views)
-        client = st._connect()
+        m, data, client = _six_chunks_on(st, "failover")
         nm = client.nodes_manager
         dead = ClusterNode("127.0.0.1", free_port(), server_type="primary")
         nm.nodes_cache[dead.name] = dead
