@@ -11,7 +11,8 @@ Primitives:
 - ``success()`` / ``failure() -> bool``: report the outcome; ``failure`` returns True when
   this failure opened the breaker (so the caller logs once per outage, not per call).
 - ``abandon()``: a call that ended with no verdict on the store (it was not attempted, or
-  its answer is to be had another way): if it was the probe, the next call may probe.
+  its answer is to be had another way): if it was the probe (called from the thread the
+  probe was let out on), the next call may probe.
 - ``trip() -> bool``: open it now, whatever the count (a store found down by a probe);
   True when it was closed.
 - ``state`` (``"closed"``, ``"open"``, ``"half_open"``), ``opened_count``.
@@ -40,6 +41,7 @@ class Breaker:
         self._consecutive = 0
         self._opened_at: float | None = None
         self._probing = False
+        self._prober = 0  # the thread of the probe out, while _probing
         self.opened_count = 0  # times the breaker opened, for stat
 
     @property
@@ -62,6 +64,7 @@ class Breaker:
             if s == OPEN or self._probing:
                 return False
             self._probing = True  # half-open: this call is the one probe
+            self._prober = threading.get_ident()
             return True
 
     def success(self) -> bool:
@@ -75,9 +78,12 @@ class Breaker:
 
     def abandon(self) -> None:
         """A call let through ended without a verdict: without this, a probe that never
-        reports would keep every later call refused."""
+        reports would keep every later call refused. Only the probe's own thread frees
+        it: calls let through while closed, ending after it opened, must not let a crowd
+        of probes at a store that may be down."""
         with self._lock:
-            self._probing = False
+            if self._probing and self._prober == threading.get_ident():
+                self._probing = False
 
     def trip(self) -> bool:
         """Open now (an outage counted), e.g. when a start-up probe finds the store down."""

@@ -157,7 +157,7 @@ class RemoteStats:
     outages: int  # times the breaker opened
     resealed: int = 0  # values sealed with an old key, re-sealed with the current one
     # pipelines read in place (tiers/resp.py) that were read again the ordinary way: a
-    # cluster's redirect, a value of another size or type
+    # cluster's redirect or unreachable node, a value of another size or type
     reread: int = 0
 
     @property

@@ -153,6 +153,26 @@ def test_breaker_abandoned_probe_lets_the_next_call_probe():
     assert b.state == CLOSED and b.allow()
 
 
+def test_breaker_only_the_probe_itself_frees_the_probe():
+    # Calls let through while closed that end (abandoned) after the breaker opened must
+    # not free the one probe: a crowd of them would all probe a store that may be down.
+    import threading
+
+    now = [0.0]
+    b = Breaker(failures=1, cooldown_s=1.0, clock=lambda: now[0])
+    b.trip()
+    now[0] = 1.0
+    assert b.allow()  # this thread holds the probe
+    others = [threading.Thread(target=b.abandon) for _ in range(3)]
+    for t in others:
+        t.start()
+    for t in others:
+        t.join()
+    assert not b.allow()  # still out: no second probe
+    b.abandon()
+    assert b.allow()
+
+
 def test_breaker_success_resets_the_failure_count():
     b = Breaker(failures=2, cooldown_s=1.0, clock=lambda: 0.0)
     b.failure()
