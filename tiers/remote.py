@@ -836,8 +836,14 @@ class RemoteStore:
                 except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
                     if not self.opts.cluster:
                         raise
-                    # A node gone or moved (a failover): the ordinary read retries with a
-                    # refreshed slot map, which this path does not keep.
+                    # A node gone or moved (a failover): the slot map is read again (as
+                    # redis-py itself does from any thread after such an error), so the
+                    # ordinary read, which retries, goes to the new node at once instead
+                    # of waiting on the old one a second time.
+                    try:
+                        client.nodes_manager.initialize()
+                    except (redis.exceptions.RedisError, redis.exceptions.RedisClusterException, OSError):
+                        pass  # the ordinary read meets the same trouble and reports it
                     raise Unparsed(f"cluster node unreachable: {e}") from None
                 for p, there in zip(pos, got):
                     found[p] = there
