@@ -508,7 +508,7 @@ class Client(ControlCalls):
             # Larger than the host tier: served window by window, each asked for, and the
             # lease ends with the last one.
             return t.holding(lambda: t._restore_windows(reply, target))
-        return t.holding(lambda: t._restore_leased(reply, target, release=release))
+        return t.holding(lambda: t._restore_leased(reply, target, release=release, usable_until=grant.usable_until))
 
     def _grant_mapping(self, grant: Grant, instance: str) -> Shm:
         """The arena mapping of the daemon instance that leased ``grant``: this client's,

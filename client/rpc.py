@@ -23,7 +23,12 @@ Primitives:
 - ``data_timeout(nbytes)``: the deadline of a transfer: inside ``deadline()``, what is
   left of it; else the default plus the transfer's size at ``FLOOR_RATE`` (a transfer
   slower than that is treated as a hung daemon).
-- ``release_quietly(lease_id)``; ``translate(error)``; ``close()``.
+- ``release_quietly(lease_id)``; ``translate(error)``; ``close()`` (after the releases
+  still pending are sent).
+- ``releases``: read leases whose Release is not waited for (``client/releases.py``).
+  ``call`` sends them before any other unary call, so a caller's later calls find
+  them ended; with ``carry=True`` (an ``Acquire`` or ``Reserve``) the request names
+  them instead (its ``release`` field) and the daemon ends them first.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ import grpc
 from kvpark.proto import GRPC_OPTIONS
 from kvpark.proto.errors import ERROR_KEY, DeadlineExceeded, InvalidArgument, KVParkError, from_code
 from kvpark.proto.v1 import kvpark_pb2 as pb
+
+from .releases import Releases
 
 _SVC = "/kvpark.v1.KVPark/"
 
@@ -167,6 +174,7 @@ class Rpc:
         # (a gRPC call whose future is collected is cancelled).
         self._behind: set[Any] = set()
         self._behind_lock = threading.Lock()
+        self.releases = Releases(self._release_now)
         self.channel = ch = open_channel(address, token=token, tls_ca=tls_ca, tls_cert=tls_cert, tls_key=tls_key)
         self.tls = (tls_ca, tls_cert, tls_key)  # the data channel wraps its socket with the same
         u = lambda name, resp: ch.unary_unary(_SVC + name, request_serializer=_ser,  # noqa: E731
@@ -252,13 +260,31 @@ class Rpc:
         finally:
             self._local.until = saved
 
-    def call(self, stub: Callable[..., Any], req: Any, timeout: float | None = None) -> Any:
-        """One unary call under ``timeout`` (``None``: ``self.timeout``), never past this thread's deadline."""
+    def call(self, stub: Callable[..., Any], req: Any, timeout: float | None = None, *, carry: bool = False) -> Any:
+        """One unary call under ``timeout`` (``None``: ``self.timeout``), never past this
+        thread's deadline, after the pending releases: sent first, or with ``carry`` named
+        in ``req.release`` for the daemon to end first."""
         t = self.timeout if timeout is None else self.narrow(timeout)
+        carried: list[str] = []
+        if carry:
+            carried = self.releases.take()
+            del req.release[:]
+            req.release.extend(carried)
+        elif stub is not self.release and (self.releases.pending or self.releases.sending):
+            self.releases.flush(RELEASE_BEHIND_S if t is None else t)
+            t = self.timeout if timeout is None else self.narrow(timeout)
         try:
             return stub(req, timeout=t)
         except grpc.RpcError as e:
+            # It may not have reached the daemon: its releases go again (ending a lease twice is harmless).
+            self.releases.put_back(carried)
             raise translate(e) from None
+
+    def _release_now(self, lease_id: str) -> None:
+        """A pending release, sent and waited for within ``RELEASE_BEHIND_S`` (and the
+        calling thread's deadline: past it, sent without waiting)."""
+        with self.deadline(RELEASE_BEHIND_S):
+            self.release_quietly(lease_id)
 
     def release_quietly(self, lease_id: str) -> None:
         """End a lease, never raising. Within the caller's deadline the reply is waited
@@ -291,4 +317,5 @@ class Rpc:
         f.add_done_callback(done)
 
     def close(self) -> None:
+        self.releases.close(RELEASE_BEHIND_S)  # closing the channel would cancel them
         self.channel.close()

@@ -28,9 +28,13 @@ Primitives:
   that holds a use of the mappings until it ends); ``close(error=None)``: unmaps once
   the last call copying through the mappings has ended (never under a copy), and a call
   begun after it raises ``error()`` (default ``Unavailable("client closed")``).
-  A shm/cuda_ipc restore's Release must answer ``released``: a read lease that ended
-  first (reaped past ``leases.ttl_s``) may have had its slots reused under the copy, so
-  the restore raises ``LeaseExpired`` instead of returning those bytes.
+  A shm/cuda_ipc restore must know its read lease outlived its copies: a lease that
+  ended first (reaped past ``leases.ttl_s``) may have had its slots reused under the
+  copy, so the restore raises ``LeaseExpired`` instead of returning those bytes. On shm,
+  copies that landed well before the lease's deadline (reckoned from when the Acquire
+  was sent: ``_usable_until``) need no answer, so the Release is not waited for
+  (``client/releases.py``: the next Acquire or Reserve carries it, any other call sends
+  it first); otherwise, and on cuda_ipc, the Release must answer ``released``.
 - ``InstanceChanged`` (an ``Unavailable``): the daemon restarted since this transport
   was opened. Every reply that hands out memory names the daemon instance that issued it
   (``instance``, as Hello does); a transport checks it *before* it copies a byte and
@@ -45,6 +49,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Iterator, Sequence
@@ -74,6 +79,10 @@ log = logging.getLogger("kvpark.client")
 # trip beats two (reserve+commit, acquire+release) when the bytes are few
 # (bench/transport.py: a unary round trip costs about as much as copying 200 KiB through gRPC).
 SMALL_POOL_BYTES = 128 << 10
+# How long before a read lease's deadline (as the client reckons it) a copy out of it
+# must have landed for its Release to go without waiting (a quarter of the lease's life
+# when that is shorter).
+LEASE_MARGIN_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -591,6 +600,11 @@ class _Pool(Transport):
     """A daemon memory pool this process maps: reserve/commit and acquire/release around plain copies."""
 
     tier: ClassVar[str]
+    # Whether a restore whose copies landed well within the lease's life sends its Release
+    # without waiting for the answer. Only for a mapping whose bytes stay as they were
+    # whatever the daemon does after the lease (a file's pages); not for a CUDA IPC
+    # pool, whose memory a dying daemon may take with it.
+    releases_behind: ClassVar[bool] = False
 
     def __init__(self, rpc: Rpc, hello: pb.HelloResponse, pool: torch.Tensor) -> None:
         super().__init__(rpc, hello)
@@ -609,7 +623,7 @@ class _Pool(Transport):
         sources = {f.device for f in flats if f.numel()}
         self.prepare(sources)
         _sources_ready(sources)
-        r = rpc.call(rpc.reserve, pb.ReserveRequest(header=header, tier=self.tier))
+        r = rpc.call(rpc.reserve, pb.ReserveRequest(header=header, tier=self.tier), carry=True)
         self.check(r, "reserve", r.lease_id)  # before a byte goes into the mapping
         devices = {pool.device, *(f.device for f in flats)}
         copies = _park_copier(sources, pool.device)
@@ -659,8 +673,9 @@ class _Pool(Transport):
         req = pb.AcquireRequest(tier=self.tier, expect_layout=target.expect_layout, inline_max=SMALL_POOL_BYTES,
                                 packed=self.packed, disk=self._disk_grants(target))
         set_ids(req, ids)
+        sent = time.monotonic()  # before the daemon can have started the lease's clock
         try:
-            r = self.rpc.call(self.rpc.acquire, req)
+            r = self.rpc.call(self.rpc.acquire, req, carry=True)
             if r.disk_parts:
                 self.check(r, "acquire")
                 try:
@@ -680,7 +695,16 @@ class _Pool(Transport):
         self.check(r, "acquire", r.lease_id)  # before a byte is read out of the mapping
         if r.window_size:
             return self._restore_windows(r, target)
-        return self._restore_leased(r, target)
+        return self._restore_leased(r, target, usable_until=self._usable_until(sent, r.expires_in_s))
+
+    def _usable_until(self, sent: float, expires_in_s: float) -> float | None:
+        """Until when (``time.monotonic()``) a copy out of a lease granted to a request
+        sent at ``sent`` has surely ended before the lease could: the daemon starts the
+        lease's ``expires_in_s`` after it got the request, on the same host's clock, and
+        reaps it only past that. None: this path always asks at Release."""
+        if not self.releases_behind or expires_in_s <= 0:
+            return None
+        return sent + expires_in_s - min(LEASE_MARGIN_S, expires_in_s / 4)
 
     def _disk_grants(self, target: Target) -> bool:
         """Whether to ask for a disk grant (``disk_reads.py``) for a restore into ``target``."""
@@ -728,9 +752,13 @@ class _Pool(Transport):
         released = [False]
         return Restoring(info, tensors(), end)
 
-    def _restore_leased(self, r: pb.AcquireResponse, target: Target, release: bool = True) -> Restoring:
+    def _restore_leased(self, r: pb.AcquireResponse, target: Target, release: bool = True,
+                        usable_until: float | None = None) -> Restoring:
         """Copy straight out of the leased slots, one readiness mark per tensor. With
-        ``release=False`` the lease outlives the copies; the caller ends it."""
+        ``release=False`` the lease outlives the copies; the caller ends it. Copies that
+        landed before ``usable_until`` cannot have been under a reaped lease: its Release
+        is then sent without waiting for the answer; later, or with no ``usable_until``,
+        the answer decides (``_release_read``)."""
         pool = self.pool
         copies: cuda.LayerCopier | None = None
         released = not release  # the lease ends here (once), or the caller ends it
@@ -755,7 +783,10 @@ class _Pool(Transport):
                 assert copies is not None
                 copies.synchronize()
                 released = True
-                self._release_read(r.lease_id, info.seq_id)
+                if usable_until is not None and time.monotonic() < usable_until:
+                    self.rpc.releases.add(r.lease_id)
+                else:
+                    self._release_read(r.lease_id, info.seq_id)
 
         try:
             info = convert.info_from_pb(r.info)
@@ -796,6 +827,7 @@ class Shm(_Pool):
 
     name = "shm"
     tier = "host"
+    releases_behind = True
 
     def __init__(self, rpc: Rpc, hello: pb.HelloResponse, mapping: mappings.Mapping) -> None:
         super().__init__(rpc, hello, mapping.arena.tensor)

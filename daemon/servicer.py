@@ -15,7 +15,8 @@ Primitives:
 Every reply that hands out memory (Reserve, Acquire, a Lookup's acquire, Window) and
 Hello carry the engine's ``instance`` (random per start); a Commit or Window naming
 another instance is refused as ``LeaseExpired``: the client wrote (or reads) the memory
-of a daemon that is gone.
+of a daemon that is gone. An Acquire or Reserve first ends the leases its ``release`` names, as a
+Release of each would (at most ``MAX_CARRIED_RELEASES``; more is ``INVALID_ARGUMENT``).
 
 ``Park`` and ``Restore`` use identity (de)serializers: their ``DataChunk`` messages are
 framed by ``kvpark.proto.wire`` so payload bytes go from the wire straight into arena
@@ -129,6 +130,7 @@ def _segments(segs: Sequence[tuple[int, int]]) -> list[pb.Segment]:
 FEATURES = ("packed",)
 _TRANSPORT = {"host": "shm", "device": "cuda_ipc"}  # the tier of a reservation or lease -> its data path
 _MAX_PENDING = 100_000  # reservations timed at once; beyond it the oldest (expired, surely) are forgotten
+MAX_CARRIED_RELEASES = 64  # lease ids one Acquire may end first (a client carries those still in flight)
 PARK_END_GRACE_S = 0.5  # how long a park stream that ended with no commit waits to learn whether its client left
 
 
@@ -307,6 +309,7 @@ class Servicer:
     @_typed
     def Reserve(self, req: pb.ReserveRequest, context: grpc.ServicerContext) -> pb.ReserveResponse:
         eng = self.tenants.view()
+        self._carried(eng, req.release)
         t0 = time.perf_counter()
         if req.data_channel:
             # The bytes come through this process, as an inline park's: it lands where an
@@ -357,7 +360,9 @@ class Servicer:
 
     @_typed
     def Acquire(self, req: pb.AcquireRequest, context: grpc.ServicerContext) -> pb.AcquireResponse:
-        return self._acquire(self.tenants.view(), list(req.seq_ids) or req.seq_id, req.tier, req.expect_layout,
+        eng = self.tenants.view()
+        self._carried(eng, req.release)
+        return self._acquire(eng, list(req.seq_ids) or req.seq_id, req.tier, req.expect_layout,
                              req.inline_max, data_channel=req.data_channel, packed=req.packed, disk=req.disk)
 
     def _acquire(self, eng: Any, ids: list[str] | str, tier: str, expect_layout: str, inline_max: int, *,
@@ -420,10 +425,21 @@ class Servicer:
 
     @_typed
     def Release(self, req: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:
-        eng = self.tenants.view()
+        return pb.ReleaseResponse(released=self._release(self.tenants.view(), req.lease_id))
+
+    def _carried(self, eng: Any, lease_ids: Sequence[str]) -> None:
+        """Leases a client is done with, named by its next Acquire or Reserve: ended
+        before that call's own work, as a Release of each sent first would have (a
+        tenant's view skips another tenant's, as Release does)."""
+        if len(lease_ids) > MAX_CARRIED_RELEASES:
+            raise InvalidArgument(f"a call carries at most {MAX_CARRIED_RELEASES} releases, got {len(lease_ids)}")
+        for lease_id in lease_ids:
+            self._release(eng, lease_id)
+
+    def _release(self, eng: Any, lease_id: str) -> bool:
         with self._pending_lock:
-            self._pending.pop(req.lease_id, None)  # a park the client gave up
-        return pb.ReleaseResponse(released=eng.release(req.lease_id))
+            self._pending.pop(lease_id, None)  # a park the client gave up
+        return bool(eng.release(lease_id))
 
     @_typed
     def Prefetch(self, req: pb.PrefetchRequest, context: grpc.ServicerContext) -> pb.PrefetchResponse:

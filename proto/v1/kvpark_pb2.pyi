@@ -214,14 +214,16 @@ class Segment(_message.Message):
     def __init__(self, offset: _Optional[int] = ..., length: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("header", "tier", "data_channel")
+    __slots__ = ("header", "tier", "data_channel", "release")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     DATA_CHANNEL_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     header: ParkHeader
     tier: str
     data_channel: bool
-    def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., tier: _Optional[str] = ..., data_channel: _Optional[bool] = ...) -> None: ...
+    release: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, header: _Optional[_Union[ParkHeader, _Mapping]] = ..., tier: _Optional[str] = ..., data_channel: _Optional[bool] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("lease_id", "segments", "expires_in_s", "window_size", "token", "instance")
@@ -268,7 +270,7 @@ class CommitRequest(_message.Message):
     def __init__(self, lease_id: _Optional[str] = ..., packed: _Optional[bool] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class AcquireRequest(_message.Message):
-    __slots__ = ("seq_id", "tier", "seq_ids", "expect_layout", "inline_max", "packed", "data_channel", "disk")
+    __slots__ = ("seq_id", "tier", "seq_ids", "expect_layout", "inline_max", "packed", "data_channel", "disk", "release")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
     SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -277,6 +279,7 @@ class AcquireRequest(_message.Message):
     PACKED_FIELD_NUMBER: _ClassVar[int]
     DATA_CHANNEL_FIELD_NUMBER: _ClassVar[int]
     DISK_FIELD_NUMBER: _ClassVar[int]
+    RELEASE_FIELD_NUMBER: _ClassVar[int]
     seq_id: str
     tier: str
     seq_ids: _containers.RepeatedScalarFieldContainer[str]
@@ -285,7 +288,8 @@ class AcquireRequest(_message.Message):
     packed: bool
     data_channel: bool
     disk: bool
-    def __init__(self, seq_id: _Optional[str] = ..., tier: _Optional[str] = ..., seq_ids: _Optional[_Iterable[str]] = ..., expect_layout: _Optional[str] = ..., inline_max: _Optional[int] = ..., packed: _Optional[bool] = ..., data_channel: _Optional[bool] = ..., disk: _Optional[bool] = ...) -> None: ...
+    release: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, seq_id: _Optional[str] = ..., tier: _Optional[str] = ..., seq_ids: _Optional[_Iterable[str]] = ..., expect_layout: _Optional[str] = ..., inline_max: _Optional[int] = ..., packed: _Optional[bool] = ..., data_channel: _Optional[bool] = ..., disk: _Optional[bool] = ..., release: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DiskPart(_message.Message):
     __slots__ = ("seq_id", "key_gen", "fingerprint", "nbytes", "block_size")

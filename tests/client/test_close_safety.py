@@ -121,9 +121,10 @@ class _ExpiresBeforeItsCopy(tr.Shm):
 
     reuse: Callable[[], None] = staticmethod(lambda: None)
 
-    def _restore_leased(self, r: pb.AcquireResponse, target: tr.Target, release: bool = True) -> tr.Restoring:
+    def _restore_leased(self, r: pb.AcquireResponse, target: tr.Target, release: bool = True,
+                        usable_until: float | None = None) -> tr.Restoring:
         type(self).reuse()
-        return super()._restore_leased(r, target, release)
+        return super()._restore_leased(r, target, release, usable_until)
 
 
 def test_a_shm_restore_whose_lease_expired_under_its_copy_never_returns_wrong_bytes(
