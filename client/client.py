@@ -508,7 +508,10 @@ class Client(ControlCalls):
             # Larger than the host tier: served window by window, each asked for, and the
             # lease ends with the last one.
             return t.holding(lambda: t._restore_windows(reply, target))
-        return t.holding(lambda: t._restore_leased(reply, target, release=release, usable_until=grant.usable_until))
+        # No ``usable_until``: a grant's Release is always answered. Its lease's clock
+        # started before the lookup's reply was even sent, and a grant may be read in
+        # another process, on another clock.
+        return t.holding(lambda: t._restore_leased(reply, target, release=release))
 
     def _grant_mapping(self, grant: Grant, instance: str) -> Shm:
         """The arena mapping of the daemon instance that leased ``grant``: this client's,

@@ -16,15 +16,19 @@ whichever comes first:
 - ``close()`` sends what is left.
 
 A release that fails (a daemon gone or slow) is not retried: the lease's TTL frees it.
+The thread ends after ``IDLE_EXIT_S`` with nothing to send (the next ``add`` starts
+another), so a client that is never closed is not kept alive by it.
 
 Primitives:
-- ``Releases(send)``: ``send(lease_id)`` makes one Release call, waiting for it within
-  a bound of its own (a ``KVParkError`` it raises is dropped).
+- ``Releases(send)``: ``send(lease_id, until)`` makes one Release call, waiting for its
+  answer at most until ``until`` (``time.monotonic()``); what it raises is dropped.
 - ``add(lease_id)``; ``take() -> list[str]``: up to ``MAX_CARRIED`` ids for a call that
   carries them; ``put_back(ids)``: a carrying call that may not have reached the daemon;
-  ``flush(limit)``: send what is pending and wait for the releases being sent, within
-  ``limit`` seconds; ``pending``: how many are not yet sent; ``sending``: how many are
-  being sent; ``close(limit)``: flush, and send any added later at once.
+  ``flush(limit)``: send what is pending and wait for the releases being sent, all
+  within ``limit`` seconds; ``wait_sent(limit)``: only the latter (a carrying call must
+  not overtake a release already on its way); ``pending``: how many are not yet sent;
+  ``sending``: how many are being sent; ``close(limit)``: flush, and send any added
+  later at once.
 """
 
 from __future__ import annotations
@@ -41,10 +45,14 @@ from kvpark.proto.errors import KVParkError
 DELAY_S = 0.02
 # The most releases one call carries (the daemon refuses more).
 MAX_CARRIED = 64
+# How long the thread waits with nothing to send before it ends.
+IDLE_EXIT_S = 1.0
+# The bound on one batch of releases the thread sends.
+SEND_S = 5.0
 
 
 class Releases:
-    def __init__(self, send: Callable[[str], None]) -> None:
+    def __init__(self, send: Callable[[str, float], None]) -> None:
         self._send = send
         self._cond = threading.Condition()
         self._pending: list[tuple[str, float]] = []  # (lease id, when it was added)
@@ -63,10 +71,8 @@ class Releases:
 
     def add(self, lease_id: str) -> None:
         with self._cond:
-            if self._closed:
-                closed = True
-            else:
-                closed = False
+            closed = self._closed
+            if not closed:
                 self._pending.append((lease_id, time.monotonic()))
                 if self._thread is None:
                     self._thread = threading.Thread(target=self._run, name="kvpark-releases", daemon=True)
@@ -76,7 +82,7 @@ class Releases:
                     # restores in a row cost it one wake-up per DELAY_S, not one each.
                     self._cond.notify_all()
         if closed:
-            self._quietly([lease_id])
+            self._quietly([lease_id], time.monotonic() + SEND_S)
 
     def take(self) -> list[str]:
         if not self._pending:  # one read, no lock: the common case has nothing to carry
@@ -98,7 +104,7 @@ class Releases:
                 self._pending[:0] = [(lid, now) for lid in ids]
                 self._cond.notify_all()
         if closed:
-            self._quietly(ids)
+            self._quietly(ids, time.monotonic() + SEND_S)
 
     def flush(self, limit: float) -> None:
         end = time.monotonic() + limit
@@ -108,14 +114,21 @@ class Releases:
                 self._pending.clear()
                 self._sending += len(ids)
             try:
-                self._quietly(ids)
+                self._quietly(ids, end)
             finally:
                 with self._cond:
                     self._sending -= len(ids)
                     self._cond.notify_all()
+        self._wait_sent(end)
+
+    def wait_sent(self, limit: float) -> None:
+        self._wait_sent(time.monotonic() + limit)
+
+    def _wait_sent(self, end: float) -> None:
         if self._sending:
             with self._cond:
-                # The thread's sends under way: a caller's next call must find them done.
+                # The sends under way (the thread's, another caller's flush): a caller's
+                # next call must find them done.
                 while self._sending and (left := end - time.monotonic()) > 0:
                     self._cond.wait(left)
 
@@ -125,34 +138,35 @@ class Releases:
             self._cond.notify_all()
         self.flush(limit)
 
-    def _quietly(self, ids: list[str]) -> None:
+    def _quietly(self, ids: list[str], until: float) -> None:
         for lid in ids:
             try:
-                self._send(lid)
-            except KVParkError:
-                pass  # the daemon is gone or slow: the lease's TTL frees it
+                self._send(lid, until)
+            except (KVParkError, ValueError):
+                pass  # the daemon is gone or slow, or the channel closed: the lease's TTL frees it
 
     def _run(self) -> None:
         while True:
             with self._cond:
                 self._idle = True
-                while not self._pending and not self._closed:
-                    self._cond.wait()
+                idle_until = time.monotonic() + IDLE_EXIT_S
+                while not self._pending and not self._closed and (left := idle_until - time.monotonic()) > 0:
+                    self._cond.wait(left)
                 self._idle = False
-                if self._closed:
-                    self._thread = None
+                if self._closed or not self._pending:
+                    self._thread = None  # the next add starts another
                     return
                 due = self._pending[0][1] + DELAY_S
                 left = due - time.monotonic()
                 if left > 0:
                     self._cond.wait(left)  # a call may carry them meanwhile
                     continue
-                now = time.monotonic()
-                ids = [lid for lid, added in self._pending if added + DELAY_S <= now]
-                del self._pending[:len(ids)]
+                # The oldest has waited long enough: all go (the newer ones only end sooner).
+                ids = [lid for lid, _ in self._pending]
+                self._pending.clear()
                 self._sending += len(ids)
             try:
-                self._quietly(ids)
+                self._quietly(ids, time.monotonic() + SEND_S)
             finally:
                 with self._cond:
                     self._sending -= len(ids)

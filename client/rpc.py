@@ -266,12 +266,15 @@ class Rpc:
         in ``req.release`` for the daemon to end first."""
         t = self.timeout if timeout is None else self.narrow(timeout)
         carried: list[str] = []
-        if carry:
-            carried = self.releases.take()
-            del req.release[:]
-            req.release.extend(carried)
-        elif stub is not self.release and (self.releases.pending or self.releases.sending):
-            self.releases.flush(RELEASE_BEHIND_S if t is None else t)
+        if stub is not self.release and (self.releases.pending or self.releases.sending):
+            limit = RELEASE_BEHIND_S if t is None else t
+            if carry:
+                self.releases.wait_sent(limit)  # never overtake a release already on its way
+                carried = self.releases.take()
+                del req.release[:]
+                req.release.extend(carried)
+            else:
+                self.releases.flush(limit)
             t = self.timeout if timeout is None else self.narrow(timeout)
         try:
             return stub(req, timeout=t)
@@ -280,10 +283,10 @@ class Rpc:
             self.releases.put_back(carried)
             raise translate(e) from None
 
-    def _release_now(self, lease_id: str) -> None:
-        """A pending release, sent and waited for within ``RELEASE_BEHIND_S`` (and the
-        calling thread's deadline: past it, sent without waiting)."""
-        with self.deadline(RELEASE_BEHIND_S):
+    def _release_now(self, lease_id: str, until: float) -> None:
+        """A pending release, sent and waited for until ``until`` (and within the calling
+        thread's deadline: past either, sent without waiting)."""
+        with self.deadline_at(until):
             self.release_quietly(lease_id)
 
     def release_quietly(self, lease_id: str) -> None:
@@ -301,8 +304,8 @@ class Rpc:
                 return
             except DeadlineExceeded:
                 pass  # spent while it was on its way: send it again, not waited for
-            except KVParkError:
-                return  # the lease TTL frees it anyway
+            except (KVParkError, ValueError):
+                return  # the daemon failed it, or the channel is closed: the lease TTL frees it
         try:
             f = self.release.future(req, timeout=RELEASE_BEHIND_S)
         except Exception:  # noqa: BLE001 - a closed channel: the TTL frees it

@@ -210,6 +210,9 @@ class Transport(ABC):
         self.hello = hello
         self.chunk_size = int(hello.chunk_size) or (1 << 20)
         self.packed = "packed" in hello.features  # compact tensor lists in replies
+        # The daemon ends the leases an Acquire or Reserve names (an older one would drop
+        # the field, and the leases would live until their TTL): else they are sent first.
+        self.carries = "carry_release" in hello.features
         self.instance = hello.instance  # the start of the daemon whose memory this maps
         self._uses = Uses()  # calls copying through the mappings: close unmaps after the last
 
@@ -623,7 +626,7 @@ class _Pool(Transport):
         sources = {f.device for f in flats if f.numel()}
         self.prepare(sources)
         _sources_ready(sources)
-        r = rpc.call(rpc.reserve, pb.ReserveRequest(header=header, tier=self.tier), carry=True)
+        r = rpc.call(rpc.reserve, pb.ReserveRequest(header=header, tier=self.tier), carry=self.carries)
         self.check(r, "reserve", r.lease_id)  # before a byte goes into the mapping
         devices = {pool.device, *(f.device for f in flats)}
         copies = _park_copier(sources, pool.device)
@@ -675,7 +678,7 @@ class _Pool(Transport):
         set_ids(req, ids)
         sent = time.monotonic()  # before the daemon can have started the lease's clock
         try:
-            r = self.rpc.call(self.rpc.acquire, req, carry=True)
+            r = self.rpc.call(self.rpc.acquire, req, carry=self.carries)
             if r.disk_parts:
                 self.check(r, "acquire")
                 try:

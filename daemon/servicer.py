@@ -127,7 +127,7 @@ def _segments(segs: Sequence[tuple[int, int]]) -> list[pb.Segment]:
 
 
 # Optional wire features a client may use once Hello lists them (older daemons do not).
-FEATURES = ("packed",)
+FEATURES = ("packed", "carry_release")
 _TRANSPORT = {"host": "shm", "device": "cuda_ipc"}  # the tier of a reservation or lease -> its data path
 _MAX_PENDING = 100_000  # reservations timed at once; beyond it the oldest (expired, surely) are forgotten
 MAX_CARRIED_RELEASES = 64  # lease ids one Acquire may end first (a client carries those still in flight)

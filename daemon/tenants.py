@@ -242,7 +242,8 @@ class TenantView:
         if owner is not None and not owner.startswith(self.prefix):
             return False  # as for a lease that never was
         done = self.engine.release(lease_id)
-        self._settle()  # a read that promoted has ended: its copies may leave now
+        if done:  # a lease someone else ended was settled by them (a Release, the reaper)
+            self._settle()  # a read that promoted has ended: its copies may leave now
         return done
 
     def _settle(self) -> None:

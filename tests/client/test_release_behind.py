@@ -10,6 +10,10 @@ caller's own lease, and a flood of them is refused.
 
 from __future__ import annotations
 
+import gc
+import threading
+import time
+import weakref
 from typing import Any, Callable
 
 import grpc
@@ -19,6 +23,7 @@ import torch
 from kvpark.client import Client, InvalidArgument, NotFound
 from kvpark.client import releases
 from kvpark.client import transport as tr
+from kvpark.daemon import servicer as sv
 from kvpark.daemon.server import Daemon
 from kvpark.proto.v1 import kvpark_pb2 as pb
 
@@ -129,6 +134,80 @@ def test_a_copy_that_landed_late_waits_for_the_answer(daemon: Callable[..., Daem
         assert torch.equal(c.restore("a")[0], data)
         # Released, and answered, before restore returned.
         assert (c.rpc.releases.pending, _leases(d)) == (0, 0)
+
+
+def test_a_grant_always_waits_for_the_answer(daemon: Callable[..., Daemon], no_thread: None) -> None:
+    # Its lease's clock started before the lookup's reply was sent, and a grant may be read
+    # in another process: the client cannot reckon its deadline, so it asks.
+    d = daemon()
+    data = _blob(MiB, 1)
+    with Client(d.address, transport="shm") as c:
+        c.park("a", [data])
+        n, g = c.lookup_acquire(["a"])
+        assert n == 1 and g is not None and not g.inlined
+        out = torch.empty(MiB, dtype=torch.uint8)
+        c.restore_grant(g, into_flat=out)
+        assert torch.equal(out, data)
+        assert (c.rpc.releases.pending, _leases(d)) == (0, 0)
+
+
+@pytest.mark.parametrize("then", ["restore", "park"])
+def test_a_carrying_call_never_overtakes_a_release_on_its_way(daemon: Callable[..., Daemon],
+                                                            monkeypatch: pytest.MonkeyPatch, then: str) -> None:
+    # A slow Release (a tenant's settles its quota, which may demote): the thread has sent
+    # it, and the next call must not reach the daemon before it has ended the lease (a park
+    # would find the tier full of a lease its own client is done with).
+    slow = threading.Event()
+    release = sv.Servicer.Release
+
+    def slow_release(self: Any, req: Any, context: Any) -> Any:
+        if slow.is_set():
+            time.sleep(0.3)
+        return release(self, req, context)
+
+    monkeypatch.setattr(sv.Servicer, "Release", slow_release)
+    d = daemon(**{"tiers.host.capacity": "8MiB"})
+    with Client(d.address, transport="shm") as c:
+        c.park("a", [_blob(5 * MiB, 1)])
+        slow.set()
+        c.restore("a")
+        assert wait_until(lambda: c.rpc.releases.sending == 1, timeout=30)
+        if then == "restore":
+            c.restore("a")
+            assert _leases(d) == 1  # only this restore's own
+        else:
+            assert c.park("b", [_blob(5 * MiB, 2)]).tier == "host"
+
+
+def test_an_older_daemon_gets_its_releases_sent(daemon: Callable[..., Daemon], no_thread: None,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # A daemon that does not list "carry_release" would drop the field: the client sends
+    # the releases before its next call instead, and no lease waits for its TTL.
+    monkeypatch.setattr(sv, "FEATURES", ("packed",))
+    monkeypatch.setattr(sv.Servicer, "_carried", lambda self, eng, ids: None)  # as it would: the field unread
+    d = daemon()
+    with Client(d.address, transport="shm") as c:
+        c.park("a", [_blob(MiB, 1)])
+        for _ in range(4):
+            c.restore("a")
+            assert _leases(d) == 1
+        c.park("b", [_blob(MiB, 2)])
+        assert _leases(d) == 0
+
+
+def test_the_thread_ends_when_idle_and_an_unclosed_client_is_collected(
+        daemon: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(releases, "IDLE_EXIT_S", 0.05)
+    d = daemon()
+    c = Client(d.address, transport="shm")
+    c.park("a", [_blob(MiB, 1)])
+    c.restore("a")
+    assert wait_until(lambda: _leases(d) == 0, timeout=30)
+    assert wait_until(lambda: c.rpc.releases._thread is None, timeout=30)
+    gone = weakref.ref(c.rpc)
+    del c
+    gc.collect()
+    assert gone() is None
 
 
 def test_windows_and_cuda_ipc_always_wait() -> None:
