@@ -18,6 +18,8 @@ Primitives:
   byte views ``flats`` into the pool ``segments`` (``(offset, length)``), neighbours
   merged where both sides continue in memory (one copy per contiguous run, not per
   tensor: a vLLM save's blocks are views of one snapshot, its slots mostly adjacent).
+- ``gather(flats, pool, segments) -> bool``: the same copies for CPU flats into a CPU
+  pool, one ``torch.cat`` per pool segment (False, nothing copied: not that case).
 """
 
 from __future__ import annotations
@@ -101,6 +103,28 @@ def runs(flats: Sequence[torch.Tensor], segments: Sequence[tuple[int, int]]) -> 
         c_flat, _where, c_byte, c_dst, c_n = cur
         out.append(_span(c_flat, c_byte, c_dst, c_n))
     return out
+
+
+def gather(flats: Sequence[torch.Tensor], pool: torch.Tensor, segments: Sequence[tuple[int, int]]) -> bool:
+    """Copy the CPU byte views ``flats``, in payload order, into the CPU ``pool``'s
+    ``segments``: one ``torch.cat`` into each segment. That is one call into torch per
+    segment, where ``runs`` costs a view, a copy and their Python per tensor: a park of
+    256 x 1 MiB spends ~1 ms on those alone, and thousands of small blocks more than
+    their copies. False, with nothing copied, unless every flat and the pool are on the
+    CPU and the flats fill the segments exactly (the caller then copies ``runs``)."""
+    if pool.device.type != "cpu" or any(f.device.type != "cpu" for f in flats):
+        return False
+    if sum(f.numel() for f in flats) != sum(length for _, length in segments):
+        return False
+    groups: list[list[torch.Tensor]] = [[] for _ in segments]
+    for si, so, di, _do, n in pieces([f.numel() for f in flats], [length for _, length in segments]):
+        f = flats[si]
+        groups[di].append(f if so == 0 and n == f.numel() else f[so : so + n])
+    for (offset, length), parts in zip(segments, groups):
+        if parts:
+            # Exactly ``length`` bytes: ``out`` is never resized (a view into the mapping).
+            torch.cat(parts, out=pool[offset : offset + length])
+    return True
 
 
 def _span(flat: torch.Tensor, byte: int, dst: int, n: int) -> tuple[torch.Tensor, int, int]:

@@ -69,7 +69,7 @@ from kvpark.tiers.shm import boot_id
 
 from . import disk_reads, mappings
 from .datachannel import DataChannel, DataChannelRefused, NoStatus, client_ssl_context
-from .payload import Outputs, pieces, runs
+from .payload import Outputs, gather, pieces, runs
 from .rpc import Rpc, translate
 from .uses import Uses
 
@@ -635,8 +635,9 @@ class _Pool(Transport):
                 self._park_windows(r, flats, devices, copies)
                 return self._commit(r.lease_id)
             segs = [(s.offset, s.length) for s in r.segments]
-            for src, base, n in runs(flats, segs):
-                _copy(copies, pool[base : base + n], src)
+            if copies is not None or not gather(flats, pool, segs):
+                for src, base, n in runs(flats, segs):
+                    _copy(copies, pool[base : base + n], src)
             # The daemon reads the slots right after Commit: every copy into them has
             # landed by then. An event on the stream that ran them, not a device-wide
             # synchronize that would also wait for unrelated queued work.
