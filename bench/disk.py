@@ -32,22 +32,30 @@ conditions). Each row runs ``--reps`` times (best and median); ratios use the be
 data directory is a temporary one under ``--dir`` (default: the system temp directory).
 GB/s means 1e9 bytes per second.
 
-Usage: ``python bench/disk.py [--quick] [--reps N] [--dir DIR] [--json PATH]``.
+Daemons run in this process (one GIL for both sides), or with ``--servers process`` each
+in its own ``kvpark serve`` process, as in production: there the promotion the default
+asks for runs on the daemon's cores, not between the client's copies.
+
+Usage: ``python bench/disk.py [--quick] [--reps N] [--dir DIR] [--servers process] [--json PATH]``.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import contextlib
 import os
 import platform
+import re
 import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import lmdb
 import torch
@@ -65,6 +73,34 @@ HERE = Path(__file__).resolve().parent
 TARGET = 0.8  # spill and restore-from-disk >= 0.8x raw LMDB on the same records
 
 
+@contextlib.contextmanager
+def serving(overrides: dict[str, Any], process: bool) -> Iterator[str]:
+    """A daemon on ``overrides``, in this process or its own; yields its address. It
+    stops with what a SIGTERM does (its disk tier closed, nothing lost)."""
+    if not process:
+        with Daemon(load(env={}, overrides=overrides)) as d:
+            yield d.address
+        return
+    cmd = [sys.executable, "-m", "kvpark.daemon.cli", "serve"]
+    for k, v in overrides.items():
+        cmd += ["--set", f"{k}={str(v).lower() if isinstance(v, bool) else v}"]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK")}
+    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
+    assert p.stderr is not None
+    try:
+        for line in p.stderr:
+            m = re.search(r"listening on (\S+)", line)
+            if m:
+                threading.Thread(target=lambda: [None for _ in p.stderr], daemon=True).start()  # type: ignore[union-attr]
+                yield m.group(1)
+                return
+        raise RuntimeError(f"the daemon did not start: {' '.join(cmd)}")
+    finally:
+        p.send_signal(signal.SIGTERM)
+        if p.wait(60) != 0:
+            raise RuntimeError(f"the daemon exited with {p.returncode}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="4 sequences instead of 16")
@@ -73,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary data directories go")
     ap.add_argument("--json", default=str(HERE / "results" / "disk.json"))
+    ap.add_argument("--servers", choices=("inprocess", "process"), default="inprocess",
+                    help="daemons in this process (default) or each in its own kvpark serve process")
     args = ap.parse_args(argv)
     nseq = args.seqs or (4 if args.quick else 16)
     size = args.seq_mib * MiB
@@ -86,28 +124,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     root = tempfile.mkdtemp(prefix="kvpark-disk-bench-", dir=args.dir)
     times: dict[str, list[float]] = {}
     checks: list[str] = []
+    process = args.servers == "process"
     print(f"disk tier benchmark: {nseq} sequences x {args.seq_mib} MiB = {total / 1e6:.0f} MB; reps={args.reps}; "
-          f"data under {root}", flush=True)
+          f"servers {args.servers}; data under {root}", flush=True)
 
     def add(row: str, t: float) -> None:
         times.setdefault(row, []).append(t)
 
-    cfg = load(env={}, overrides={
+    base: dict[str, Any] = {
         "server.listen": "127.0.0.1:0", "metrics.listen": "", "tiers.device.enabled": "false",
         "tiers.host.capacity": str(total + 64 * MiB), "tiers.host.shm_dir": "/dev/shm" if os.path.isdir("/dev/shm")
         else "", "tiers.disk.path": os.path.join(root, "kvpark"), "tiers.disk.capacity": str(4 * total),
         # The rows below time their own moves: no background demotion in between.
         "policy.high_watermark": 0.99, "policy.low_watermark": 0.98,
-    })
+    }
 
     # The shm rows: the default (a disk grant, the promotion for next time in the
     # background), a disk grant with no promotion, and the arena path that every shm
     # restore from disk took before disk grants (promote into the arena, copy out, Release).
-    variants = [
-        ("", cfg),
-        (", no promotion", dataclasses.replace(cfg, policy=dataclasses.replace(cfg.policy, promote_on_restore=False))),
-        (", arena", dataclasses.replace(cfg, tiers=dataclasses.replace(
-            cfg.tiers, disk=dataclasses.replace(cfg.tiers.disk, direct_reads=False)))),
+    variants: list[tuple[str, dict[str, Any]]] = [
+        ("", base),
+        (", no promotion", {**base, "policy.promote_on_restore": False}),
+        (", arena", {**base, "tiers.disk.direct_reads": False}),
     ]
 
     def raw_env(path: str) -> lmdb.Environment:
@@ -161,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             touch(dst)
 
             # ---- kvpark: park into host (untimed), spill to disk (timed)
-            with Daemon(cfg) as d, Client(d.address) as c:
+            with serving(base, process) as address, Client(address) as c:
                 for sid, t in zip(ids, src):
                     c.park(sid, [t], overwrite=True)
                 t0 = time.perf_counter()
@@ -171,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             # all of them, so the gap to the per-sequence rows below is the per-sequence
             # round trips. (Each restart leaves every sequence on disk only again.)
             for label, conf in variants:
-                with Daemon(conf) as d, Client(d.address) as c:
+                with serving(conf, process) as address, Client(address) as c:
                     t0 = time.perf_counter()
                     c.restore_many(ids, into=dst)
                     add(f"kvpark restore_many from disk (shm{label})", time.perf_counter() - t0)
@@ -179,8 +217,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         checks.append(f"kvpark restore_many from disk (shm{label}): bytes differ")
                     touch(dst)
             # ---- restart: every sequence is on disk only; restore each (timed)
-            for transport, label, conf in [("shm", lb, cf) for lb, cf in variants] + [("inline", "", cfg)]:
-                with Daemon(conf) as d, Client(d.address, transport=transport) as c:
+            for transport, label, conf in [("shm", lb, cf) for lb, cf in variants] + [("inline", "", base)]:
+                with serving(conf, process) as address, Client(address, transport=transport) as c:
                     t0 = time.perf_counter()
                     for sid, t in zip(ids, dst):
                         c.restore(sid, into=[t])
@@ -225,6 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     write_json(args.json, dict(
         meta=dict(cpu=cpu_model(), cpus=os.cpu_count(), python=platform.python_version(), torch=torch.__version__,
                   lmdb=lmdb.__version__, seqs=nseq, seq_mib=args.seq_mib, reps=args.reps, gb="1e9 bytes",
+                  servers=args.servers,
                   timestamp=time.strftime("%Y-%m-%dT%H:%M:%S%z")),
         throughput=rows, ratios=ratios, checks=checks))
     return 1 if checks else 0
