@@ -110,21 +110,54 @@ def gather(flats: Sequence[torch.Tensor], pool: torch.Tensor, segments: Sequence
     ``segments``: one ``torch.cat`` into each segment. That is one call into torch per
     segment, where ``runs`` costs a view, a copy and their Python per tensor: a park of
     256 x 1 MiB spends ~1 ms on those alone, and thousands of small blocks more than
-    their copies. False, with nothing copied, unless every flat and the pool are on the
-    CPU and the flats fill the segments exactly (the caller then copies ``runs``)."""
+    their copies. Neighbours in one storage are one part, as in ``runs``. False, with
+    nothing copied, unless every flat and the pool are on the CPU and the flats fill the
+    segments exactly (the caller then copies ``runs``)."""
     if pool.device.type != "cpu" or any(f.device.type != "cpu" for f in flats):
         return False
-    if sum(f.numel() for f in flats) != sum(length for _, length in segments):
+    lengths = [f.numel() for f in flats]
+    if sum(lengths) != sum(length for _, length in segments):
         return False
     groups: list[list[torch.Tensor]] = [[] for _ in segments]
-    for si, so, di, _do, n in pieces([f.numel() for f in flats], [length for _, length in segments]):
+    # The part being grown: its segment, its first tensor, its root (``_base``), where it
+    # starts and ends in memory, and whether a neighbour joined it.
+    cur: list[Any] = []
+    for si, so, di, _do, n in pieces(lengths, [length for _, length in segments]):
         f = flats[si]
-        groups[di].append(f if so == 0 and n == f.numel() else f[so : so + n])
+        part = f if n == lengths[si] else f[so : so + n]
+        at = part.data_ptr()
+        if cur and cur[4] == at and cur[0] == di:
+            # Side by side in memory. Joined when in one storage (a vLLM save's blocks are
+            # views of one snapshot: one ``_base``), so torch spreads a run of small
+            # blocks over its threads as ``runs`` does, instead of copying each on one.
+            root = part._base
+            if (root is not None and root is cur[2]) or _one_storage(cur[1], part):
+                cur[4], cur[5] = at + n, True
+                continue
+        if cur:
+            groups[cur[0]].append(_joined(cur))
+        cur = [di, part, part._base, at, at + n, False]
+    if cur:
+        groups[cur[0]].append(_joined(cur))
     for (offset, length), parts in zip(segments, groups):
         if parts:
             # Exactly ``length`` bytes: ``out`` is never resized (a view into the mapping).
             torch.cat(parts, out=pool[offset : offset + length])
     return True
+
+
+def _joined(cur: list[Any]) -> torch.Tensor:
+    """The grown part: its first tensor as it is, or one view of its storage spanning it
+    and the neighbours joined to it."""
+    _di, first, _root, start, end, joined = cur
+    if not joined:
+        return first
+    st = first.untyped_storage()
+    return torch.empty(0, dtype=torch.uint8).set_(st, start - st.data_ptr(), (end - start,), (1,))
+
+
+def _one_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _span(flat: torch.Tensor, byte: int, dst: int, n: int) -> tuple[torch.Tensor, int, int]:

@@ -42,17 +42,41 @@ def test_gather_puts_every_byte_where_runs_does_and_nothing_else() -> None:
             segs.append((at, b - a))
             at += b - a
         rng.shuffle(segs) if case % 3 == 0 else None  # segments need not ascend in the pool
-        # Sources: separate tensors, and views of one storage (adjacent, overlapping order).
-        base = blob(case, total + 64)
+        # Sources: separate tensors; views of one storage side by side (joined into one
+        # part); views of one storage with gaps between them, in shuffled order.
+        base = blob(case, 2 * total + 64)
         flats, pos = [], 0
-        for n in lengths:
-            flats.append(base[pos : pos + n] if case % 2 else blob(case * 31 + pos, n))
-            pos += n
+        starts = list(range(len(lengths)))
+        if case % 4 == 3:
+            rng.shuffle(starts)
+        where = [0] * len(lengths)
+        for k in starts:
+            where[k] = pos
+            pos += lengths[k] + rng.randint(0, 2)
+        for k, n in enumerate(lengths):
+            if case % 4 == 1:
+                flats.append(base[sum(lengths[:k]) : sum(lengths[:k]) + n])
+            elif case % 4 == 3:
+                flats.append(base[where[k] : where[k] + n])
+            else:
+                flats.append(blob(case * 31 + k, n))
         want = torch.full((at + 16,), 0xAB, dtype=torch.uint8)
         got = want.clone()
         by_runs(flats, want, segs)
         assert gather(flats, got, segs)
         assert torch.equal(got, want), f"case {case}: {lengths} into {segs}"
+
+
+def test_neighbours_in_memory_are_joined_only_within_one_storage() -> None:
+    mem = blob(3, 600)
+    raw = memoryview(mem.numpy())
+    # Two storages side by side in memory (each its own buffer), and two views of one.
+    a, b = torch.frombuffer(raw[0:200], dtype=torch.uint8), torch.frombuffer(raw[200:400], dtype=torch.uint8)
+    assert a.data_ptr() + 200 == b.data_ptr()
+    c, d = mem[400:500], mem[500:600]
+    pool = torch.zeros(700, dtype=torch.uint8)
+    assert gather([a, b, c, d], pool, [(50, 600)])
+    assert torch.equal(pool[50:650], mem) and not pool[:50].any() and not pool[650:].any()
 
 
 def test_gather_copies_nothing_when_the_flats_do_not_fill_the_segments() -> None:
