@@ -45,22 +45,18 @@ import argparse
 import contextlib
 import os
 import platform
-import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import lmdb
 import torch
 
-from _common import write_json  # bench/ is on sys.path when a script here runs
+from _common import serve_process, write_json  # bench/ is on sys.path when a script here runs
 
 from kvpark.client import Client
 from kvpark.client.benchkit import cpu_model, same, touch
@@ -75,30 +71,13 @@ TARGET = 0.8  # spill and restore-from-disk >= 0.8x raw LMDB on the same records
 
 @contextlib.contextmanager
 def serving(overrides: dict[str, Any], process: bool) -> Iterator[str]:
-    """A daemon on ``overrides``, in this process or its own; yields its address. It
-    stops with what a SIGTERM does (its disk tier closed, nothing lost)."""
-    if not process:
-        with Daemon(load(env={}, overrides=overrides)) as d:
-            yield d.address
+    """A daemon on ``overrides``, in this process or its own; yields its address."""
+    if process:
+        with serve_process(overrides) as address:
+            yield address
         return
-    cmd = [sys.executable, "-m", "kvpark.daemon.cli", "serve"]
-    for k, v in overrides.items():
-        cmd += ["--set", f"{k}={str(v).lower() if isinstance(v, bool) else v}"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK")}
-    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
-    assert p.stderr is not None
-    try:
-        for line in p.stderr:
-            m = re.search(r"listening on (\S+)", line)
-            if m:
-                threading.Thread(target=lambda: [None for _ in p.stderr], daemon=True).start()  # type: ignore[union-attr]
-                yield m.group(1)
-                return
-        raise RuntimeError(f"the daemon did not start: {' '.join(cmd)}")
-    finally:
-        p.send_signal(signal.SIGTERM)
-        if p.wait(60) != 0:
-            raise RuntimeError(f"the daemon exited with {p.returncode}")
+    with Daemon(load(env={}, overrides=overrides)) as d:
+        yield d.address
 
 
 def main(argv: Sequence[str] | None = None) -> int:

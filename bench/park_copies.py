@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from _common import write_json  # bench/ is on sys.path when a script here runs
-from release import _daemon
+from _common import serve_process, write_json  # bench/ is on sys.path when a script here runs
+from release import daemon_config
 
 from kvpark.client import Client, transport
 
@@ -42,31 +42,29 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[tuple[int, str], list[float]] = {(n, m): [] for n, _ in CASES for m in modes}
     shm_root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir=shm_root) as shm:
-        p, address = _daemon(tmp, shm)
-        try:
-            with Client(address, transport="shm") as c:
-                for n, size in CASES:
-                    srcs = [torch.randint(0, 256, (size,), dtype=torch.uint8) for _ in range(n)]
-                    dsts = [torch.empty_like(s) for s in srcs]
-                    for rnd in range(args.rounds + 1):  # the first round warms up, untimed
-                        for m in modes if rnd % 2 else modes[::-1]:
-                            transport.gather = real if m == "park, gather" else (lambda *a: False)
-                            t0 = time.perf_counter()
-                            if m == "copy_ limit":
-                                for d, s in zip(dsts, srcs):
-                                    d.copy_(s)
-                            else:
-                                c.park("p", srcs)
-                            spent = time.perf_counter() - t0
-                            if m != "copy_ limit":
-                                c.drop("p")
-                            if rnd:
-                                times[(n, m)].append(spent)
-                    print(f"  {n} x {size >> 10} KiB done", flush=True)
-        finally:
-            transport.gather = real
-            p.terminate()
-            p.wait()
+        with serve_process(daemon_config(tmp, shm)) as address:
+            try:
+                with Client(address, transport="shm") as c:
+                    for n, size in CASES:
+                        srcs = [torch.randint(0, 256, (size,), dtype=torch.uint8) for _ in range(n)]
+                        dsts = [torch.empty_like(s) for s in srcs]
+                        for rnd in range(args.rounds + 1):  # the first round warms up, untimed
+                            for m in modes if rnd % 2 else modes[::-1]:
+                                transport.gather = real if m == "park, gather" else (lambda *a: False)
+                                t0 = time.perf_counter()
+                                if m == "copy_ limit":
+                                    for d, s in zip(dsts, srcs):
+                                        d.copy_(s)
+                                else:
+                                    c.park("p", srcs)
+                                spent = time.perf_counter() - t0
+                                if m != "copy_ limit":
+                                    c.drop("p")
+                                if rnd:
+                                    times[(n, m)].append(spent)
+                        print(f"  {n} x {size >> 10} KiB done", flush=True)
+            finally:
+                transport.gather = real
     rows: list[dict[str, Any]] = []
     print(f"{'case':>16} | " + " | ".join(f"{m:>12}" for m in modes) + " | gather / limit | runs / limit")
     for n, size in CASES:

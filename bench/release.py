@@ -16,18 +16,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import statistics
-import subprocess
-import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from _common import write_json  # bench/ is on sys.path when a script here runs
+from _common import serve_process, write_json  # bench/ is on sys.path when a script here runs
 
 from kvpark.client import Client
 from kvpark.client.transport import Shm
@@ -37,22 +33,11 @@ HERE = Path(__file__).resolve().parent
 WORK_S = 0.02
 
 
-def _daemon(tmp: str, shm: str) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "kvpark.daemon.cli", "serve", "--log-level", "info"]
-    for k, v in {"server.listen": "127.0.0.1:0", "tiers.host.capacity": "1GiB", "tiers.host.shm_dir": shm,
-                 "tiers.disk.path": os.path.join(tmp, "disk"), "tiers.device.enabled": "false",
-                 "metrics.listen": "", "policy.flush_on_shutdown": "false"}.items():
-        cmd += ["--set", f"{k}={v}"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVPARK")}
-    p = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env)
-    assert p.stderr is not None
-    for line in p.stderr:
-        m = re.search(r"listening on (\S+)", line)
-        if m:
-            threading.Thread(target=lambda: [None for _ in p.stderr], daemon=True).start()  # type: ignore[union-attr]
-            return p, m.group(1)
-    p.kill()
-    raise RuntimeError("the daemon did not start")
+def daemon_config(tmp: str, shm: str) -> dict[str, str]:
+    """A daemon with a 1 GiB host arena in ``shm`` and its disk tier under ``tmp``."""
+    return {"server.listen": "127.0.0.1:0", "tiers.host.capacity": "1GiB", "tiers.host.shm_dir": shm,
+            "tiers.disk.path": os.path.join(tmp, "disk"), "tiers.device.enabled": "false",
+            "metrics.listen": "", "policy.flush_on_shutdown": "false"}
 
 
 def _spin(seconds: float) -> None:
@@ -72,35 +57,33 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[tuple[int, str], list[float]] = {(s, m): [] for s in sizes for m in modes}
     shm_root = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     with tempfile.TemporaryDirectory() as tmp, tempfile.TemporaryDirectory(dir=shm_root) as shm:
-        p, address = _daemon(tmp, shm)
-        try:
-            with Client(address, transport="shm") as c:
-                outs = {}
-                for s in sizes:
-                    src = torch.randint(0, 256, (s,), dtype=torch.uint8)
-                    c.park(f"s{s}", [src])
-                    outs[s] = torch.empty_like(src)
-                for rnd in range(args.rounds):
+        with serve_process(daemon_config(tmp, shm)) as address:
+            try:
+                with Client(address, transport="shm") as c:
+                    outs = {}
                     for s in sizes:
-                        for m in modes if rnd % 2 else modes[::-1]:
-                            Shm.releases_behind = m.startswith("behind")
-                            work = "work" in m
-                            n = 20 if work else 100
-                            for _ in range(3):
-                                c.restore(f"s{s}", into=[outs[s]])
-                            spent = 0.0
-                            for _ in range(n):
-                                t0 = time.perf_counter()
-                                c.restore(f"s{s}", into=[outs[s]])
-                                spent += time.perf_counter() - t0
-                                if work:
-                                    _spin(WORK_S)
-                            times[(s, m)].append(spent / n)
-                    print(f"  round {rnd + 1}/{args.rounds} done", flush=True)
-        finally:
-            Shm.releases_behind = True
-            p.terminate()
-            p.wait()
+                        src = torch.randint(0, 256, (s,), dtype=torch.uint8)
+                        c.park(f"s{s}", [src])
+                        outs[s] = torch.empty_like(src)
+                    for rnd in range(args.rounds):
+                        for s in sizes:
+                            for m in modes if rnd % 2 else modes[::-1]:
+                                Shm.releases_behind = m.startswith("behind")
+                                work = "work" in m
+                                n = 20 if work else 100
+                                for _ in range(3):
+                                    c.restore(f"s{s}", into=[outs[s]])
+                                spent = 0.0
+                                for _ in range(n):
+                                    t0 = time.perf_counter()
+                                    c.restore(f"s{s}", into=[outs[s]])
+                                    spent += time.perf_counter() - t0
+                                    if work:
+                                        _spin(WORK_S)
+                                times[(s, m)].append(spent / n)
+                        print(f"  round {rnd + 1}/{args.rounds} done", flush=True)
+            finally:
+                Shm.releases_behind = True
     rows: list[dict[str, Any]] = []
     print(f"{'size':>8} | " + " | ".join(f"{m:>18}" for m in modes) + " | waited/behind tight | with work")
     for s in sizes:
