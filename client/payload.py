@@ -152,8 +152,7 @@ def _joined(cur: list[Any]) -> torch.Tensor:
     _di, first, _root, start, end, joined = cur
     if not joined:
         return first
-    st = first.untyped_storage()
-    return torch.empty(0, dtype=torch.uint8).set_(st, start - st.data_ptr(), (end - start,), (1,))
+    return _span(first, start - first.untyped_storage().data_ptr(), 0, end - start)[0]
 
 
 def _one_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
