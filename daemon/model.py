@@ -195,8 +195,8 @@ class TierMap(MutableMapping[str, V]):
     _order: tuple[str, ...] = MEM_TIERS
 
     def __init__(self, items: Mapping[str, V] | None = None) -> None:
-        for k in self._order:
-            setattr(self, k, None)
+        # Plain stores, not a loop of setattr: a restart makes one map per indexed block.
+        self.device = self.host = self.private = None
         if items:
             for k, v in items.items():
                 self[k] = v
@@ -245,6 +245,10 @@ class ReadCounts(TierMap[int]):
     __slots__ = ("disk",)
     _keys = frozenset((*MEM_TIERS, "disk"))
     _order = (*MEM_TIERS, "disk")
+
+    def __init__(self, items: Mapping[str, int] | None = None) -> None:
+        self.disk = None
+        super().__init__(items)
 
 
 class _Empty(ReadCounts):

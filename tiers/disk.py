@@ -281,23 +281,19 @@ class Manifest:
         stored_fp = int(d["fingerprint"])
         created_at = float(d.get("created_at", 0.0))
         last_access = float(d.get("last_access", 0.0))
-        extra = d.get("extra")
-        m = Manifest(
+        # Every field in one constructor call: a field set afterwards makes (and interns)
+        # a new ``Form`` each time, six per manifest, which was most of a restart's time.
+        extra = dict(d.get("extra") or {})
+        return Manifest(
             d["seq_id"], int(d["gen"]), tensors, interning.number(int(d["nbytes"])),
             interning.number(int(d["block_size"])), fp if fp == stored_fp else stored_fp, int(d.get("priority", 0)),
             created_at, created_at if last_access == created_at else last_access,
+            pinned=bool(extra.get("pinned", False)),
+            expires_at=float(extra["expires_at"]) if extra.get("expires_at") else None,
+            refs=tuple(extra.get("refs", ())), shared=bool(extra.get("shared", False)),
+            attrs=interning.attrs_json(dict(extra["attrs"])) if extra.get("attrs") else interning.attrs({}),
+            data_gen=int(extra.get("data_gen", 0)),
         )
-        if extra:
-            extra = dict(extra)
-            m.pinned = bool(extra.get("pinned", False))
-            m.expires_at = float(extra["expires_at"]) if extra.get("expires_at") else None
-            m.refs = tuple(extra.get("refs", ()))
-            m.shared = bool(extra.get("shared", False))
-            m.attrs = interning.attrs_json(dict(extra.get("attrs", {})))
-            m.data_gen = int(extra.get("data_gen", 0))
-        else:
-            m.attrs = interning.attrs({})
-        return m
 
 
 _JSON = json.JSONDecoder()
