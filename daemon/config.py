@@ -209,7 +209,8 @@ class PolicyConfig:
     high_watermark: float = _f(0.9, "host usage fraction that starts background demotion")
     low_watermark: float = _f(0.8, "host usage fraction background demotion brings it down to")
     promote_on_restore: bool = _f(True, "restoring a disk-resident sequence copies it back to host when there is room "
-                                   "(after a disk grant, in the background: the read does not wait for it)")
+                                   "(after a disk grant, in the background once reads and parks pause for 50 ms, "
+                                   "or after 1 s: the read does not wait for it, nor compete with it)")
     flush_on_shutdown: bool = _f(True, "a graceful stop writes every host-only sequence to disk first")
     max_dirty_s: float = _f(30.0, "write_back: a sequence memory-only for longer is written to disk in the "
                             "background (a stop, or a crash, then loses or drains at most this much); 0 = no bound")

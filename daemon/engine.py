@@ -18,7 +18,8 @@ Primitives:
 - A payload larger than its memory tier moves through one window of slots at a time
   (``window.py``): ``reserve`` hands out window 0, ``window(lease_id, index)`` the next
   (a park) or reads it (a restore); ``acquire`` with ``need`` serves such a sequence so.
-- ``prefetch(seq_id, tier, wait, timeout) -> str``.
+- ``prefetch(seq_id, tier, wait, timeout) -> str``; ``when_idle(fn)``: work held until
+  reads and parks pause (``idle_work.py``: the promotions after disk grants).
 - ``drop``, ``present``, ``info``, ``list``, ``stat``, ``hello() -> Capabilities``;
   ``instance``: this start's random id (new at every start; ``Capabilities.instance``).
 - ``check_invariants()``: assert slot, refcount, lease and disk accounting (tests call
@@ -283,6 +284,7 @@ class Engine:
         """
         spec.validate()
         self.check_open()
+        self.mover.idle.busy()  # promotions left for a lull wait (``idle_work.py``)
         order = self.landing(spec, inline, tier)
         if self.windowed(spec, inline, tier):
             # Larger than any tier it may land in: through one window of slots to disk.
@@ -431,6 +433,7 @@ class Engine:
         ``disk``: the caller reads the disk tier itself; a restore whose parts are all on
         disk only is answered with a disk grant (``ReadHandle.direct``) when this daemon
         offers them (``disk_grants``)."""
+        self.mover.idle.busy()  # promotions left for a lull wait (``idle_work.py``)
         return reads.acquire(self, seq_ids, need, stream, expect_layout, inline_max, disk and self.disk_grants)
 
     def grant(self, handle: ReadHandle) -> Grant:
@@ -454,6 +457,11 @@ class Engine:
         if self.remote is not None and gone:
             return self.remote.forget(gone)
         return None
+
+    def when_idle(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` once no read or park has started for a moment (``idle_work.py``):
+        work that would slow the reads under way, and that nothing waits for."""
+        self.mover.idle.add(fn)
 
     def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None,
                  then: Callable[[], None] | None = None) -> str:

@@ -51,6 +51,7 @@ Primitives:
   in ``remote_moves.py``; ``Mover`` keeps the entry points above.
 - ``prefetch(seq, tier, wait, timeout) -> str`` (``prefetch.py``; waited: a version an
   overwrite replaced meanwhile is prefetched as the new one; only a drop is ``NotFound``);
+  ``idle`` (``idle_work.IdleWork``: work held for a lull in reads and parks);
   ``write_to_disk`` is ``flush.write_one``; ``quiet()`` (no
   demotion starts, moves in flight land: for invariant checks); ``close()``.
 """
@@ -72,6 +73,7 @@ from kvpark.tiers.disk import DiskStore
 
 from . import disk_evict, flush, remote_moves
 from .prefetch import Prefetches
+from .idle_work import IdleWork
 from .catalog import Catalog
 from .deletes import Deletes
 from .config import PolicyConfig
@@ -131,6 +133,7 @@ class Mover:
         self.cleanups = 0
         self.deletes = Deletes(catalog, disk)  # a failed delete is retried (``deletes.py``)
         self.prefetches = Prefetches(self)
+        self.idle = IdleWork()  # promotions after disk grants, held for a lull in reads and parks
         # Disk eviction to remote, several sequences at once (``disk_evict.py``).
         self.evict_parallel = remote.store.opts.evict_parallel if remote is not None else 1
         self.evict_pool = (ThreadPoolExecutor(self.evict_parallel, thread_name_prefix="kvpark-evict")
@@ -141,6 +144,7 @@ class Mover:
         with self.catalog.lock:
             self.closed = True
             self.catalog.changed.notify_all()
+        self.idle.close()  # before the pool it hands promotions to
         self.prefetches.close()
         if self.evict_pool is not None:
             self.evict_pool.shutdown(wait=True)  # moves under way end (each is bounded by Redis's timeouts)

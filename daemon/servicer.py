@@ -412,16 +412,22 @@ class Servicer:
 
     def _promote_later(self, eng: Any, ids: list[str]) -> None:
         """After a disk grant: what ``policy.promote_on_restore`` asks for (a copy in
-        memory for the next read) happens in the background, off the read's path; a
-        sequence gone or with no room meanwhile simply stays on disk."""
+        memory for the next read) happens in the background, off the read's path, once
+        reads and parks pause (``idle_work.py``: run at once, it competed with the
+        client's own read of the same records); a sequence gone or with no room by then
+        simply stays on disk."""
         tier = self.engine.restore_to
         if tier is None:
             return
-        for sid in ids:
-            try:
-                eng.prefetch(sid, tier)
-            except KVParkError as e:
-                log.debug("promotion after a disk grant of %r: %s", sid, e)
+
+        def promote() -> None:
+            for sid in ids:
+                try:
+                    eng.prefetch(sid, tier)
+                except KVParkError as e:
+                    log.debug("promotion after a disk grant of %r: %s", sid, e)
+
+        self.engine.when_idle(promote)
 
     @_typed
     def Release(self, req: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:

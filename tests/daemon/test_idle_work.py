@@ -1,0 +1,132 @@
+"""Work held for a lull in reads and parks (``daemon/idle_work.py``): the promotions a
+disk grant asks for wait until the client's reads pause, or until they have waited
+``max_wait_s``; they are never lost silently while queued, except by ``close`` or the
+queue bound (a promotion not made leaves the sequence on disk, where it is read)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from kvpark.client import Client
+from kvpark.daemon.idle_work import IdleWork, due
+
+from ..client.test_disk_grants import Reads, blob, on_disk_only
+from ..conftest import wait_until
+
+MiB = 1 << 20
+
+
+def test_due_is_the_earlier_of_a_quiet_moment_and_the_longest_wait() -> None:
+    # Busy a moment ago: the quiet moment comes first.
+    assert due(last_busy=9.99, oldest=9.5, quiet_s=0.05, max_wait_s=1.0) == 9.99 + 0.05
+    # Busy all along: the longest wait decides.
+    assert due(last_busy=10.0, oldest=8.9, quiet_s=0.05, max_wait_s=1.0) == 8.9 + 1.0
+    # Never busy: at once (a time long past).
+    assert due(last_busy=0.0, oldest=10.0, quiet_s=0.05, max_wait_s=1.0) == 0.05
+
+
+def test_work_runs_once_quiet() -> None:
+    w = IdleWork(quiet_s=0.01, max_wait_s=30.0)
+    ran = threading.Event()
+    try:
+        w.add(ran.set)
+        assert ran.wait(10.0)
+        assert w.pending == 0
+    finally:
+        w.close()
+
+
+def test_work_waits_while_reads_start_and_runs_at_its_longest_wait() -> None:
+    held = IdleWork(quiet_s=30.0, max_wait_s=60.0)
+    waits = IdleWork(quiet_s=30.0, max_wait_s=0.2)
+    ran_held, ran_waits = threading.Event(), threading.Event()
+    try:
+        held.busy()
+        held.add(ran_held.set)
+        waits.busy()
+        waits.add(ran_waits.set)
+        # A read started just now: nothing runs before the quiet moment, however the
+        # thread is scheduled (it can be late, never early) ...
+        assert not ran_held.wait(0.3)
+        assert held.pending == 1
+        # ... except what has waited its longest.
+        assert ran_waits.wait(10.0)
+    finally:
+        held.close()
+        waits.close()
+
+
+def test_close_drops_what_is_queued_and_refuses_more() -> None:
+    w = IdleWork(quiet_s=30.0, max_wait_s=60.0)
+    ran = threading.Event()
+    w.busy()
+    w.add(ran.set)
+    w.close()
+    assert w.pending == 0
+    w.add(ran.set)
+    assert w.pending == 0
+    assert not ran.wait(0.2)
+
+
+def test_past_the_bound_the_oldest_goes_and_one_failure_stops_nothing() -> None:
+    w = IdleWork(quiet_s=30.0, max_wait_s=60.0, max_queued=2)
+    done: list[str] = []
+    try:
+        w.busy()
+        w.add(lambda: done.append("first"))
+
+        def fails() -> None:
+            raise RuntimeError("one promotion failed")
+
+        w.add(fails)
+        w.add(lambda: done.append("third"))
+        assert w.pending == 2
+        w.quiet_s = 0.0
+        w._last_busy = 0.0
+        w.add(lambda: done.append("fourth"))  # wakes the thread: everything is due now
+        assert wait_until(lambda: len(done) == 2)
+        assert done == ["third", "fourth"]
+    finally:
+        w.close()
+
+
+def test_a_grant_promotes_once_the_reads_pause(daemon, monkeypatch) -> None:
+    t = blob(2 * MiB, 7)
+    d = on_disk_only(daemon, {"a": t, "b": t})
+    idle = d.engine.mover.idle
+    idle.quiet_s = 30.0  # the reads below never pause long enough, as in a burst
+    reads = Reads(monkeypatch)
+    with Client(d.address, transport="shm") as c:
+        assert torch.equal(c.restore("a")[0], t)
+        assert reads.grants == 1
+        assert idle.pending == 1
+        time.sleep(0.3)
+        assert c.info("a").tier == "disk"  # held: the promotion did not compete with the reads
+        assert torch.equal(c.restore("b")[0], t)  # another read: still held, both queued
+        assert idle.pending == 2 and c.info("a").tier == "disk"
+        idle.quiet_s = 0.0
+        idle._last_busy = 0.0
+        idle.add(lambda: None)  # wakes it: the reads have paused
+        assert wait_until(lambda: c.info("a").tier == "host" and c.info("b").tier == "host")
+        assert torch.equal(c.restore("a")[0], t)  # from the arena now: no grant
+        assert reads.grants == 2
+    d.engine.check_invariants()
+
+
+def test_a_stop_with_promotions_held_loses_nothing(daemon, monkeypatch) -> None:
+    t = blob(MiB, 8)
+    cfg: dict[str, str] = {}
+    d = on_disk_only(daemon, {"a": t}, **cfg)
+    d.engine.mover.idle.quiet_s = 30.0
+    with Client(d.address, transport="shm") as c:
+        assert torch.equal(c.restore("a")[0], t)
+    assert d.engine.mover.idle.pending == 1
+    d.stop(0.5)  # drops the held promotion; returns promptly
+    d2 = daemon(**cfg)
+    with Client(d2.address, transport="shm") as c:
+        assert c.info("a").tier == "disk"
+        assert torch.equal(c.restore("a")[0], t)
+    d2.engine.check_invariants()
