@@ -287,6 +287,13 @@ def bench_daemons(url: str, cluster: bool, a: argparse.Namespace, tmp: Path, tag
                     r.restore(sid, into=[out])
                 restore.append(nseq * a.seq / 1e6 / (time.perf_counter() - t0))
                 assert torch.equal(out, data)
+                # Dropped (untimed), so Redis holds at most one rep's sequences, as the raw
+                # rows' server does: memory a server grows into for the first time costs
+                # far more on a VM (guest pages the host backs on first touch, here ~0.4
+                # GB/s against ~3.4 GB/s once touched) and would land on these rows only.
+                for sid in ids:
+                    c.drop(sid)
+                    c1.drop(f"one-{sid}")
     finally:
         for d in (owner, fetcher, reader, single):
             d.stop(0.5)
