@@ -191,8 +191,11 @@ def test_moves_evictions_lease_expiries_and_checksum_failures(daemon: Callable[.
         for i in range(6):
             c.park(f"s{i}", four)
         assert wait_until(lambda: c.info("s0").tier == "disk", timeout=30)
-        # Step 2: restoring a disk-only sequence promotes it back (disk -> host).
+        # Step 2: restoring a disk-only sequence promotes it back (disk -> host): after a
+        # disk grant in the background, once the reads pause (``idle_work.py``).
         assert torch.equal(c.restore("s0")[0], four[0])
+    key = ("kvpark_moves_total", (("dst", "host"), ("src", "disk")))
+    assert wait_until(lambda: scrape(d).get(key, 0) >= 1, timeout=30)
     m = scrape(d)
     evicted = m.get(("kvpark_evictions_total", (("tier", "host"),)), 0)
     written = m.get(("kvpark_moves_total", (("dst", "disk"), ("src", "host"))), 0)
