@@ -267,6 +267,17 @@ class Manifest:
 
     @staticmethod
     def decode(raw: bytes) -> "Manifest":
+        """The manifest ``raw`` encodes. A record that is not one raises ``ValueError``,
+        ``KeyError`` or ``TypeError`` (what a start skips as rotted), never anything else:
+        a number too large for a float or a field of the wrong shape must not stop a
+        restart."""
+        try:
+            return Manifest._decode(raw)
+        except (OverflowError, IndexError, RecursionError, AttributeError) as e:
+            raise ValueError(f"undecodable manifest: {type(e).__name__}: {e}") from None
+
+    @staticmethod
+    def _decode(raw: bytes) -> "Manifest":
         # A restart decodes every manifest: the plain decoder (no encoding sniffing), and
         # what a million blocks share (layouts, attrs, sizes) as one object each.
         text = str(raw, "utf-8")
@@ -284,6 +295,7 @@ class Manifest:
         # Every field in one constructor call: a field set afterwards makes (and interns)
         # a new ``Form`` each time, six per manifest, which was most of a restart's time.
         extra = dict(d.get("extra") or {})
+        attrs = dict(extra.get("attrs", {}))  # not an object (null, a number): TypeError, as ever
         return Manifest(
             d["seq_id"], int(d["gen"]), tensors, interning.number(int(d["nbytes"])),
             interning.number(int(d["block_size"])), fp if fp == stored_fp else stored_fp, int(d.get("priority", 0)),
@@ -291,7 +303,7 @@ class Manifest:
             pinned=bool(extra.get("pinned", False)),
             expires_at=float(extra["expires_at"]) if extra.get("expires_at") else None,
             refs=tuple(extra.get("refs", ())), shared=bool(extra.get("shared", False)),
-            attrs=interning.attrs_json(dict(extra["attrs"])) if extra.get("attrs") else interning.attrs({}),
+            attrs=interning.attrs_json(attrs) if attrs else interning.attrs({}),
             data_gen=int(extra.get("data_gen", 0)),
         )
 

@@ -147,3 +147,43 @@ def test_manifest_round_trips_every_field(extra: dict) -> None:
         assert getattr(back, name) == getattr(m, name), name
     # What every block of one model shares is one object, decoded or made here.
     assert back.tensors is Manifest.decode(m.encode()).tensors
+
+
+def _rotted(good: Manifest) -> list[bytes]:
+    """Manifest records a start must skip as rotted: each is JSON a disk could hold."""
+    import json
+
+    base = json.loads(good.encode())
+    out = []
+    for change in ({"gen": float("inf")}, {"created_at": 10 ** 400}, {"tensors": [[]]},
+                   {"extra": {"attrs": None}}, {"extra": {"expires_at": 10 ** 400}},
+                   {"extra": {"data_gen": float("-inf")}}, {"extra": {"refs": 5}}, {"nbytes": "x"}):
+        out.append(json.dumps({**base, **change}).encode())
+    out.append(b"[" * 100_000 + b"]" * 100_000)  # nested past the decoder's recursion limit
+    out.append(b"\xff\xfe not utf-8")
+    return out
+
+
+@pytest.mark.parametrize("index", range(10))
+def test_a_rotted_manifest_is_a_decode_error_a_start_skips(index: int) -> None:
+    raw = _rotted(manifest("seq", 1, 100))[index]
+    with pytest.raises((ValueError, KeyError, TypeError)):
+        Manifest.decode(raw)
+
+
+def test_a_start_skips_rotted_manifests_and_keeps_the_rest(tmp_path: Path) -> None:
+    s = DiskStore(str(tmp_path), 1 << 20)
+    m = manifest("seq", 1, 2500)
+    s.write(m, payload(m, 10), sync=True)
+    s.close()
+    env = lmdb.open(str(tmp_path), max_dbs=4)
+    with env.begin(write=True) as txn:
+        db = env.open_db(b"manifests", txn=txn)
+        for i, raw in enumerate(_rotted(m)):
+            txn.put(f"rot{i}".encode(), raw, db=db)
+    env.close()
+    s2 = DiskStore(str(tmp_path), 1 << 20)
+    good, bad = s2.load_manifests()
+    assert good == [m] and len(bad) == len(_rotted(m))
+    assert read_all(s2, m)[:1] == b"\x0a"
+    s2.close()
