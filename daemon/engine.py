@@ -18,7 +18,7 @@ Primitives:
 - A payload larger than its memory tier moves through one window of slots at a time
   (``window.py``): ``reserve`` hands out window 0, ``window(lease_id, index)`` the next
   (a park) or reads it (a restore); ``acquire`` with ``need`` serves such a sequence so.
-- ``prefetch(seq_id, tier, wait, timeout) -> str``; ``when_idle(fn)``: work held until
+- ``prefetch(seq_id, tier, wait, timeout) -> str``; ``when_idle(fn, weight)``: work held until
   reads and parks pause (``idle_work.py``: the promotions after disk grants).
 - ``drop``, ``present``, ``info``, ``list``, ``stat``, ``hello() -> Capabilities``;
   ``instance``: this start's random id (new at every start; ``Capabilities.instance``).
@@ -458,10 +458,11 @@ class Engine:
             return self.remote.forget(gone)
         return None
 
-    def when_idle(self, fn: Callable[[], None]) -> None:
+    def when_idle(self, fn: Callable[[], None], weight: int = 1) -> None:
         """Run ``fn()`` once no read or park has started for a moment (``idle_work.py``):
-        work that would slow the reads under way, and that nothing waits for."""
-        self.mover.idle.add(fn)
+        work that would slow the reads under way, and that nothing waits for. ``fn``
+        checks ``closed`` between its steps; ``weight``: how many steps it has."""
+        self.mover.idle.add(fn, weight)
 
     def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None,
                  then: Callable[[], None] | None = None) -> str:

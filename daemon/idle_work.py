@@ -9,15 +9,18 @@ park has started for ``QUIET_S``, or until it has waited ``MAX_WAIT_S`` (a daemo
 is never quiet still promotes, a batch at a time).
 
 Nothing here is needed for correctness: a promotion that never runs leaves the
-sequence on disk, where the next restore reads it. So work past ``MAX_QUEUED`` drops
-the oldest, and ``close`` drops whatever is left.
+sequence on disk, where the next restore reads it. So work past ``MAX_QUEUED`` (counted
+by weight: the ids a promotion names) drops the oldest, and ``close`` drops whatever has
+not started, including the rest of a batch the thread has taken: the engine closes its
+tiers right after, and nothing may call into them then.
 
 Primitives:
 - ``due(last_busy, oldest, quiet_s, max_wait_s) -> float``: when the oldest queued work
   may run (pure; a time already past: now).
-- ``IdleWork(quiet_s, max_wait_s)``: ``busy()`` (a read or park started: cheap, no
-  lock), ``add(fn)`` (run ``fn()`` on this object's thread once due; what it raises is
-  logged), ``pending``, ``close()``.
+- ``IdleWork(quiet_s, max_wait_s, max_queued)``: ``busy()`` (a read or park started:
+  cheap, no lock), ``add(fn, weight=1)`` (run ``fn()`` on this object's thread once due;
+  what it raises is logged), ``pending`` (items queued), ``closed``, ``close()`` (returns
+  once the item running, if any, has returned, at most ``CLOSE_WAIT_S``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ log = logging.getLogger("kvpark.mover")
 # there well before a chat's next turn.
 QUIET_S = 0.05
 MAX_WAIT_S = 1.0
-MAX_QUEUED = 4096
+MAX_QUEUED = 1 << 16  # weight (ids) held at once: what one restore_many may name
+CLOSE_WAIT_S = 5.0
 
 
 def due(last_busy: float, oldest: float, quiet_s: float, max_wait_s: float) -> float:
@@ -50,7 +54,8 @@ class IdleWork:
         self.max_wait_s = max_wait_s
         self._max = max_queued
         self._cond = threading.Condition()
-        self._queue: collections.deque[tuple[float, Callable[[], None]]] = collections.deque()
+        self._queue: collections.deque[tuple[float, int, Callable[[], None]]] = collections.deque()
+        self._weight = 0
         self._thread: threading.Thread | None = None
         self._closed = False
         # Written without the lock on every read and park (a float store is atomic under
@@ -65,15 +70,22 @@ class IdleWork:
         with self._cond:
             return len(self._queue)
 
-    def add(self, fn: Callable[[], None]) -> None:
+    @property
+    def closed(self) -> bool:
+        """Read without the lock by the work itself, to stop between its steps."""
+        return self._closed
+
+    def add(self, fn: Callable[[], None], weight: int = 1) -> None:
         with self._cond:
             if self._closed:
                 return
-            if len(self._queue) >= self._max:
-                self._queue.popleft()  # a promotion not made: the sequence stays on disk
-                log.debug("idle work: %d queued, the oldest dropped", self._max)
-            self._queue.append((time.monotonic(), fn))
-            if self._thread is None:
+            self._queue.append((time.monotonic(), max(1, weight), fn))
+            self._weight += max(1, weight)
+            while self._weight > self._max and len(self._queue) > 1:
+                _, w, _ = self._queue.popleft()  # a promotion not made: the sequence stays on disk
+                self._weight -= w
+                log.debug("idle work: past %d queued, the oldest dropped", self._max)
+            if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._run, name="kvpark-idle", daemon=True)
                 self._thread.start()
             self._cond.notify()
@@ -83,10 +95,11 @@ class IdleWork:
         with self._cond:
             self._closed = True
             self._queue.clear()
+            self._weight = 0
             self._cond.notify_all()
             t = self._thread
         if t is not None and t is not threading.current_thread():
-            t.join(5.0)  # each item only hands a promotion to the prefetch pool
+            t.join(CLOSE_WAIT_S)  # the item running checks ``closed`` between its ids
 
     def _run(self) -> None:
         while True:
@@ -102,10 +115,11 @@ class IdleWork:
                     if at <= now:
                         break
                     self._cond.wait(at - now)
-                ready = list(self._queue)
-                self._queue.clear()
-            for _, fn in ready:
-                try:
-                    fn()
-                except Exception:  # noqa: BLE001 - one item's failure must not stop the others
-                    log.exception("idle work failed")
+                # Everything queued is due with the oldest; taken one at a time, so a
+                # close between two items drops the rest.
+                _, w, fn = self._queue.popleft()
+                self._weight -= w
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - one item's failure must not stop the others
+                log.exception("idle work failed")

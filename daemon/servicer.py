@@ -39,7 +39,7 @@ from google.protobuf.message import DecodeError
 from kvpark.proto import convert, packed
 from kvpark.proto.dataframe import MAX_FRAME
 from kvpark.proto.errors import (ERROR_KEY, FailedPrecondition, Internal, InvalidArgument, KVParkError,
-                                 LeaseExpired, TransportUnavailable)
+                                 LeaseExpired, TransportUnavailable, Unavailable)
 from kvpark.proto.layout import MAX_SEQ_ID_BYTES
 from kvpark.proto.v1 import kvpark_pb2 as pb
 from kvpark.proto.wire import decode_chunk, encode_chunk
@@ -422,12 +422,16 @@ class Servicer:
 
         def promote() -> None:
             for sid in ids:
+                if self.engine.closed:
+                    return  # stopping: the tiers close next (``idle_work.py``)
                 try:
                     eng.prefetch(sid, tier)
+                except Unavailable:
+                    return
                 except KVParkError as e:
                     log.debug("promotion after a disk grant of %r: %s", sid, e)
 
-        self.engine.when_idle(promote)
+        self.engine.when_idle(promote, weight=len(ids))
 
     @_typed
     def Release(self, req: pb.ReleaseRequest, context: grpc.ServicerContext) -> pb.ReleaseResponse:

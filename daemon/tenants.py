@@ -289,6 +289,9 @@ class TenantView:
             yield from self.engine.iter_chunks(handle, chunk_size)
 
     def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None) -> str:
+        # Before the quota's room is made: making room moves other sequences, which a
+        # daemon that is stopping must not start (a promotion held for a lull runs late).
+        self.engine.check_open()
         with _scrubbed(self.prefix):
             sid = self._ns(seq_id)
             to = self.engine.placement.tier(sid, self.engine.tier_arg(tier))  # where the engine will put it

@@ -8,6 +8,7 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
 import torch
 
 from kvpark.client import Client
@@ -71,24 +72,77 @@ def test_close_drops_what_is_queued_and_refuses_more() -> None:
     assert not ran.wait(0.2)
 
 
-def test_past_the_bound_the_oldest_goes_and_one_failure_stops_nothing() -> None:
+def test_close_drops_the_rest_of_what_the_thread_has_taken() -> None:
+    # Found by attack: the thread took the whole queue at once, and a close while it ran
+    # did not stop the rest: items ran after close() had returned, when the engine had
+    # gone on to close its tiers.
+    w = IdleWork(quiet_s=0.0, max_wait_s=60.0)
+    first_running, let_go = threading.Event(), threading.Event()
+    after: list[int] = []
+
+    def first() -> None:
+        first_running.set()
+        let_go.wait(10.0)
+
+    w.add(first)
+    for i in range(5):
+        w.add(lambda i=i: after.append(i))
+    assert first_running.wait(10.0)
+    closer = threading.Thread(target=w.close)
+    closer.start()
+    assert wait_until(lambda: w.closed)
+    let_go.set()  # the item running returns; close() returns with it
+    closer.join(10.0)
+    assert not closer.is_alive()
+    time.sleep(0.2)
+    assert after == []
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_thread_that_died_is_started_again() -> None:
+    w = IdleWork(quiet_s=0.0, max_wait_s=60.0)
+    ran = threading.Event()
+    try:
+        def dies() -> None:
+            raise SystemExit  # not an Exception: it ends the thread
+
+        w.add(dies)
+        assert wait_until(lambda: w._thread is not None and not w._thread.is_alive())
+        w.add(ran.set)
+        assert ran.wait(10.0)
+    finally:
+        w.close()
+
+
+def test_past_the_bound_the_oldest_goes_counted_by_weight() -> None:
     w = IdleWork(quiet_s=30.0, max_wait_s=60.0, max_queued=2)
     done: list[str] = []
     try:
         w.busy()
         w.add(lambda: done.append("first"))
+        w.add(lambda: done.append("second"))
+        w.add(lambda: done.append("third"))
+        assert w.pending == 2  # the first went
+        w.add(lambda: done.append("heavy"), weight=2)  # two ids' worth: both others go
+        assert w.pending == 1
+        w.quiet_s = 0.0
+        w._last_busy = 0.0
+        w.add(lambda: done.append("light"))  # over the bound again: "heavy" goes; wakes the thread
+        assert wait_until(lambda: done == ["light"])
+    finally:
+        w.close()
 
+
+def test_one_failure_stops_nothing() -> None:
+    w = IdleWork(quiet_s=0.0, max_wait_s=60.0)
+    ran = threading.Event()
+    try:
         def fails() -> None:
             raise RuntimeError("one promotion failed")
 
         w.add(fails)
-        w.add(lambda: done.append("third"))
-        assert w.pending == 2
-        w.quiet_s = 0.0
-        w._last_busy = 0.0
-        w.add(lambda: done.append("fourth"))  # wakes the thread: everything is due now
-        assert wait_until(lambda: len(done) == 2)
-        assert done == ["third", "fourth"]
+        w.add(ran.set)
+        assert ran.wait(10.0)
     finally:
         w.close()
 
