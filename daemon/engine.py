@@ -461,7 +461,7 @@ class Engine:
     def when_idle(self, fn: Callable[[], None], weight: int = 1) -> None:
         """Run ``fn()`` once no read or park has started for a moment (``idle_work.py``):
         work that would slow the reads under way, and that nothing waits for. ``fn``
-        checks ``closed`` between its steps; ``weight``: how many steps it has."""
+        stops between its steps once the engine closes; ``weight``: how many steps it has."""
         self.mover.idle.add(fn, weight)
 
     def prefetch(self, seq_id: str, tier: str, wait: bool = False, timeout: float | None = None,

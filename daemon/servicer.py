@@ -422,12 +422,10 @@ class Servicer:
 
         def promote() -> None:
             for sid in ids:
-                if self.engine.closed:
-                    return  # stopping: the tiers close next (``idle_work.py``)
                 try:
                     eng.prefetch(sid, tier)
                 except Unavailable:
-                    return
+                    return  # stopping (a prefetch checks that first): the tiers close next
                 except KVParkError as e:
                     log.debug("promotion after a disk grant of %r: %s", sid, e)
 

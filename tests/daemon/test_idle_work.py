@@ -6,7 +6,6 @@ queue bound (a promotion not made leaves the sequence on disk, where it is read)
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -94,7 +93,10 @@ def test_close_drops_the_rest_of_what_the_thread_has_taken() -> None:
     let_go.set()  # the item running returns; close() returns with it
     closer.join(10.0)
     assert not closer.is_alive()
-    time.sleep(0.2)
+    thread = w._thread
+    assert thread is not None
+    thread.join(10.0)  # it ends after the item running: nothing taken runs after that
+    assert not thread.is_alive()
     assert after == []
 
 
@@ -157,8 +159,8 @@ def test_a_grant_promotes_once_the_reads_pause(daemon, monkeypatch) -> None:
         assert torch.equal(c.restore("a")[0], t)
         assert reads.grants == 1
         assert idle.pending == 1
-        time.sleep(0.3)
-        assert c.info("a").tier == "disk"  # held: the promotion did not compete with the reads
+        # Held: the promotion did not compete with the reads (a deadline, not a wait it can pass).
+        assert not wait_until(lambda: c.info("a").tier != "disk", timeout=0.3)
         assert torch.equal(c.restore("b")[0], t)  # another read: still held, both queued
         assert idle.pending == 2 and c.info("a").tier == "disk"
         idle.quiet_s = 0.0
