@@ -54,6 +54,20 @@ class Allocation:
         self._tail = 0 if tail is None else (((tail[0] << 6 | tail[1]) << 6 | (tail[2] - 1)) * slot_size + tail[3])
         self._ext: tuple[tuple[int, int], ...] | None = None
 
+    @classmethod
+    def packed(cls, slot_size: int, full_slots: tuple[int, ...], packed_tail: int) -> "Allocation":
+        """An allocation from its stored form (``full_slots`` and ``packed_tail``, as
+        an index that keeps allocations in columns holds them)."""
+        a = object.__new__(cls)
+        a.slot_size, a.full_slots, a._tail, a._ext = slot_size, full_slots, packed_tail, None
+        return a
+
+    @property
+    def packed_tail(self) -> int:
+        """The tail packed into one int (0: none): with ``slot_size`` and ``full_slots``,
+        everything an allocation is (``Allocation.packed``)."""
+        return self._tail
+
     def _unpack(self) -> tuple[int, int, int, int]:
         rest, length = divmod(self._tail, self.slot_size)
         return rest >> 12, (rest >> 6) & 63, (rest & 63) + 1, length

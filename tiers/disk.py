@@ -35,9 +35,10 @@ Primitives:
   slows writes down or raises faults (the fault-injection seam). One daemon per directory:
   a second one is refused (a ``flock`` on ``kvpark.lock``).
 - The store owns its accounting: ``capacity``, ``used`` (payload bytes of the
-  generations it holds) and ``holds(manifest)``. A write that would pass ``capacity``
+  generations it holds, kept in a ``Held``: one packed int per id) and ``holds(manifest)``. A write that would pass ``capacity``
   raises ``ResourceExhausted`` before touching LMDB.
-- ``load_manifests() -> list[Manifest]`` (records that fail to parse are reported, not fatal).
+- ``load_manifests() -> list[Manifest]`` (records that fail to parse are reported, not
+  fatal); ``load_manifests_in(chunk)``: the same a chunk at a time.
 - ``write(manifest, blocks, replace=None, sync=False) -> bool``: ``blocks`` are memoryviews.
 - ``write_many([Write, ...], sync=False) -> list[bool]``: several sequences in one
   transaction and at most one fsync (a batch park). A write whose generation is older
@@ -211,6 +212,21 @@ class Manifest:
                 f"fingerprint={f.fingerprint:#x}, priority={f.priority}, pinned={f.pinned}, "
                 f"expires_at={self.expires_at}, refs={f.refs}, shared={f.shared}, attrs={f.attrs}, "
                 f"data_gen={f.data_gen}, tensors={len(f.tensors)})")
+
+    @classmethod
+    def of(cls, seq_id: str, gen: int, created_at: float, last_access: float, expires_at: float | None,
+           form: Form) -> "Manifest":
+        """A manifest from its own fields and an existing ``Form`` (the index's columns
+        keep a form each and rebuild the manifest from them: no re-interning)."""
+        m = object.__new__(cls)
+        m.seq_id, m.gen, m.created_at, m.last_access, m.expires_at, m._f = (
+            seq_id, gen, created_at, last_access, expires_at, form)
+        return m
+
+    @property
+    def form(self) -> Form:
+        """Everything but the id, generation, times and deadline (shared: do not change it)."""
+        return self._f
 
     def replace(self, **changes: object) -> "Manifest":
         """A copy with ``changes`` (field names as in the constructor)."""
@@ -422,6 +438,61 @@ class ReadTxn:
         return payload
 
 
+_SIZE_BITS = 48  # payload bytes below 256 TiB share one int with the generation (``Held``)
+
+
+class Held:
+    """``(seq_id, gen) -> payload bytes`` for every generation the store holds, as a dict
+    would answer (``get``, ``in``, ``[key] = n``, ``pop``, iteration over the keys).
+
+    A million parked blocks each hold one generation, and a dict keyed by
+    ``(id, generation)`` tuples cost ~130 bytes each (the tuple, its generation int, the
+    entry). Kept instead as ``seq_id -> gen << 48 | nbytes``: one int per id, the id
+    string the index's own. A second generation of one id (a replace under way, a staged
+    write) is kept aside under its tuple. Every key is in exactly one of the two."""
+
+    __slots__ = ("_one", "_more")
+
+    def __init__(self) -> None:
+        self._one: dict[str, int] = {}
+        self._more: dict[tuple[str, int], int] = {}
+
+    def get(self, key: tuple[str, int], default: int | None = 0) -> int | None:
+        v = self._one.get(key[0])
+        if v is not None and v >> _SIZE_BITS == key[1]:
+            return v & ((1 << _SIZE_BITS) - 1)
+        return self._more.get(key, default)
+
+    def __contains__(self, key: tuple[str, int]) -> bool:
+        return self.get(key, None) is not None
+
+    def __setitem__(self, key: tuple[str, int], n: int) -> None:
+        sid, gen = key
+        assert gen >= 0 and n >= 0, key
+        v = self._one.get(sid)
+        if v is not None and v >> _SIZE_BITS == gen or (v is None and key not in self._more):
+            if n >> _SIZE_BITS == 0:
+                self._one[sid] = gen << _SIZE_BITS | n
+                return
+            self._one.pop(sid, None)  # too large to pack: aside with the others
+        self._more[key] = n
+
+    def pop(self, key: tuple[str, int], default: int = 0) -> int:
+        v = self._one.get(key[0])
+        if v is not None and v >> _SIZE_BITS == key[1]:
+            del self._one[key[0]]
+            return v & ((1 << _SIZE_BITS) - 1)
+        return self._more.pop(key, default)
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        for sid, v in self._one.items():
+            yield sid, v >> _SIZE_BITS
+        yield from self._more
+
+    def __len__(self) -> int:
+        return len(self._one) + len(self._more)
+
+
 class DiskStore:
     def __init__(self, path: str, capacity: int, writemap: bool = False) -> None:
         _usable_dir(path)
@@ -431,7 +502,7 @@ class DiskStore:
         # record that is simply missing (a sequence dropped under a reader).
         self.on_corrupt: Callable[[], None] | None = None
         self._acct = threading.Lock()
-        self._held: dict[tuple[str, int], int] = {}  # (seq_id, gen) -> payload bytes stored
+        self._held = Held()  # (seq_id, gen) -> payload bytes stored
         self._used = 0  # sum of _held
         # Generations held whose record failed verification on a read: every read of them
         # is DataLoss until they are dropped or replaced (``damaged``, shown by ``stat``).
@@ -548,17 +619,37 @@ class DiskStore:
             raise self._write_error(e) from None
 
     def load_manifests(self) -> tuple[list[Manifest], list[str]]:
-        good, bad = [], []
+        good: list[Manifest] = []
+        bad: list[str] = []
+        for g, b in self.load_manifests_in(1 << 62):
+            good += g
+            bad += b
+        return good, bad
+
+    def load_manifests_in(self, chunk: int = 4096) -> Iterator[tuple[list[Manifest], list[str]]]:
+        """``load_manifests`` a chunk at a time, each held (charged) before it is yielded:
+        a restart that indexes each chunk as it comes keeps no million manifests alive at
+        once, and what one chunk's decoding leaves behind is reused by the next (the
+        rebuilt index is not left scattered among their freed remains)."""
+        good: list[Manifest] = []
+        bad: list[str] = []
         with self.env.begin(db=self._manifests) as txn:
             for key, raw in txn.cursor():
                 try:
                     good.append(Manifest.decode(raw))
                 except (ValueError, KeyError, TypeError) as e:
                     bad.append(f"{bytes(key).decode(errors='replace')}: {e}")
+                if len(good) >= chunk:
+                    yield self._charge(good), bad
+                    good, bad = [], []
+        if good or bad:
+            yield self._charge(good), bad
+
+    def _charge(self, good: list[Manifest]) -> list[Manifest]:
         with self._acct:
             for m in good:
                 self._hold((m.seq_id, m.gen), m.nbytes)
-        return good, bad
+        return good
 
     def scan(self) -> Scan:
         """Every manifest, block record and staged generation in LMDB (a full scan: for

@@ -187,3 +187,30 @@ def test_a_start_skips_rotted_manifests_and_keeps_the_rest(tmp_path: Path) -> No
     assert good == [m] and len(bad) == len(_rotted(m))
     assert read_all(s2, m)[:1] == b"\x0a"
     s2.close()
+
+
+def test_held_answers_as_a_dict_of_id_and_generation_would() -> None:
+    """``Held`` packs one generation per id into an int and keeps the rest aside: every
+    answer must be what a plain ``{(id, gen): nbytes}`` gives, through random holds,
+    replaces, pops and sizes too large to pack."""
+    import random
+
+    from kvpark.tiers.disk import Held
+
+    rng = random.Random(7)
+    held, model = Held(), {}
+    ids = [f"s{i}" for i in range(6)]
+    for step in range(20_000):
+        key = (rng.choice(ids), rng.choice((1, 2, 3, (1 << 63) + 5)))
+        op = rng.random()
+        if op < 0.5:
+            n = rng.choice((0, 1, 4096, (1 << 48) - 1, 1 << 48, 1 << 60))
+            held[key] = n
+            model[key] = n
+        elif op < 0.8:
+            assert held.pop(key, 0) == model.pop(key, 0), (step, key)
+        else:
+            assert (key in held) == (key in model), (step, key)
+        assert held.get(key, None) == model.get(key), (step, key)
+        assert len(held) == len(model)
+    assert sorted(held) == sorted(model)
