@@ -14,7 +14,13 @@ Primitives:
   such notice, so a waiter sees what happened while it was not waiting); ``wake`` (the
   maintenance thread's condition).
 - Lookups (REQUIRES: lock): ``find``, ``get`` (``NotFound``), ``present``, ``sequences``,
-  ``refcount``.
+  ``refcount``. A sequence nobody uses is kept as a row of typed columns, not a ``Seq``
+  (``rows.py``): a lookup makes its ``Seq`` again, and ``freeze_idle(limit)`` (the
+  maintenance pass) turns ``Seq`` records back into rows once nothing but the index
+  holds them. Nothing outside the catalog sees a row: every ``Seq`` handed out stays
+  the one record of its version for as long as anyone holds it (``current`` and every
+  identity check rest on that), because a ``Seq`` anyone else references is never
+  frozen.
 - ``committing``: versions between their write lease's end and their publish (REQUIRES: lock).
 - ``next_gen()``: generations order every commit, drop and disk write of an id; they
   come from ``gens`` (``model.Generations``: unique across daemons).
@@ -48,8 +54,10 @@ Primitives:
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
+from collections import deque
 from typing import Callable, Iterable
 
 from kvpark.proto.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -63,8 +71,25 @@ from .dirty import Dirty
 from .evict_order import DISK, EvictionOrder, meta
 from .model import MEM_TIERS, NS_SEP, Generations, Lease, ParkSpec, Seq, verified
 from .placement import Placement
+from .rows import Rows
 
 _RANK = {"device": 0, "host": 1, "private": 1, "disk": 2, "remote": 3}
+
+
+def _refs(table: dict, key: str) -> int:
+    """References to ``table[key]``, counted from inside this function (its own local and
+    the call's argument included): ``_ALONE`` when the table holds the only other one."""
+    v = table[key]
+    return sys.getrefcount(v)
+
+
+class _Probe:
+    __slots__ = ()
+
+
+# Measured with the very call the freeze pass makes, so it holds whatever the interpreter
+# counts for locals and arguments.
+_ALONE = _refs({"k": _Probe()}, "k")
 
 
 class Catalog:
@@ -81,7 +106,14 @@ class Catalog:
         self.lock = threading.Lock()
         self.changed = threading.Condition(self.lock)
         self.wake = threading.Condition(self.lock)
-        self._seqs: dict[str, Seq] = {}
+        # id -> its indexed version: a ``Seq``, or (nobody uses it) a row of ``rows``.
+        self._seqs: dict[str, Seq | int] = {}
+        # Rows only where the eviction order keeps ids (key-ordered policies): the other
+        # policies' member sets hold every ``Seq`` of a tier.
+        self.rows: Rows | None = (Rows({n: t.alloc.slot_size for n, t in tiers.items()})
+                                  if self.order.keyed else None)
+        self._hot: deque[str] = deque()  # ids that may hold a ``Seq`` the freeze pass could make a row
+        self.order.bind(self._entry_of, self.get)
         self._refcount: dict[str, int] = {}  # shared block id -> sequences using it (and commits pinning it)
         self._orphans: list[Seq] = []  # retired shared blocks whose disk copies still need deleting
         # The indexed sequences ``expired`` looks at (a TTL, or a shared block): the
@@ -106,27 +138,38 @@ class Catalog:
     def load(self, manifests: Iterable[Manifest]) -> int:
         """Index sequences found on disk; returns their payload bytes."""
         total = 0
+        rows = self.rows
         with self.lock:
             for m in manifests:
-                seq = Seq(m, on_disk=True)
-                self._seqs[m.seq_id] = seq  # load_manifests yields each id once
-                if m.shared or m.expires_at is not None:
-                    self._special[seq] = None
-                if NS_SEP in m.seq_id:
-                    self._space_add(seq)
+                sid = m.seq_id
+                special = m.shared or m.expires_at is not None
+                # A plain block goes straight into a row: a restart makes no ``Seq`` for it.
+                row = rows.add(m, on_disk=True) if rows is not None and not special and NS_SEP not in sid else None
+                if row is not None:
+                    self._seqs[sid] = row  # load_manifests yields each id once
+                else:
+                    seq = Seq(m, on_disk=True)
+                    self._seqs[sid] = seq
+                    if special:
+                        self._special[seq] = None
+                    if NS_SEP in sid:
+                        self._space_add(seq)
                 total += m.nbytes
                 self.gens.seen(m.gen)
-                for r in seq.refs:
+                for r in m.refs:
                     self._refcount[r] = self._refcount.get(r, 0) + 1
         return total
 
     # ------------------------------------------------------------------ lookups (REQUIRES: lock)
 
     def find(self, seq_id: str) -> Seq | None:
-        return self._seqs.get(seq_id)
+        v = self._seqs.get(seq_id)
+        if v.__class__ is int:
+            return self._thaw(seq_id, v)  # type: ignore[arg-type]
+        return v  # type: ignore[return-value]
 
     def get(self, seq_id: str) -> Seq:
-        seq = self._seqs.get(seq_id)
+        seq = self.find(seq_id)
         if seq is None:
             raise NotFound(f"no parked sequence {seq_id!r}")
         return seq
@@ -135,7 +178,86 @@ class Catalog:
         return [sid in self._seqs for sid in seq_ids]
 
     def sequences(self) -> list[Seq]:
-        return list(self._seqs.values())
+        """Every indexed version, as ``Seq`` records (rows are thawed: not for a request's path)."""
+        return [self.get(sid) for sid in list(self._seqs)]
+
+    # ------------------------------------------------------------------ rows (REQUIRES: lock)
+
+    def _thaw(self, seq_id: str, row: int) -> Seq:
+        assert self.rows is not None
+        seq = self.rows.thaw(row, seq_id)
+        self._seqs[seq_id] = seq
+        self._hot.append(seq.seq_id)  # the index's own string, not the caller's copy
+        return seq
+
+    def freeze_idle(self, limit: int) -> int:
+        """Turn up to ``limit`` ``Seq`` records nobody but the index holds into rows;
+        returns how many ids it looked at (fewer than ``limit``: nothing left to look at).
+
+        Held records (a lease, a copy, a dirty clock, a move, a commit, a caller between
+        two lock holds) are looked at again later; records that stay ``Seq`` for good (a
+        TTL or shared block, a tenant's id: their sets hold them) are dropped from the
+        queue. REQUIRES: lock."""
+        rows, hot, seqs = self.rows, self._hot, self._seqs
+        if rows is None:
+            hot.clear()
+            self.dirty.take_cleaned()
+            return 0
+        hot.extend(self.dirty.take_cleaned())
+        later: list[str] = []
+        looked = 0
+        while hot and looked < limit:
+            sid = hot.popleft()
+            looked += 1
+            v = seqs.get(sid)
+            if v is None or v.__class__ is int:
+                continue
+            if v.shared or v.expires_at is not None or NS_SEP in sid:  # type: ignore[union-attr]
+                continue  # ``_special`` or ``_spaces`` holds it for as long as it is indexed
+            if v.dirty_since:  # type: ignore[union-attr]
+                continue  # memory-only: looked at again when write-back cleans it (``take_cleaned``)
+            del v  # the count below must see the table's reference and its own only
+            if _refs(seqs, sid) != _ALONE:
+                later.append(sid)
+                continue
+            seq: Seq = seqs[sid]  # type: ignore[assignment]
+            row = rows.freeze(seq)
+            del seq  # a later id's count must not see this one
+            if row is None:
+                later.append(sid)
+            else:
+                seqs[sid] = row
+        hot.extend(later)
+        return looked
+
+    def _entry_of(self, seq_id: str, tier: str) -> tuple | None:
+        """The eviction order's entry for ``seq_id``'s indexed version in ``tier`` (a
+        ``Seq`` or a row: nothing is thawed), or None without a copy there."""
+        v = self._seqs.get(seq_id)
+        if v is None:
+            return None
+        if v.__class__ is int:
+            rows = self.rows
+            assert rows is not None
+            if not rows.has(v, tier):  # type: ignore[arg-type]
+                return None
+            return self.order.entry_of_meta(rows.meta(v, seq_id, tier))  # type: ignore[arg-type]
+        seq: Seq = v  # type: ignore[assignment]
+        if seq.dropped or not (seq.on_disk if tier == DISK else tier in seq.res):
+            return None
+        return self.order.entry(seq, tier)
+
+    def _tier_index(self, tier: str) -> list:
+        """Every indexed copy in ``tier`` for building its eviction order: entries (keyed
+        policies, rows read in place) or ``Seq`` records."""
+        if not self.order.keyed:
+            return [s for s in self._seqs.values() if s.__class__ is not int]
+        out = []
+        for sid in self._seqs:
+            e = self._entry_of(sid, tier)
+            if e is not None:
+                out.append(e)
+        return out
 
     def __len__(self) -> int:
         return len(self._seqs)
@@ -251,7 +373,7 @@ class Catalog:
         return fresh, old
 
     def _index(self, seq: Seq) -> None:
-        prev = self._seqs.get(seq.seq_id)
+        prev = self.find(seq.seq_id)
         if prev is not None:
             self._special.pop(prev, None)
         if prev is not None:
@@ -263,6 +385,7 @@ class Catalog:
             self._space_add(seq)
         self.order.track(seq)
         self.dirty.track(seq, time.monotonic())
+        self._hot.append(seq.seq_id)
 
     def _space_add(self, seq: Seq) -> None:
         sid = seq.seq_id
@@ -299,7 +422,7 @@ class Catalog:
                 self._refcount[r] = left
                 continue
             self._refcount.pop(r, None)
-            block = self._seqs.get(r)
+            block = self.find(r)
             if block is not None and block.shared:
                 self.retire(block)  # its last user is gone
                 self._orphans.append(block)
@@ -323,14 +446,15 @@ class Catalog:
     def dangling(self) -> list[Seq]:
         """Sequences that reference a shared block the index lacks (a crash left them);
         a start-up check, not for a request's path (it scans the index). REQUIRES: lock."""
-        out = []
-        for s in self._seqs.values():
-            for r in s.refs:
-                block = self._seqs.get(r)
-                if block is None or not block.shared:
-                    out.append(s)
-                    break
-        return out
+        rows = self.rows
+
+        def shared(v: Seq | int | None) -> bool:
+            return v is not None and (rows.form(v).shared if v.__class__ is int else v.shared)  # type: ignore
+
+        bad = [sid for sid, v in self._seqs.items()
+               if any(not shared(self._seqs.get(r))
+                      for r in (rows.form(v).refs if v.__class__ is int else v.refs))]  # type: ignore
+        return [self.get(sid) for sid in bad]
 
     def adopt(self, manifests: Iterable[Manifest]) -> None:
         """Index sequences found in the remote tier on a local miss (ids already indexed
@@ -345,7 +469,9 @@ class Catalog:
                 self._refcount[r] = self._refcount.get(r, 0) + 1
 
     def on_remote(self) -> int:
-        return sum(1 for s in self._seqs.values() if s.on_remote)
+        rows = self.rows
+        return sum(1 for s in self._seqs.values()
+                   if (rows.on_remote(s) if s.__class__ is int else s.on_remote))  # type: ignore[union-attr,arg-type]
 
     def take_orphans(self) -> list[Seq]:
         todo, self._orphans = self._orphans, []
@@ -392,11 +518,11 @@ class Catalog:
     def demotion_plan(self, tier: str, exclude: Seq | None = None, cover: int | None = None) -> list[Seq]:
         """Copies in memory tier ``tier`` that may be demoted now, coldest first by the
         eviction policy, just enough to free ``cover`` bytes (None: all of them)."""
-        return self.order.victims(tier, lambda s: self._demotable(s, tier, exclude), cover, self._seqs.values)
+        return self.order.victims(tier, lambda s: self._demotable(s, tier, exclude), cover, self._tier_index)
 
     def disk_victims(self, ok: Callable[[Seq], bool], cover: int | None) -> list[Seq]:
         """Sequences with a disk copy for which ``ok`` holds, coldest first, enough to cover ``cover`` bytes."""
-        return self.order.victims(DISK, ok, cover, self._seqs.values)
+        return self.order.victims(DISK, ok, cover, self._tier_index)
 
     def touch(self, seq: Seq, tier: str | None = None) -> None:
         """``seq`` gained a copy in ``tier``, or (no tier) was read: its place in the
@@ -440,7 +566,7 @@ class Catalog:
     # ------------------------------------------------------------------ views (REQUIRES: lock)
 
     def info(self, seq: Seq) -> SeqInfo:
-        comps = [self._seqs[r] for r in seq.refs if r in self._seqs] + [seq]
+        comps = [c for c in map(self.find, seq.refs) if c is not None] + [seq]
         return self.info_of([seq], comps)
 
     def info_of(self, tops: list[Seq], comps: list[Seq]) -> SeqInfo:
@@ -468,22 +594,40 @@ class Catalog:
         )
 
     def infos(self) -> list[SeqInfo]:
-        return [self.info(s) for s in sorted(self._seqs.values(), key=lambda s: s.seq_id)]
+        return [self.info(s) for s in sorted(self.sequences(), key=lambda s: s.seq_id)]
 
     def tier_stats(self, disk_capacity: int, disk_used: int, evictions: dict[str, int] | None = None,
                    slot_size: int = 1) -> dict[str, TierStat]:
         out: dict[str, TierStat] = {}
         ev = evictions or {}
+        rows = self.rows
+        by_tier: dict[str, list[Allocation]] = {name: [] for name in self.tiers}
+        disk_blocks = disk_n = 0
+        for v in self._seqs.values():
+            if v.__class__ is int:  # a row: read in place, nothing thawed
+                held_row = rows.alloc(v)  # type: ignore[union-attr,arg-type]
+                if held_row is not None:
+                    by_tier[held_row[0]].append(held_row[1])
+                if rows.on_disk(v):  # type: ignore[union-attr,arg-type]
+                    f = rows.form(v)  # type: ignore[union-attr,arg-type]
+                    disk_n += 1
+                    disk_blocks += -(-f.nbytes // f.block_size) if f.block_size else 0
+                continue
+            s: Seq = v  # type: ignore[assignment]
+            for name in s.res:
+                by_tier[name].append(s.res[name])
+            if s.on_disk:
+                disk_n += 1
+                disk_blocks += len(s.manifest.block_lengths)
         for name, mem in self.tiers.items():
-            held = [s.res[name] for s in self._seqs.values() if name in s.res]
+            held = by_tier[name]
             a = mem.alloc
             state = ("full" if not a.fits(slot_size) else
                      "demoting" if policy.over_high(a.used_bytes, a.capacity, mem.high) else "ok")
             out[name] = TierStat(a.capacity, a.used_bytes, sum(len(x.extents) for x in held), len(held),
                                  ev.get(name, 0), state)
-        disk = [s for s in self._seqs.values() if s.on_disk]
         # Disk evictions: to the remote tier, or dropped (policy.disk_full = "evict").
-        out["disk"] = TierStat(disk_capacity, disk_used, sum(len(s.manifest.block_lengths) for s in disk), len(disk),
+        out["disk"] = TierStat(disk_capacity, disk_used, disk_blocks, disk_n,
                                ev.get("disk", 0), "full" if disk_capacity - disk_used < slot_size else "ok")
         return out
 
@@ -495,7 +639,14 @@ class Catalog:
         ``write_leases`` are the slots reserved by open write leases, ``readers`` the
         read-lease count per ``(id(seq), tier)``, ``leased`` the sequences read leases
         hold: a dropped one among them still owns the copies its readers read.
+        Rows are thawed first (the freeze pass turns them back later).
         """
+        if self.rows is not None:
+            cold = [(sid, v) for sid, v in self._seqs.items() if v.__class__ is int]
+            assert len(self.rows) == len(cold), "rows in use out of step with the index"
+            for sid, v in cold:
+                assert self.rows.id_of(v) == sid, f"{sid}: row {v} holds {self.rows.id_of(v)!r}"  # type: ignore
+        self.sequences()
         gone = [s for s in leased if self._seqs.get(s.seq_id) is not s]
         for s in gone:
             assert s.dropped, f"{s.seq_id}: leased, not in the index, yet not dropped"

@@ -35,6 +35,8 @@ Primitives (REQUIRES: index lock, for every call):
 - ``requeue(seqs, now)``: give back those the pass could not write (their age restarts).
 - ``over(now) -> bool``: whether the oldest is past a bound.
 - ``bytes``, ``sequences``: what is memory-only now.
+- ``take_cleaned() -> list[str]``: the ids untracked since the last call (the index's
+  freeze pass looks at them again: ``Catalog.freeze_idle``).
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ class Dirty:
         self.bytes = 0
         self.sequences = 0
         self._stamp = -1.0
+        # Ids that left the set since the index last looked (``take_cleaned``): the index
+        # makes rows only of clean records, and looks at these again then.
+        self._cleaned: list[str] = []
+
+    def take_cleaned(self) -> list[str]:
+        out, self._cleaned = self._cleaned, []
+        return out
 
     def track(self, seq: Seq, now: float) -> None:
         if self.enabled and not seq.dirty_since and not clean(seq):
@@ -78,6 +87,7 @@ class Dirty:
             seq.dirty_since = 0.0
             self.bytes -= seq.manifest.nbytes
             self.sequences -= 1
+            self._cleaned.append(seq.seq_id)
             if len(self._q) > 2 * self.sequences + SLACK:
                 self._q = deque(s for s in self._q if s.dirty_since)
 

@@ -184,12 +184,16 @@ class Engine:
     # ------------------------------------------------------------------ lifecycle
 
     def _load_index(self) -> None:
-        manifests, bad = self.disk.load_manifests()
-        for b in bad:
-            log.error("unreadable manifest skipped: %s", b)
-        total = self.catalog.load(manifests)
-        if manifests:
-            log.info("disk tier: %d sequence(s), %d MiB, rebuilt from manifests", len(manifests), total >> 20)
+        total = count = 0
+        # A chunk at a time: the index keeps rows, not manifests, and a million decoded
+        # manifests alive at once would leave the rebuilt index scattered among their remains.
+        for manifests, bad in self.disk.load_manifests_in():
+            for b in bad:
+                log.error("unreadable manifest skipped: %s", b)
+            total += self.catalog.load(manifests)
+            count += len(manifests)
+        if count:
+            log.info("disk tier: %d sequence(s), %d MiB, rebuilt from manifests", count, total >> 20)
         # The versions a disk eviction moved to Redis: indexed as before the restart, so an
         # overwrite or a drop of their ids retires (tombstones) them (``tiers/stubs.py``).
         def indexed(sid: str) -> Manifest | None:
@@ -200,7 +204,7 @@ class Engine:
         if adopted:
             with self.catalog.lock:
                 self.catalog.adopt(adopted)
-        if manifests or adopted:
+        if count or adopted:
             maintenance.reconcile(self)  # versions a crash left without their shared blocks
 
     def start(self) -> None:

@@ -11,7 +11,8 @@ Locks as in ``engine.py``; no disk I/O under the index lock.
 Primitives:
 - ``maintain(engine)``: the maintenance thread: once, sweep block records no manifest owns
   (``DiskStore.sweep_orphans``); then its loop: reap leases, expire, retry
-  failed disk deletes and remote deletes of dropped versions, compact the eviction order, relieve tiers past their high marks,
+  failed disk deletes and remote deletes of dropped versions, compact the eviction order,
+  make rows of the records nobody uses (``freeze_idle``), relieve tiers past their high marks,
   write back what is past write_back's dirty bounds, and every ``READER_CHECK_S`` free the
   LMDB reader slots of dead processes (``DiskStore.reader_check``).
 - ``expire(engine)``: drop versions past their TTL, and shared blocks nobody took up.
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvpark.engine")
 
 READER_CHECK_S = 30.0  # how often LMDB's reader slots of dead processes are freed
+# Records made rows per hold of the index lock (~1 ms), and per maintenance pass: a
+# million fresh parks become rows within a few passes, and no request waits long for it.
+FREEZE_BATCH = 1024
+FREEZE_PER_PASS = 262_144
 
 
 def maintain(engine: "Engine") -> None:
@@ -79,6 +84,7 @@ def maintain(engine: "Engine") -> None:
                 engine.remote.heal()  # a Redis that is back shows as healthy without waiting for work
             with cat.lock:
                 cat.order.compact()  # touches without evictions leave stale heap entries
+            freeze_idle(engine)
             moved = engine.mover.relieve()
             moved += engine.mover.write_back()  # write_back's dirty bounds
             if time.monotonic() - readers_checked >= READER_CHECK_S:
@@ -88,6 +94,23 @@ def maintain(engine: "Engine") -> None:
                 engine.disk.reader_check()
         except Exception:  # the maintenance thread must never die
             log.exception("maintenance pass failed")
+
+
+def freeze_idle(engine: "Engine", budget: int = FREEZE_PER_PASS) -> int:
+    """Turn the ``Seq`` records nobody uses back into rows (``Catalog.freeze_idle``), a
+    batch per hold of the index lock, up to ``budget`` per pass; returns how many it
+    looked at."""
+    cat = engine.catalog
+    looked = 0
+    while looked < budget:
+        with cat.lock:
+            if engine.closed:
+                break
+            n = cat.freeze_idle(FREEZE_BATCH)
+        looked += n
+        if n < FREEZE_BATCH:
+            break
+    return looked
 
 
 def expire(engine: "Engine") -> None:
