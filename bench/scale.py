@@ -30,9 +30,14 @@ Per size N (the index grows from one size to the next; ``--sizes 10k,100k,1M``):
   beside the p99 of wall time, the p99 of the thread's CPU time, the full garbage
   collections and the involuntary context switches during the ops (on a shared machine a
   wall-time p99 far above the CPU-time p99 is time spent waiting for a core).
-- at the largest size: ``close(flush=True)`` (every block written to LMDB), then the
-  restart: a new ``Engine`` on the same directory, timed until it has rebuilt the index
-  from disk, and its metadata per block.
+- at the largest size, "settled": once write-back has caught up with its bounds, a
+  freeze pass makes rows of every record nobody holds (``daemon/rows.py``; the
+  maintenance thread does the same within seconds), then RssAnon (and, with
+  ``--tracemalloc``, the live Python bytes) per block again. What stays memory-only under
+  the dirty bounds stays a ``Seq``; RssAnon keeps what the allocator has not returned.
+- then ``close(flush=True)`` (every block written to LMDB), and the restart: a new
+  ``Engine`` on the same directory, timed until it has rebuilt the index from disk (as
+  rows), and its metadata per block.
 
 Usage: ``python bench/scale.py [--sizes 10k,100k,1M] [--ops 1000] [--tracemalloc]
 [--profile-restart] [--json PATH]``. 1M takes several minutes on a 2-core machine.
@@ -63,6 +68,7 @@ import xxhash
 
 from kvpark.client.client import _header
 from kvpark.daemon.config import Config, load
+from kvpark.daemon import maintenance
 from kvpark.daemon.engine import Engine
 from kvpark.daemon.servicer import _spec
 from kvpark.proto.v1 import kvpark_pb2 as pb
@@ -336,7 +342,6 @@ def main(argv: list[str] | None = None) -> int:
                   flush=True)
         if snap is not None:
             result["top_sites"] = top_sites(snap, 15)
-            tracemalloc.stop()
             print("\n".join(["top allocation sites (growth):", *result["top_sites"]]))
         n = sizes[-1]
         # A daemon that has run a while: write-back has caught up with the dirty bounds
@@ -355,6 +360,28 @@ def main(argv: list[str] | None = None) -> int:
         if b.engine.catalog.dirty.enabled:
             print(f"{result['dirty_after_ops']} sequence(s) memory-only after the ops; write-back caught up with "
                   f"the dirty bounds {result['writeback_wait_s']:.1f} s later; {dirty} left memory-only", flush=True)
+        # The index once quiet: every record nobody holds made a row (the maintenance
+        # pass does this within seconds; done here at once), garbage collected. RssAnon
+        # keeps what the allocator has not given back; the traced size is what is live.
+        t0 = time.perf_counter()
+        for _ in range(64):  # each pass looks at every queued id once, up to its budget
+            if maintenance.freeze_idle(b.engine) < maintenance.FREEZE_PER_PASS:
+                break
+        gc.collect()
+        with b.engine.catalog.lock:
+            rows = len(b.engine.catalog.rows) if b.engine.catalog.rows is not None else 0
+        result["settled"] = {"rows": rows, "freeze_s": round(time.perf_counter() - t0, 2),
+                             "rss_anon_per_block": round((rss_anon() - base) / n, 1)}
+        if snap is not None:
+            result["settled"]["traced_per_block"] = round(tracemalloc.get_traced_memory()[0] / n, 1)
+        print(f"settled: {rows} of {n} blocks are rows ({result['settled']['freeze_s']:.1f} s to freeze the rest); "
+              f"metadata {result['settled']['rss_anon_per_block']:.1f} B/block (RssAnon)"
+              + (f", {result['settled']['traced_per_block']:.1f} B/block traced" if snap is not None else ""),
+              flush=True)
+        if snap is not None:
+            result["top_sites_settled"] = top_sites(snap, 12)
+            tracemalloc.stop()
+            print("\n".join(["top allocation sites (settled):", *result["top_sites_settled"]]))
         t0 = time.perf_counter()
         b.engine.close(flush=not args.no_restart)
         flush_s = time.perf_counter() - t0
