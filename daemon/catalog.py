@@ -14,7 +14,7 @@ Primitives:
   such notice, so a waiter sees what happened while it was not waiting); ``wake`` (the
   maintenance thread's condition).
 - Lookups (REQUIRES: lock): ``find``, ``get`` (``NotFound``), ``present``, ``sequences``,
-  ``refcount``. A sequence nobody uses is kept as a row of typed columns, not a ``Seq``
+  ``memory_only``, ``refcount``. A sequence nobody uses is kept as a row of typed columns, not a ``Seq``
   (``rows.py``): a lookup makes its ``Seq`` again, and ``freeze_idle(limit)`` (the
   maintenance pass) turns ``Seq`` records back into rows once nothing but the index
   holds them. Nothing outside the catalog sees a row: every ``Seq`` handed out stays
@@ -180,6 +180,20 @@ class Catalog:
     def sequences(self) -> list[Seq]:
         """Every indexed version, as ``Seq`` records (rows are thawed: not for a request's path)."""
         return [self.get(sid) for sid in list(self._seqs)]
+
+    def memory_only(self) -> list[Seq]:
+        """Every indexed version with a memory copy and no disk copy (a flush's work):
+        rows are read in place, and only those are thawed."""
+        rows = self.rows
+        out: list[Seq] = []
+        cold: list[str] = []
+        for sid, v in self._seqs.items():
+            if v.__class__ is int:
+                if not rows.on_disk(v) and rows.alloc(v) is not None:  # type: ignore[union-attr,arg-type]
+                    cold.append(sid)
+            elif v.res and not v.on_disk:  # type: ignore[union-attr]
+                out.append(v)  # type: ignore[arg-type]
+        return out + [self.get(sid) for sid in cold]
 
     # ------------------------------------------------------------------ rows (REQUIRES: lock)
 

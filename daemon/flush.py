@@ -49,8 +49,10 @@ def flush(mover: "Mover", prefix: str = "") -> int:
     """Write every memory-only sequence (of namespace ``prefix``, if given) to disk,
     keeping its memory copies."""
     with mover.catalog.lock:
-        seqs = mover.catalog.in_namespace(prefix) if prefix else mover.catalog.sequences()
-        todo = [s for s in seqs if s.res and not s.on_disk]
+        if prefix:
+            todo = [s for s in mover.catalog.in_namespace(prefix) if s.res and not s.on_disk]
+        else:  # read in place: a stop with a million blocks indexed as rows thaws none of them
+            todo = mover.catalog.memory_only()
     total = len(todo)
     done, last, i = 0, time.monotonic(), 0
     while i < total:

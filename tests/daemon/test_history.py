@@ -328,6 +328,22 @@ def test_concurrent_history_with_disk_faults_client_kills_and_redis_faults(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+def test_concurrent_history_of_plain_ids_kept_as_rows_between_uses(tmp_path: Path) -> None:
+    # One namespace (a tenant's ids stay records for good) and many ids, so that most sit
+    # idle across maintenance passes and are frozen into rows, then thawed by the next
+    # call on them: every call kind, disk faults and client kills, write_back.
+    cfg = HistoryConfig(seconds=SECONDS, seed=SEED + 1, clients=3, threads=2, tenants=False, keys=40,
+                        write="write_back", daemon="inproc", faults=("disk", "client_kill"),
+                        disk_faults=("eio", "map_full", "slow"), host="4MiB", disk="12MiB",
+                        fault_every=(0.7, 2.0))
+    rep = run_history(tmp_path, cfg)
+    _print(rep)
+    assert rep.clean, rep.explain()
+    assert rep.values_verified > 100 and rep.faults > 0, rep.table()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_concurrent_history_across_sigterm_and_sigkill_restarts(tmp_path: Path) -> None:
     # write_through: nothing acknowledged may be lost across either restart. The disk is
     # large (no evictions: a subprocess's are not observed). Every call kind, creates too.

@@ -283,3 +283,37 @@ def test_an_empty_catalog_has_nothing_to_freeze() -> None:
     with cat.lock:
         assert cat.freeze_idle(10) == 0
         assert cat.rows is not None and len(cat.rows) == 0
+
+
+def test_memory_only_rows_are_flushed_at_stop_without_a_thaw_of_the_rest(tmp_path: Path) -> None:
+    """Without dirty bounds a memory-only block has no dirty clock and becomes a row like
+    any other: the flush (and the stop's flush) must find it among the rows, read in
+    place, and write it; the blocks already on disk stay rows."""
+    cfg = make_config(tmp_path, **{"tiers.host.slot_size": "64KiB", "policy.max_dirty_s": 0,
+                                   "policy.max_dirty_bytes": 0, "policy.max_dirty_sequences": 0})
+    d = Daemon(cfg).start()
+    try:
+        eng = d.engine
+        assert eng is not None
+        with Client(d.address) as c:
+            c.park_batch({f"old{i}": [blk(i)] for i in range(50)})
+            assert c.flush() == 50
+            c.park_batch({f"new{i}": [blk(i + 1)] for i in range(70)})
+            _freeze_all(eng, 120)
+            with eng.catalog.lock:
+                todo = eng.catalog.memory_only()
+                assert sorted(s.seq_id for s in todo) == sorted(f"new{i}" for i in range(70))
+                del todo
+            assert _rows(eng) == 50  # only the memory-only ones were thawed
+    finally:
+        d.stop(5.0)  # the stop's flush writes the 70
+    d = Daemon(cfg).start()
+    try:
+        with Client(d.address) as c:
+            for i in (0, 69):
+                assert torch.equal(c.restore(f"new{i}")[0], blk(i + 1))
+            assert torch.equal(c.restore("old3")[0], blk(3))
+        assert d.engine is not None
+        d.engine.check_invariants()
+    finally:
+        d.stop(0.5)
