@@ -113,7 +113,7 @@ class Catalog:
         self.rows: Rows | None = (Rows({n: t.alloc.slot_size for n, t in tiers.items()})
                                   if self.order.keyed else None)
         self._hot: deque[str] = deque()  # ids that may hold a ``Seq`` the freeze pass could make a row
-        self.order.bind(self._entry_of, self.get)
+        self.order.bind(self._entry_of, self.get, self._peek)
         self._refcount: dict[str, int] = {}  # shared block id -> sequences using it (and commits pinning it)
         self._orphans: list[Seq] = []  # retired shared blocks whose disk copies still need deleting
         # The indexed sequences ``expired`` looks at (a TTL, or a shared block): the
@@ -196,6 +196,21 @@ class Catalog:
         return out + [self.get(sid) for sid in cold]
 
     # ------------------------------------------------------------------ rows (REQUIRES: lock)
+
+    def _peek(self, seq_id: str) -> Seq | None:
+        """The indexed version to read, a row as a detached copy (``Rows.view``): for
+        what only reads (a listing, a victim's eligibility) and must not make a row a
+        ``Seq`` again, nor hold, index or compare the copy by identity."""
+        v = self._seqs.get(seq_id)
+        if v.__class__ is int:
+            return self.rows.view(v, seq_id)  # type: ignore[union-attr,arg-type]
+        return v  # type: ignore[return-value]
+
+    def freeze_queued(self) -> int:
+        """Ids queued for the freeze pass (those write-back cleaned taken in first): a
+        pass looks at each at most once. REQUIRES: lock."""
+        self._hot.extend(self.dirty.take_cleaned())
+        return len(self._hot)
 
     def _thaw(self, seq_id: str, row: int) -> Seq:
         assert self.rows is not None
@@ -580,7 +595,7 @@ class Catalog:
     # ------------------------------------------------------------------ views (REQUIRES: lock)
 
     def info(self, seq: Seq) -> SeqInfo:
-        comps = [c for c in map(self.find, seq.refs) if c is not None] + [seq]
+        comps = [c for c in map(self._peek, seq.refs) if c is not None] + [seq]
         return self.info_of([seq], comps)
 
     def info_of(self, tops: list[Seq], comps: list[Seq]) -> SeqInfo:
@@ -608,7 +623,8 @@ class Catalog:
         )
 
     def infos(self) -> list[SeqInfo]:
-        return [self.info(s) for s in sorted(self.sequences(), key=lambda s: s.seq_id)]
+        # Rows are read as detached copies: a listing makes no row a ``Seq`` again.
+        return [self.info(self._peek(sid)) for sid in sorted(self._seqs)]  # type: ignore[arg-type]
 
     def tier_stats(self, disk_capacity: int, disk_used: int, evictions: dict[str, int] | None = None,
                    slot_size: int = 1) -> dict[str, TierStat]:

@@ -21,8 +21,9 @@ REQUIRES: the index lock (``Catalog.lock``) for everything.
 
 Primitives:
 - ``EvictionOrder(policy, tiers)``; ``keyed``: a key-ordered policy; ``bind(entry_of,
-  resolve)``: the index's answers, ``entry_of(seq_id, tier)`` (the current entry of the
-  id's version in ``tier``, without its id, or None) and ``resolve(seq_id)`` (its ``Seq``).
+  resolve, peek)``: the index's answers, ``entry_of(seq_id, tier)`` (the current entry of
+  the id's version in ``tier``, or None), ``resolve(seq_id)`` (its ``Seq``) and
+  ``peek(seq_id)`` (a copy to check a victim's eligibility on, without a thaw).
 - ``track(seq, tier=None)``: ``seq`` gained a copy in ``tier`` (promoted, written to
   disk), or (no tier: published, or read, so its key changed) in every tier it is in.
 - ``forget(seq)``: ``seq`` left the index.
@@ -79,9 +80,11 @@ class EvictionOrder:
         self._built = set(tiers)  # the disk's order is built on first use (see the module docstring)
         self._entry_of: Callable[[str, str], tuple | None] = lambda sid, t: None
         self._resolve: Callable[[str], Seq] = lambda sid: None  # type: ignore[assignment,return-value]
+        self._peek: Callable[[str], Seq | None] = lambda sid: None
 
-    def bind(self, entry_of: Callable[[str, str], tuple | None], resolve: Callable[[str], Seq]) -> None:
-        self._entry_of, self._resolve = entry_of, resolve
+    def bind(self, entry_of: Callable[[str, str], tuple | None], resolve: Callable[[str], Seq],
+             peek: Callable[[str], Seq | None]) -> None:
+        self._entry_of, self._resolve, self._peek = entry_of, resolve, peek
 
     def entry_of_meta(self, m: policy.SeqMeta) -> tuple:
         """A heap entry: the policy's key of ``m``, ending with the id (the built-in
@@ -136,8 +139,14 @@ class EvictionOrder:
                 continue  # re-keyed since (a touch), gone from the tier, or a twin entry
             seen.add(sid)
             back.append(entry)
+            # Eligibility first on what the index has (a row is read as a detached copy):
+            # a tier of pinned rows is not made ``Seq`` records by every plan. The record
+            # handed out is the indexed one, checked again.
+            first = self._peek(sid)
+            if first is None or not ok(first):
+                continue
             seq = self._resolve(sid)
-            if ok(seq):
+            if seq is first or ok(seq):
                 out.append(seq)
                 got += size_in(seq, tier)
         for entry in back:  # victims stay until they are actually moved

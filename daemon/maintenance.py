@@ -98,18 +98,23 @@ def maintain(engine: "Engine") -> None:
 
 def freeze_idle(engine: "Engine", budget: int = FREEZE_PER_PASS) -> int:
     """Turn the ``Seq`` records nobody uses back into rows (``Catalog.freeze_idle``), a
-    batch per hold of the index lock, up to ``budget`` per pass; returns how many it
-    looked at."""
+    batch per hold of the index lock, each queued id at most once and at most ``budget``
+    per pass; returns how many it looked at."""
     cat = engine.catalog
+    with cat.lock:
+        # Each queued id at most once: what cannot be frozen yet goes back to the end of
+        # the queue, and a pass that came round to it again would spin on it.
+        budget = min(budget, cat.freeze_queued())
     looked = 0
     while looked < budget:
+        want = min(FREEZE_BATCH, budget - looked)
         with cat.lock:
             if engine.closed:
                 break
-            n = cat.freeze_idle(FREEZE_BATCH)
+            n = cat.freeze_idle(want)
         looked += n
-        if n < FREEZE_BATCH:
-            break
+        if n < want:
+            break  # the queue ran out
     return looked
 
 

@@ -21,6 +21,7 @@ Primitives:
 - ``Rows(slot_sizes)``: ``slot_sizes`` maps each memory tier to its allocator's slot size.
 - ``freeze(seq) -> int | None``: the row now holding ``seq``'s state, or None.
 - ``thaw(row, seq_id) -> Seq``: a ``Seq`` equal to the one frozen; the row is freed.
+  ``view(row, seq_id)``: the same, the row kept (a detached copy, to read only).
 - ``add(manifest, on_disk, on_remote) -> int``: a row for a sequence with no memory
   copy (a start-up's index rebuild makes no ``Seq`` at all).
 - Reads without a thaw: ``id_of``, ``gen``, ``form``, ``on_disk``, ``on_remote``, ``has(row, tier)``,
@@ -136,13 +137,19 @@ class Rows:
         t = _CODE_TIER[code]
         return t, Allocation.packed(self._slot_size[t], self._big.get(row, ()), self._tail[row])
 
-    def thaw(self, row: int, seq_id: str) -> Seq:
+    def view(self, row: int, seq_id: str) -> Seq:
+        """A ``Seq`` equal to the row's, the row kept: a detached copy to read (a listing,
+        a victim's eligibility), never to index, hold or compare by identity."""
         state = self._state[row]
         held = self.alloc(row)
         seq = Seq(self._manifest(row, seq_id), TierMap({held[0]: held[1]}) if held else None,
                   on_disk=bool(state & _ON_DISK), on_remote=bool(state & _ON_REMOTE))
         seq.access_count = self._access[row]
         seq.promotions = self._promotions[row]
+        return seq
+
+    def thaw(self, row: int, seq_id: str) -> Seq:
+        seq = self.view(row, seq_id)
         self.free(row)
         return seq
 

@@ -317,3 +317,53 @@ def test_memory_only_rows_are_flushed_at_stop_without_a_thaw_of_the_rest(tmp_pat
         d.engine.check_invariants()
     finally:
         d.stop(0.5)
+
+
+def test_a_freeze_pass_looks_at_each_held_record_once(daemon: Callable[..., Daemon]) -> None:
+    """Records that cannot be frozen yet go back to the end of the queue: a pass must not
+    come round to them again (with 2,000 held it looked at 262,144 ids per pass, every
+    pass, and an idle daemon burned half a core)."""
+    d = daemon(**{"tiers.host.slot_size": "64KiB"})
+    eng = d.engine
+    assert eng is not None
+    cat = eng.catalog
+    with Client(d.address) as c:
+        c.park_batch({f"b{i}": [blk(i)] for i in range(2100)})
+        c.flush()
+        _freeze_all(eng, 2100)
+        with cat.lock:
+            held = [cat.get(f"b{i}") for i in range(2000)]  # 2,000 records someone holds
+        assert maintenance.freeze_idle(eng) == 2000  # each looked at once, none frozen
+        assert maintenance.freeze_idle(eng) == 2000  # and again next pass: still held
+        assert _rows(eng) == 100
+        del held
+        gc.collect()
+        _freeze_all(eng, 2100)
+        assert maintenance.freeze_idle(eng) == 0  # nothing left to look at
+
+
+def test_listing_and_planning_read_rows_without_making_them_records(daemon: Callable[..., Daemon]) -> None:
+    """``list`` and a demotion plan over a tier of pinned rows read the rows in place: no
+    row becomes a ``Seq`` (and no freeze pass has to undo it on every plan)."""
+    d = daemon(**{"tiers.host.slot_size": "64KiB", "tiers.host.capacity": "2MiB"})
+    eng = d.engine
+    assert eng is not None
+    with Client(d.address) as c:
+        for i in range(20):
+            c.park(f"p{i}", [blk(i, 40_000)], pinned=True)
+        c.flush()
+        _freeze_all(eng, 20)
+        listed = c.list()
+        assert sorted(s.seq_id for s in listed) == sorted(f"p{i}" for i in range(20))
+        assert all(s.pinned and s.tier == "host" for s in listed)
+        assert _rows(eng) == 20
+        with eng.catalog.lock:
+            assert eng.catalog.demotion_plan("host") == []  # pinned: never demoted below its tier
+        assert _rows(eng) == 20
+        c.pin("p3", pinned=False)
+        with eng.catalog.lock:
+            plan = eng.catalog.demotion_plan("host")
+            assert [s.seq_id for s in plan] == ["p3"]  # the one eligible row is made a record
+            assert eng.catalog.current(plan[0])
+            del plan
+        eng.check_invariants()
