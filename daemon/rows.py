@@ -89,9 +89,23 @@ class Rows:
     def add(self, m: Manifest, on_disk: bool, on_remote: bool = False) -> int | None:
         if not 0 <= m.gen < _I63 or m.__class__ is not Manifest or m.expires_at is not None:
             return None
-        row = self._take()
-        self._put(row, m, (_ON_DISK if on_disk else 0) | (_ON_REMOTE if on_remote else 0))
-        self._access[row] = self._promotions[row] = self._tail[row] = 0
+        state = (_ON_DISK if on_disk else 0) | (_ON_REMOTE if on_remote else 0)
+        if self._free:
+            row = self._free.pop()
+            self._put(row, m, state)
+            self._access[row] = self._promotions[row] = self._tail[row] = 0
+            return row
+        # Appended in place (a restart adds a million rows and frees none).
+        row = len(self._form)
+        self._gen.append(m.gen)
+        self._created.append(m.created_at)
+        self._last.append(m.last_access)
+        self._access.append(0)
+        self._promotions.append(0)
+        self._tail.append(0)
+        self._form.append(m.form)
+        self._ids.append(m.seq_id)
+        self._state.append(state)
         return row
 
     def freeze(self, seq: Seq) -> int | None:
