@@ -119,6 +119,18 @@ def _freeze_all(eng: Engine, expect: int) -> None:
     assert wait_until(settled, timeout=20), f"{_rows(eng)} rows, not {expect}"
 
 
+def _clean_blocks(daemon: Callable[..., Daemon], n: int) -> tuple[Daemon, Engine]:
+    """A daemon with blocks ``b0``..``b{n-1}`` parked and written to disk (clean: each
+    may become a row)."""
+    d = daemon(**{"tiers.host.slot_size": "64KiB"})
+    eng = d.engine
+    assert eng is not None
+    with Client(d.address) as c:
+        c.park_batch({f"b{i}": [blk(i)] for i in range(n)})
+        c.flush()
+    return d, eng
+
+
 def test_parked_blocks_become_rows_and_restore_exactly(daemon: Callable[..., Daemon]) -> None:
     d = daemon(**{"tiers.host.slot_size": "64KiB"})
     eng = d.engine
@@ -144,13 +156,9 @@ def test_a_held_seq_is_never_frozen_so_identity_checks_hold(daemon: Callable[...
     """The rule every lock gap relies on: a ``Seq`` anyone holds stays the one record of
     its version. A holder (here: this test, between two lock holds) keeps it from the
     freeze pass; ``current`` stays true, and the next lookup returns the same object."""
-    d = daemon(**{"tiers.host.slot_size": "64KiB"})
-    eng = d.engine
-    assert eng is not None
+    d, eng = _clean_blocks(daemon, 20)
     cat = eng.catalog
     with Client(d.address) as c:
-        c.park_batch({f"b{i}": [blk(i)] for i in range(20)})
-        c.flush()
         with cat.lock:
             held = cat.get("b3")
         _freeze_all(eng, 19)
@@ -216,13 +224,8 @@ def test_lookups_racing_the_freeze_pass_keep_one_record_per_version(daemon: Call
     """Threads look ids up, hold the record across a lock gap and check it is still
     current while the freeze pass runs flat out: a record someone holds is never turned
     into a row (which would make the next lookup a different object)."""
-    d = daemon(**{"tiers.host.slot_size": "64KiB"})
-    eng = d.engine
-    assert eng is not None
+    _, eng = _clean_blocks(daemon, 200)
     cat = eng.catalog
-    with Client(d.address) as c:
-        c.park_batch({f"b{i}": [blk(i)] for i in range(200)})
-        c.flush()
     stop = threading.Event()
     errors: list[str] = []
 
@@ -323,23 +326,18 @@ def test_a_freeze_pass_looks_at_each_held_record_once(daemon: Callable[..., Daem
     """Records that cannot be frozen yet go back to the end of the queue: a pass must not
     come round to them again (with 2,000 held it looked at 262,144 ids per pass, every
     pass, and an idle daemon burned half a core)."""
-    d = daemon(**{"tiers.host.slot_size": "64KiB"})
-    eng = d.engine
-    assert eng is not None
+    _, eng = _clean_blocks(daemon, 2100)
     cat = eng.catalog
-    with Client(d.address) as c:
-        c.park_batch({f"b{i}": [blk(i)] for i in range(2100)})
-        c.flush()
-        _freeze_all(eng, 2100)
-        with cat.lock:
-            held = [cat.get(f"b{i}") for i in range(2000)]  # 2,000 records someone holds
-        assert maintenance.freeze_idle(eng) == 2000  # each looked at once, none frozen
-        assert maintenance.freeze_idle(eng) == 2000  # and again next pass: still held
-        assert _rows(eng) == 100
-        del held
-        gc.collect()
-        _freeze_all(eng, 2100)
-        assert maintenance.freeze_idle(eng) == 0  # nothing left to look at
+    _freeze_all(eng, 2100)
+    with cat.lock:
+        held = [cat.get(f"b{i}") for i in range(2000)]  # 2,000 records someone holds
+    assert maintenance.freeze_idle(eng) == 2000  # each looked at once, none frozen
+    assert maintenance.freeze_idle(eng) == 2000  # and again next pass: still held
+    assert _rows(eng) == 100
+    del held
+    gc.collect()
+    _freeze_all(eng, 2100)
+    assert maintenance.freeze_idle(eng) == 0  # nothing left to look at
 
 
 def test_listing_and_planning_read_rows_without_making_them_records(daemon: Callable[..., Daemon]) -> None:
