@@ -13,8 +13,8 @@ Primitives:
   available: a free, a reader leaving, a copy ending) and ``version`` (bumped with each
   such notice, so a waiter sees what happened while it was not waiting); ``wake`` (the
   maintenance thread's condition).
-- Lookups (REQUIRES: lock): ``find``, ``get`` (``NotFound``), ``present``, ``sequences``,
-  ``memory_only``, ``refcount``. A sequence nobody uses is kept as a row of typed columns, not a ``Seq``
+- Lookups (REQUIRES: lock): ``find``, ``get`` (``NotFound``), ``present``, ``in_memory``,
+  ``sequences``, ``memory_only``, ``refcount``. A sequence nobody uses is kept as a row of typed columns, not a ``Seq``
   (``rows.py``): a lookup makes its ``Seq`` again, and ``freeze_idle(limit)`` (the
   maintenance pass) turns ``Seq`` records back into rows once nothing but the index
   holds them. Nothing outside the catalog sees a row: every ``Seq`` handed out stays
@@ -181,6 +181,21 @@ class Catalog:
         """Every indexed version, as ``Seq`` records (rows are thawed: not for a request's path)."""
         return [self.get(sid) for sid in list(self._seqs)]
 
+    def in_memory(self, seq_ids: list[str]) -> bool:
+        """Whether every id is indexed with a ready memory copy; rows are read in place
+        (a connector's lookup asks this of a whole prefix on every step)."""
+        rows = self.rows
+        for sid in seq_ids:
+            v = self._seqs.get(sid)
+            if v is None:
+                return False
+            if v.__class__ is int:
+                if rows.alloc(v) is None:  # type: ignore[union-attr,arg-type]
+                    return False
+            elif not v.res:  # type: ignore[union-attr]
+                return False
+        return True
+
     def memory_only(self) -> list[Seq]:
         """Every indexed version with a memory copy and no disk copy (a flush's work):
         rows are read in place, and only those are thawed."""
@@ -233,7 +248,7 @@ class Catalog:
             self.dirty.take_cleaned()
             return 0
         hot.extend(self.dirty.take_cleaned())
-        later: list[str] = []
+        later: dict[str, None] = {}  # an id queued twice (a thaw, then a clean) goes back once
         looked = 0
         while hot and looked < limit:
             sid = hot.popleft()
@@ -247,13 +262,13 @@ class Catalog:
                 continue  # memory-only: looked at again when write-back cleans it (``take_cleaned``)
             del v  # the count below must see the table's reference and its own only
             if _refs(seqs, sid) != _ALONE:
-                later.append(sid)
+                later[sid] = None
                 continue
             seq: Seq = seqs[sid]  # type: ignore[assignment]
             row = rows.freeze(seq)
             del seq  # a later id's count must not see this one
             if row is None:
-                later.append(sid)
+                later[sid] = None
             else:
                 seqs[sid] = row
         hot.extend(later)

@@ -554,8 +554,7 @@ class Engine:
     def in_memory(self, seq_ids: list[str]) -> bool:
         """Whether every id is parked with a ready memory copy (reading it takes no disk I/O)."""
         with self.catalog.lock:
-            return all(p for p in self.catalog.present(seq_ids)) and all(
-                self.catalog.get(sid).res for sid in seq_ids)
+            return self.catalog.in_memory(seq_ids)
 
     def info(self, seq_id: str) -> SeqInfo:
         validate_seq_id(seq_id)

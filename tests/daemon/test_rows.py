@@ -341,8 +341,9 @@ def test_a_freeze_pass_looks_at_each_held_record_once(daemon: Callable[..., Daem
 
 
 def test_listing_and_planning_read_rows_without_making_them_records(daemon: Callable[..., Daemon]) -> None:
-    """``list`` and a demotion plan over a tier of pinned rows read the rows in place: no
-    row becomes a ``Seq`` (and no freeze pass has to undo it on every plan)."""
+    """``list``, a prefix's in-memory check and a demotion plan over a tier of pinned rows
+    read the rows in place: no row becomes a ``Seq`` (and no freeze pass has to undo it
+    on every call)."""
     d = daemon(**{"tiers.host.slot_size": "64KiB", "tiers.host.capacity": "2MiB"})
     eng = d.engine
     assert eng is not None
@@ -354,6 +355,9 @@ def test_listing_and_planning_read_rows_without_making_them_records(daemon: Call
         listed = c.list()
         assert sorted(s.seq_id for s in listed) == sorted(f"p{i}" for i in range(20))
         assert all(s.pinned and s.tier == "host" for s in listed)
+        # A connector's lookup asks whether a whole prefix is in memory on every step.
+        assert eng.in_memory([f"p{i}" for i in range(20)])
+        assert not eng.in_memory(["p0", "nothing"])
         assert _rows(eng) == 20
         with eng.catalog.lock:
             assert eng.catalog.demotion_plan("host") == []  # pinned: never demoted below its tier
@@ -365,3 +369,15 @@ def test_listing_and_planning_read_rows_without_making_them_records(daemon: Call
             assert eng.catalog.current(plan[0])
             del plan
         eng.check_invariants()
+
+
+def test_a_disk_only_row_is_not_in_memory(daemon: Callable[..., Daemon]) -> None:
+    d, eng = _clean_blocks(daemon, 30)
+    with Client(d.address) as c:
+        assert eng.mover.demote("b7", "host")  # its disk copy stays: disk only now
+        _freeze_all(eng, 30)
+        assert {s.seq_id: s.tier for s in c.list()}["b7"] == "disk"
+        assert eng.in_memory(["b6", "b8"])
+        assert not eng.in_memory(["b6", "b7"])
+        assert _rows(eng) == 30  # read in place, nothing thawed
+        assert torch.equal(c.restore("b7")[0], blk(7))
