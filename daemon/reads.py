@@ -272,14 +272,16 @@ def adopt(engine: "Engine", seq_ids: list[str]) -> None:
         return
     for _ in range(3):
         with engine.catalog.lock:
-            missing = [sid for sid in dict.fromkeys(seq_ids) if engine.catalog.find(sid) is None]
+            # Presence only: an indexed row is not made a ``Seq`` to answer it.
+            ids = list(dict.fromkeys(seq_ids))
+            missing = [sid for sid, p in zip(ids, engine.catalog.present(ids)) if not p]
         if not missing:
             return
         epoch = remote.epoch
         found = [m for m in remote.manifests(missing) if m is not None]
         names = {m.seq_id for m in found}
         with engine.catalog.lock:
-            refs = [r for m in found for r in m.refs if r not in names and engine.catalog.find(r) is None]
+            refs = [r for m in found for r in m.refs if r not in names and not engine.catalog.present([r])[0]]
         if refs:
             found += [m for m in remote.manifests(list(dict.fromkeys(refs))) if m is not None]
         if not found:

@@ -5,6 +5,7 @@ nothing but the index holds them."""
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from kvpark.client import Client
-from kvpark.daemon import maintenance
+from kvpark.daemon import maintenance, reads
 from kvpark.daemon.catalog import Catalog
 from kvpark.daemon.engine import Engine
 from kvpark.daemon.model import Seq
@@ -25,6 +26,7 @@ from kvpark.tiers.arena import Allocation
 from kvpark.tiers.disk import Manifest
 
 from ..conftest import make_config, wait_until
+from ..redis_servers import RedisServer
 
 SLOT = 64 * 1024
 
@@ -381,3 +383,22 @@ def test_a_disk_only_row_is_not_in_memory(daemon: Callable[..., Daemon]) -> None
         assert not eng.in_memory(["b6", "b7"])
         assert _rows(eng) == 30  # read in place, nothing thawed
         assert torch.equal(c.restore("b7")[0], blk(7))
+
+
+def test_lookups_with_a_remote_tier_read_rows_in_place(daemon: Callable[..., Daemon],
+                                                        redis_server: RedisServer) -> None:
+    """With a remote tier a read first asks which of its ids are missing here, to adopt
+    them from Redis (``reads.adopt``): a presence check, which must not make the rows it
+    finds ``Seq``s again (a restore of a prefix stops at its first miss)."""
+    d = daemon(**{"tiers.host.slot_size": "64KiB", "tiers.remote.url": redis_server.url,
+                  "tiers.remote.namespace": f"rows{os.getpid()}", "tiers.remote.write": "write_through"})
+    eng = d.engine
+    assert eng is not None and eng.remote is not None
+    with Client(d.address) as c:
+        c.park_batch({f"b{i}": [blk(i)] for i in range(40)})
+        c.flush()
+        _freeze_all(eng, 40)
+        assert c.lookup([f"b{i}" for i in range(40)] + ["elsewhere"]) == 40
+        reads.adopt(eng, [f"b{i}" for i in range(40)] + ["elsewhere"])
+        assert _rows(eng) == 40
+        assert torch.equal(c.restore("b9")[0], blk(9))
