@@ -13,7 +13,7 @@ Primitives:
   available: a free, a reader leaving, a copy ending) and ``version`` (bumped with each
   such notice, so a waiter sees what happened while it was not waiting); ``wake`` (the
   maintenance thread's condition).
-- Lookups (REQUIRES: lock): ``find``, ``get`` (``NotFound``), ``present``, ``in_memory``,
+- Lookups (REQUIRES: lock): ``find``, ``get`` (``NotFound``), ``present``, ``in``, ``in_memory``,
   ``sequences``, ``memory_only``, ``refcount``. A sequence nobody uses is kept as a row of typed columns, not a ``Seq``
   (``rows.py``): a lookup makes its ``Seq`` again, and ``freeze_idle(limit)`` (the
   maintenance pass) turns ``Seq`` records back into rows once nothing but the index
@@ -64,11 +64,11 @@ from kvpark.proto.errors import AlreadyExists, FailedPrecondition, InvalidArgume
 from kvpark.proto.types import SeqInfo, TierStat
 from kvpark.tiers import policy
 from kvpark.tiers.arena import Allocation
-from kvpark.tiers.disk import Manifest
+from kvpark.tiers.disk import Manifest, block_count
 from kvpark.tiers.memory import MemTier
 
 from .dirty import Dirty
-from .evict_order import DISK, EvictionOrder, meta
+from .evict_order import DISK, EvictionOrder, has, meta
 from .model import MEM_TIERS, NS_SEP, Generations, Lease, ParkSpec, Seq, verified
 from .placement import Placement
 from .rows import Rows
@@ -176,6 +176,10 @@ class Catalog:
 
     def present(self, seq_ids: list[str]) -> list[bool]:
         return [sid in self._seqs for sid in seq_ids]
+
+    def __contains__(self, seq_id: str) -> bool:
+        """Whether ``seq_id`` is indexed (a row stays a row)."""
+        return seq_id in self._seqs
 
     def sequences(self) -> list[Seq]:
         """Every indexed version, as ``Seq`` records (rows are thawed: not for a request's path)."""
@@ -287,9 +291,7 @@ class Catalog:
                 return None
             return self.order.entry_of_meta(rows.meta(v, seq_id, tier))  # type: ignore[arg-type]
         seq: Seq = v  # type: ignore[assignment]
-        if seq.dropped or not (seq.on_disk if tier == DISK else tier in seq.res):
-            return None
-        return self.order.entry(seq, tier)
+        return self.order.entry(seq, tier) if has(seq, tier) else None
 
     def _tier_index(self, tier: str) -> list:
         """Every indexed copy in ``tier`` for building its eviction order: entries (keyed
@@ -429,7 +431,8 @@ class Catalog:
             self._space_add(seq)
         self.order.track(seq)
         self.dirty.track(seq, time.monotonic())
-        self._hot.append(seq.seq_id)
+        if self.rows is not None:
+            self._hot.append(seq.seq_id)
 
     def _space_add(self, seq: Seq) -> None:
         sid = seq.seq_id
@@ -656,14 +659,14 @@ class Catalog:
                 if rows.on_disk(v):  # type: ignore[union-attr,arg-type]
                     f = rows.form(v)  # type: ignore[union-attr,arg-type]
                     disk_n += 1
-                    disk_blocks += -(-f.nbytes // f.block_size) if f.block_size else 0
+                    disk_blocks += block_count(f.nbytes, f.block_size)
                 continue
             s: Seq = v  # type: ignore[assignment]
             for name in s.res:
                 by_tier[name].append(s.res[name])
             if s.on_disk:
                 disk_n += 1
-                disk_blocks += len(s.manifest.block_lengths)
+                disk_blocks += block_count(s.manifest.nbytes, s.manifest.block_size)
         for name, mem in self.tiers.items():
             held = by_tier[name]
             a = mem.alloc

@@ -301,7 +301,7 @@ class Engine:
                 with self.catalog.lock:
                     # A close while this waited for room takes the tiers away: say so, typed.
                     self.check_open()
-                    if not spec.overwrite and self.catalog.present([spec.seq_id])[0]:  # no thaw of a row
+                    if not spec.overwrite and spec.seq_id in self.catalog:  # no thaw of a row
                         raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
                     got = self._alloc_all(t, sizes)
                     if got is not None:

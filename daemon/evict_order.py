@@ -6,8 +6,8 @@ For a key-ordered policy (``policy.order_key``: ``lru``, ``lfu``, ``s3fifo``) ea
 deletion: an entry is live while its id's indexed version has a copy in that tier and
 its key now is the entry's key (a touch pushes a new entry; the old one, a colder key,
 comes out first and is discarded). No generation: an entry whose id was re-parked under
-the same key is a true entry of the new version, and twins are skipped as they surface. Nothing else is
-kept per sequence, and no ``Seq``: the index keeps sequences nobody uses as columns
+the same key is a true entry of the new version, and twins are skipped as they surface.
+Nothing else is kept per sequence, and no ``Seq``: the index keeps sequences nobody uses as columns
 (``rows.py``), and an entry must not keep one alive. The index answers for an id
 (``bind``): the current entry of its version, and its ``Seq`` for a victim. For any
 other policy (``arc``, registered ones) each tier keeps its member set of ``Seq``

@@ -72,15 +72,16 @@ class IdleWork:
 
     @property
     def closed(self) -> bool:
-        """Read without the lock by the work itself, to stop between its steps."""
+        """Whether ``close`` has been called (nothing queued runs after)."""
         return self._closed
 
     def add(self, fn: Callable[[], None], weight: int = 1) -> None:
         with self._cond:
             if self._closed:
                 return
-            self._queue.append((time.monotonic(), max(1, weight), fn))
-            self._weight += max(1, weight)
+            weight = max(1, weight)
+            self._queue.append((time.monotonic(), weight, fn))
+            self._weight += weight
             while self._weight > self._max and len(self._queue) > 1:
                 _, w, _ = self._queue.popleft()  # a promotion not made: the sequence stays on disk
                 self._weight -= w

@@ -281,7 +281,7 @@ def adopt(engine: "Engine", seq_ids: list[str]) -> None:
         found = [m for m in remote.manifests(missing) if m is not None]
         names = {m.seq_id for m in found}
         with engine.catalog.lock:
-            refs = [r for m in found for r in m.refs if r not in names and not engine.catalog.present([r])[0]]
+            refs = [r for m in found for r in m.refs if r not in names and r not in engine.catalog]
         if refs:
             found += [m for m in remote.manifests(list(dict.fromkeys(refs))) if m is not None]
         if not found:

@@ -112,7 +112,7 @@ class Windows:
                 f"tier ({self.disk.capacity} bytes)"
             )
         with self.catalog.lock:
-            if not spec.overwrite and self.catalog.present([spec.seq_id])[0]:
+            if not spec.overwrite and spec.seq_id in self.catalog:
                 raise AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
             # The generation its blocks are staged under (unique: no other version's
             # records share it); the version's own comes at commit.
@@ -260,7 +260,7 @@ class Windows:
             except BaseException as e:
                 refused = e
             else:
-                if not spec.overwrite and catalog.present([m.seq_id])[0]:
+                if not spec.overwrite and m.seq_id in catalog:
                     refused = AlreadyExists(f"sequence {spec.seq_id!r} is already parked (pass overwrite=True)")
                 else:
                     # As in ``commit.py``: the version replaced is deleted after the publish

@@ -35,8 +35,10 @@ Primitives:
   slows writes down or raises faults (the fault-injection seam). One daemon per directory:
   a second one is refused (a ``flock`` on ``kvpark.lock``).
 - The store owns its accounting: ``capacity``, ``used`` (payload bytes of the
-  generations it holds, kept in a ``Held``: one packed int per id) and ``holds(manifest)``. A write that would pass ``capacity``
+  generations it holds, kept in a ``Held``: one packed int per id) and
+  ``holds(manifest)``. A write that would pass ``capacity``
   raises ``ResourceExhausted`` before touching LMDB.
+- ``block_count(nbytes, block_size)``: how many block records a payload takes.
 - ``load_manifests() -> list[Manifest]`` (records that fail to parse are reported, not
   fatal); ``load_manifests_in(chunk)``: the same a chunk at a time.
 - ``write(manifest, blocks, replace=None, sync=False) -> bool``: ``blocks`` are memoryviews.
@@ -118,6 +120,11 @@ MAGIC = b"KVPB"
 FORMAT_VERSION = 1
 HEADER = struct.Struct("<4sBBHQQQ")  # magic, version, flags, reserved, fingerprint, length, checksum
 _KEY_TAIL = struct.Struct(">QI")
+
+
+def block_count(nbytes: int, block_size: int) -> int:
+    """Disk blocks of a payload of ``nbytes`` (``len(Manifest.block_lengths)``, without the list)."""
+    return -(-nbytes // block_size)
 
 
 def checksum(view: memoryview | bytes) -> int:
@@ -439,6 +446,7 @@ class ReadTxn:
 
 
 _SIZE_BITS = 48  # payload bytes below 256 TiB share one int with the generation (``Held``)
+_SIZE_MASK = (1 << _SIZE_BITS) - 1
 
 
 class Held:
@@ -460,7 +468,7 @@ class Held:
     def get(self, key: tuple[str, int], default: int | None = 0) -> int | None:
         v = self._one.get(key[0])
         if v is not None and v >> _SIZE_BITS == key[1]:
-            return v & ((1 << _SIZE_BITS) - 1)
+            return v & _SIZE_MASK
         return self._more.get(key, default)
 
     def __contains__(self, key: tuple[str, int]) -> bool:
@@ -481,7 +489,7 @@ class Held:
         v = self._one.get(key[0])
         if v is not None and v >> _SIZE_BITS == key[1]:
             del self._one[key[0]]
-            return v & ((1 << _SIZE_BITS) - 1)
+            return v & _SIZE_MASK
         return self._more.pop(key, default)
 
     def __iter__(self) -> Iterator[tuple[str, int]]:

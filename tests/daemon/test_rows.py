@@ -228,33 +228,37 @@ def test_lookups_racing_the_freeze_pass_keep_one_record_per_version(daemon: Call
     into a row (which would make the next lookup a different object)."""
     _, eng = _clean_blocks(daemon, 200)
     cat = eng.catalog
-    stop = threading.Event()
+    lookers_done = threading.Event()
     errors: list[str] = []
+    frozen = [0]
 
     def freezer() -> None:
-        while not stop.is_set():
+        while not lookers_done.is_set():
+            before = _rows(eng)
             maintenance.freeze_idle(eng)
+            frozen[0] += max(0, _rows(eng) - before)
 
     def looker(k: int) -> None:
-        n = 0
-        while not stop.is_set():
+        for n in range(1500):
             sid = f"b{(n * 7 + k) % 200}"
-            n += 1
             with cat.lock:
                 held = cat.get(sid)
-            time.sleep(0)  # the gap
+            time.sleep(0)  # not a wait: lets the freezer run inside the gap
             with cat.lock:
                 if not cat.current(held) or cat.find(sid) is not held:
                     errors.append(sid)
 
-    threads = [threading.Thread(target=freezer)] + [threading.Thread(target=looker, args=(k,)) for k in range(3)]
-    for t in threads:
+    lookers = [threading.Thread(target=looker, args=(k,)) for k in range(3)]
+    freezing = threading.Thread(target=freezer)
+    for t in [freezing, *lookers]:
         t.start()
-    time.sleep(1.5)
-    stop.set()
-    for t in threads:
-        t.join(30)
+    for t in lookers:
+        t.join(120)
+    lookers_done.set()
+    freezing.join(30)
+    assert not any(t.is_alive() for t in [freezing, *lookers])
     assert not errors, errors[:5]
+    assert frozen[0] > 0  # the freeze pass did run among the lookups
     eng.check_invariants()
 
 
